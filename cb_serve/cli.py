@@ -1,0 +1,97 @@
+"""``cb-serve`` command line: ``generate`` (offline) and ``bench`` (throughput benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cb_serve.config import EngineConfig
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling arguments")
+    g.add_argument(
+        "--max-tokens", type=int, default=64, help="Most tokens to generate per prompt (default: %(default)s)"
+    )
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy. (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default: %(default)s)")
+    g.add_argument(
+        "--top-k", type=int, default=-1, help="Sample among the k most likely tokens; -1 = off. (default: %(default)s)"
+    )
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="Drop tokens below min_p x the top probability. (default: %(default)s)"
+    )
+    g.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed. (default: %(default)s)")
+    g.add_argument("--n", type=int, default=1, help="Completions per prompt (default: %(default)s)")
+    g.add_argument("--stop", action="append", default=None, help="Stop string (repeatable). (default: %(default)s)")
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="Keep generating past the end-of-sequence token. (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cb-serve", description="Continuous-batching LLM engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="Generate completions offline.")
+    gen.add_argument("--prompt", action="append", required=True, help="A prompt (repeatable).")
+    gen.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    gen.add_argument("--json", action="store_true", help="Print one JSON object per completion.")
+    _sampling_args(gen)
+    EngineConfig.add_cli_args(gen)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cb_serve import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.sampling_seed,
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+        llm = LLM(**vars(EngineConfig.from_cli_args(args)))
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(args.prompt, outputs):
+        for c in out.outputs:
+            if args.json:
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "index": c.index,
+                            "text": c.text,
+                            "token_ids": c.token_ids,
+                            "finish_reason": c.finish_reason,
+                        }
+                    )
+                )
+            else:
+                print(f"--- {prompt!r} [{c.index}] ({c.finish_reason}, {len(c.token_ids)} tokens)\n{c.text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return cmd_generate(args)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

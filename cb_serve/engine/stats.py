@@ -1,0 +1,41 @@
+"""Engine statistics the serving layer exports (metrics, routing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepStats:
+    """One engine step: what it computed and how full the token budget was."""
+
+    num_seqs: int
+    num_decode_tokens: int  # tokens of sequences scheduled one token (decodes)
+    num_prefill_tokens: int  # tokens of prompt chunks / recomputation
+    num_scheduled_tokens: int
+    token_budget: int
+    num_preempted: int
+    duration_s: float
+
+    @property
+    def budget_fill(self) -> float:
+        return self.num_scheduled_tokens / self.token_budget
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int  # prompt tokens not yet computed, over waiting and running sequences
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+    prompt_tokens: int
+    generation_tokens: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total

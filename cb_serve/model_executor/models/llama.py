@@ -1,0 +1,176 @@
+"""Compact Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a ragged, paged batch.
+
+The math follows HF transformers' modeling code op for op (RMSNorm in float32, rotate-half
+RoPE, residual order) so float32 greedy outputs match ``model.generate`` token for token;
+the layout differs where it is faster: fused QKV and gate/up projections, flattened tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cb_serve.attention.base import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, config, backend: AttentionBackend, sliding_window: int | None, qkv_bias: bool, o_bias: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.backend = backend
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        if config.hidden_act != "silu":
+            raise ValueError(f"Unsupported activation {config.hidden_act!r} (only silu).")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, attention: Attention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos, sin, kv_cache, meta) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` takes flattened token ids and positions of a ragged batch and returns
+    hidden states; ``compute_logits`` runs the final norm and LM head on selected rows."""
+
+    def __init__(self, config, backend: AttentionBackend, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias, o_bias = self.attention_biases(config)
+        windows = sliding_windows(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, Attention(config, backend, windows[i], qkv_bias, o_bias))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope_cos", rope_cos, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        """Whether q/k/v and o projections have biases."""
+        bias = getattr(config, "attention_bias", False)
+        return bias, bias
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].unsqueeze(1).to(h.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy weights from an HF ``*ForCausalLM`` state dict, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+
+        def put(name: str, *sources: str) -> None:
+            own[name].copy_(torch.cat([state[s] for s in sources], dim=0))
+
+        put("embed_tokens.weight", "model.embed_tokens.weight")
+        put("norm.weight", "model.norm.weight")
+        if not getattr(self.config, "tie_word_embeddings", False):
+            put("lm_head.weight", "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            put(dst + "input_layernorm.weight", src + "input_layernorm.weight")
+            put(dst + "post_attention_layernorm.weight", src + "post_attention_layernorm.weight")
+            put(dst + "self_attn.qkv_proj.weight", *(attn + p + "_proj.weight" for p in "qkv"))
+            put(dst + "self_attn.o_proj.weight", attn + "o_proj.weight")
+            put(dst + "mlp.gate_up_proj.weight", src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
+            put(dst + "mlp.down_proj.weight", src + "mlp.down_proj.weight")
+            if layer.self_attn.qkv_proj.bias is not None:
+                put(dst + "self_attn.qkv_proj.bias", *(attn + p + "_proj.bias" for p in "qkv"))
+            if layer.self_attn.o_proj.bias is not None:
+                put(dst + "self_attn.o_proj.bias", attn + "o_proj.bias")
+            if layer.mlp.down_proj.bias is not None:
+                put(dst + "mlp.gate_up_proj.bias", src + "mlp.gate_proj.bias", src + "mlp.up_proj.bias")
+                put(dst + "mlp.down_proj.bias", src + "mlp.down_proj.bias")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on q/k/v (not on o_proj)."""
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return True, False
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Per-layer sliding window (``None``: full attention), as HF's modeling code applies it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window] * config.num_hidden_layers

@@ -1,0 +1,116 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cb_serve.engine.sequence import Sequence
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of the sequences that sample this step."""
+
+    temperature: torch.Tensor  # [N] float32; 0 = greedy
+    top_k: torch.Tensor  # [N] int64; <= 0 = off
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor  # [N] float32
+    generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]
+    banned: list[tuple[int, list[int]]]  # (row, token ids that may not be sampled yet: min_tokens)
+    all_greedy: bool
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        banned = []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if seq.num_output_tokens < p.min_tokens:
+                banned.append((row, sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else p.eos_token_ids))))
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            generators=[s.generator for s in seqs],
+            num_logprobs=[p.logprobs for p in params],
+            banned=banned,
+            all_greedy=all(p.greedy for p in params),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: top-k tokens and the sampled one
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """``logits``: float32 ``[N, vocab]`` (modified in place)."""
+        raw_logprobs = None
+        if any(k is not None for k in batch.num_logprobs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for row, token_ids in batch.banned:
+            logits[row, token_ids] = float("-inf")
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            sampled = greedy
+        else:
+            sampled = self._random(logits, batch)
+            sampled = torch.where(batch.temperature.to(logits.device) == 0, greedy, sampled)
+        token_ids = sampled.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, batch, token_ids))
+
+    @staticmethod
+    def _random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        device = logits.device
+        temperature = batch.temperature.to(device)
+        logits = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+        vocab = logits.shape[-1]
+        top_k = batch.top_k.to(device)
+        if bool((top_k > 0).any()):
+            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+            kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_p = batch.top_p.to(device)
+        if bool((top_p < 1).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p[:, None]  # keeps at least one
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        min_p = batch.min_p.to(device)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential race (Gumbel-max): argmax(p / q), q ~ Exp(1), drawn from each row's own
+        # generator when it has a seed, so a seeded request samples the same whatever its batch.
+        q = torch.empty_like(probs)
+        unseeded = [row for row, g in enumerate(batch.generators) if g is None]
+        if unseeded:
+            q[unseeded] = torch.empty((len(unseeded), vocab), device=device).exponential_()
+        for row, g in enumerate(batch.generators):
+            if g is not None:  # CPU generators: the same draws on every device
+                q[row] = torch.empty(vocab).exponential_(generator=g)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, batch: SamplingBatch, token_ids: list[int]) -> list[dict | None]:
+        if raw is None:
+            return [None] * len(token_ids)
+        k_max = max(k or 0 for k in batch.num_logprobs)
+        top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max else (None, None)
+        chosen = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])[:, 0].tolist()
+        out: list[dict | None] = []
+        for row, k in enumerate(batch.num_logprobs):
+            if k is None:
+                out.append(None)
+                continue
+            entry = dict(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())) if k else {}
+            entry[token_ids[row]] = chosen[row]
+            out.append(entry)
+        return out
