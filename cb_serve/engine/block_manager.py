@@ -46,6 +46,7 @@ class BlockManager:
         self.free_pool: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # chained hash -> block id
         self.block_hashes: dict[str, list[bytes]] = {}  # seq id -> hashes of its full blocks
+        self.num_registered: dict[str, int] = {}  # seq id -> leading blocks already registered
 
     @property
     def num_blocks(self) -> int:
@@ -91,13 +92,16 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        start = self.num_registered.get(seq.seq_id, 0)
+        hashes = self._hashes(seq, num_full)
         bs = self.block_size
-        for i, h in enumerate(self._hashes(seq, num_full)):
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.cached:
-                block.hash = h
+            if block.hash is None and hashes[i] not in self.cached:
+                block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                self.cached[h] = block.block_id
+                self.cached[hashes[i]] = block.block_id
+        self.num_registered[seq.seq_id] = max(start, num_full)
 
     # ---- allocation -----------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Iterable[int] = ()) -> bool:
@@ -148,6 +152,7 @@ class BlockManager:
                 if block.hash is None:
                     self.free_pool.move_to_end(block_id, last=False)
         seq.block_table = []
+        self.num_registered.pop(seq.seq_id, None)
 
     def forget(self, seq: Sequence) -> None:
         """Drop per-sequence hash state once a sequence is finished for good."""

@@ -121,9 +121,9 @@ class Scheduler:
             if not bm.allocate(seq, num_new, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self.counters.prefix_cache_queries += seq.num_tokens
+            self.counters.prefix_cache_hits += num_computed
             if seq.num_preemptions == 0:
-                self.counters.prefix_cache_queries += seq.num_tokens
-                self.counters.prefix_cache_hits += num_computed
                 seq.num_cached_tokens = num_computed
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
