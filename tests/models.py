@@ -8,8 +8,15 @@ from pathlib import Path
 import torch
 
 TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
 )
 
 
@@ -48,23 +55,33 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: list[int], stop_a
     padding), with the logits of every step for the top-2 tie rule."""
     from transformers import AutoModelForCausalLM
 
-    model = model_dir if not isinstance(model_dir, (str, Path)) else AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32)
+    model = (
+        model_dir
+        if not isinstance(model_dir, (str, Path))
+        else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    )
     model.eval()
     if not stop_at_eos:
         model.generation_config.eos_token_id = None
     results = []
     for ids, m in zip(prompts, max_tokens):
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=m, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        results.append((out.sequences[0, len(ids):].tolist(), torch.stack(out.logits)[:, 0]))
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=m,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+        results.append((out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits)[:, 0]))
     return results
 
 
-def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: torch.Tensor, context: str = "",
-                        tie_tolerance: float = 1e-3) -> bool:
+def assert_greedy_match(
+    ours: list[int], ref: list[int], ref_logits: torch.Tensor, context: str = "", tie_tolerance: float = 1e-3
+) -> bool:
     """Token-exact match, except: where the reference's top-2 logits are within rounding
     (``tie_tolerance``), a divergence is accepted if our token is the reference's
     second choice; the sequences then legitimately differ, so comparison stops there.
@@ -76,7 +93,8 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: torch.Tenso
         gap = float(top.values[0] - top.values[1])
         assert a in top.indices.tolist() and gap <= tie_tolerance, (
             f"{context}: token {t} differs (ours {a}, HF {b}); HF top-2 {top.indices.tolist()} "
-            f"with logit gap {gap:.2e} > tolerance {tie_tolerance}")
+            f"with logit gap {gap:.2e} > tolerance {tie_tolerance}"
+        )
         return False
     assert len(ours) == len(ref), f"{context}: {len(ours)} tokens, HF {len(ref)}"
     return True

@@ -83,7 +83,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []
         bs = self.block_size
-        for i, h in enumerate(self._hashes(seq, max_blocks)):
+        for i, h in enumerate(self._hashes(seq, max_blocks)[:max_blocks]):
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break

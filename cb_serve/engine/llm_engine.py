@@ -246,6 +246,7 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_blocks,
             num_preemptions=s.counters.num_preemptions,
+            num_partial_prefills=s.counters.num_partial_prefills,
             prefix_cache_queries=s.counters.prefix_cache_queries,
             prefix_cache_hits=s.counters.prefix_cache_hits,
             num_steps=self.num_steps,

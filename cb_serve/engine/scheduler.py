@@ -30,6 +30,7 @@ class SchedulerOutput:
 @dataclass
 class SchedulerCounters:
     num_preemptions: int = 0
+    num_partial_prefills: int = 0  # times a prompt got only a chunk of its remaining tokens
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
 
@@ -54,6 +55,11 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
     ) -> None:
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_model_len ({max_model_len}): a prompt (or a preempted sequence) is computed in one step."
+            )
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -74,7 +80,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -88,9 +93,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self.counters.num_partial_prefills += num_new < seq.num_uncomputed_tokens
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(num_new)
-                scheduled.add(id(seq))
                 budget -= num_new
                 i += 1
                 continue
@@ -118,6 +123,7 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
+                self.counters.num_partial_prefills += 1
             if not bm.allocate(seq, num_new, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

@@ -30,6 +30,7 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions: int
+    num_partial_prefills: int
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_steps: int

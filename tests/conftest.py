@@ -1,0 +1,68 @@
+"""Shared fixtures: the default model's tokenizer, random-weight model directories, and
+one engine on the real SmolLM2 (loading it costs ~20 s, so it is built once)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: never wait on the network
+
+from models import make_random_model  # noqa: E402
+
+# Engine settings that force chunked prefill (budget < longest prompt), preemption (few
+# blocks) and keep block-size edge cases (prompt lengths that are not multiples of 16).
+STRESS_ENGINE_ARGS = dict(
+    block_size=16, max_num_batched_tokens=64, num_gpu_blocks=40, max_model_len=400, max_num_seqs=8
+)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from cb_serve.model_executor.loader import default_model_source, load_tokenizer
+
+    return load_tokenizer(default_model_source())
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory, tokenizer):
+    made: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_random_model(tmp_path_factory.mktemp(arch), arch, tokenizer)
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(random_model_dir):
+    """A random-weight Llama engine with roomy settings, for API-level tests."""
+    from cb_serve import LLM
+
+    return LLM(str(random_model_dir("llama")), max_model_len=512, num_gpu_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def smol_llm():
+    """The real default model (SmolLM2-135M-Instruct), under the stress settings."""
+    from cb_serve import LLM
+
+    return LLM(**STRESS_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="session")
+def smol_hf():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cb_serve.model_executor.loader import default_model_source
+
+    src = default_model_source()
+    return AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)

@@ -1,0 +1,297 @@
+"""Property-based tests of the paged KV-cache block manager (no model).
+
+A hypothesis state machine drives one ``BlockManager`` the way the scheduler does: admit
+sequences (prefix-cache lookup, then ``allocate`` of a first chunk), compute further chunks,
+sample a token whenever a sequence has caught up, preempt (free but keep the hash state),
+re-admit, finish, reset the prefix cache. Prompts are a few shared prefixes plus random
+suffixes over a 3-token alphabet, so prefix-cache hits, evictions and ``allocate`` failures
+are all frequent.
+
+Next to the manager it keeps a model of the KV cache itself (which token each slot of each
+block holds, written when a chunk is computed), so it checks not just the bookkeeping but
+that a prefix hit hands out blocks that really hold the sequence's tokens, and that no
+block is written while it is shared or registered in the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.sequence import Sequence
+from cb_serve.sampling_params import SamplingParams
+
+ALPHABET = 3
+PARAMS = SamplingParams(max_tokens=None)
+
+tokens = st.lists(st.integers(0, ALPHABET - 1), max_size=14)
+
+
+def next_token(token_ids: list[int]) -> int:
+    """A deterministic "greedy model": equal token histories give equal next tokens, so
+    sequences with one prompt stay identical and keep hitting each other's cached blocks."""
+    return (token_ids[-1] * 2 + len(token_ids)) % ALPHABET
+
+
+def snapshot(bm: BlockManager, seq: Sequence) -> tuple:
+    """Everything ``allocate`` may change (order of the free pool included)."""
+    blocks = [(b.ref_count, b.hash, b.token_ids) for b in bm.blocks]
+    return (blocks, list(bm.free_pool), dict(bm.cached), list(seq.block_table), copy.deepcopy(bm.num_registered))
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm: BlockManager | None = None
+        self.live: dict[str, Sequence] = {}  # hold blocks
+        self.parked: dict[str, Sequence] = {}  # preempted or never admitted: no blocks, hash state kept
+        self.kv: list[list[int | None]] = []  # the KV cache: token held by each slot of each block
+        self.prefixes: list[list[int]] = []
+        self.next_id = 0
+
+    # ---- helpers ----------------------------------------------------------------------
+    @property
+    def manager(self) -> BlockManager:
+        assert self.bm is not None
+        return self.bm
+
+    def _pick(self, pool: dict[str, Sequence], pick: int) -> Sequence:
+        return pool[sorted(pool)[pick % len(pool)]]
+
+    def _compute(self, seq: Sequence, n: int) -> None:
+        """What a model step does with ``n`` scheduled tokens, then the engine's bookkeeping."""
+        bm = self.manager
+        bs = bm.block_size
+        assert len(seq.block_table) * bs >= seq.num_computed_tokens + n, "no room allocated for the chunk"
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            block = bm.blocks[seq.block_table[pos // bs]]
+            assert block.ref_count == 1, f"block {block.block_id} is written while shared"
+            assert block.hash is None, f"block {block.block_id} is written while registered in the cache"
+            self.kv[block.block_id][pos % bs] = seq.token_ids[pos]
+        seq.num_computed_tokens += n
+        bm.commit_computed(seq)
+        if seq.num_computed_tokens == seq.num_tokens:  # caught up: the engine always samples
+            seq.append_token(next_token(seq.token_ids), 0.0)
+
+    def _admit(self, seq: Sequence, chunk: int) -> None:
+        bm = self.manager
+        bs = bm.block_size
+        hit = bm.find_cached_prefix(seq)
+        assert len(hit) * bs < seq.num_tokens, "a prefix hit must leave the last token to compute"
+        assert len(set(hit)) == len(hit)
+        for i, block_id in enumerate(hit):
+            block = bm.blocks[block_id]
+            expected = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            assert block.hash is not None and bm.cached[block.hash] == block_id
+            assert block.token_ids == expected
+            assert tuple(self.kv[block_id]) == expected, f"block {block_id} is a hit but holds other KV"
+        num_computed = len(hit) * bs
+        num_new = 1 + chunk % (seq.num_tokens - num_computed)
+        before = snapshot(bm, seq)
+        num_cached_before = len(bm.cached)
+        uncached_free = sum(1 for b in bm.free_pool if bm.blocks[b].hash is None)
+        if not bm.allocate(seq, num_new, hit):
+            assert snapshot(bm, seq) == before, "a failed allocate changed state"
+            event("admission: allocate failed")
+            self.parked[seq.seq_id] = seq
+            return
+        if hit:
+            event("admission: prefix-cache hit")
+            if any(bm.blocks[b].ref_count > 1 for b in hit):
+                event("admission: hit on a block in use by another sequence")
+        assert seq.block_table[: len(hit)] == hit
+        assert len(seq.block_table) == bm.blocks_needed(num_computed + num_new)
+        num_taken = len(seq.block_table) - len(hit)
+        num_evicted = num_cached_before - len(bm.cached)
+        assert num_evicted == max(0, num_taken - uncached_free), "evicted a cached block while an uncached was free"
+        if num_evicted:
+            event("admission: evicted cached blocks")
+        seq.num_computed_tokens = num_computed
+        self.parked.pop(seq.seq_id, None)
+        self.live[seq.seq_id] = seq
+        self._compute(seq, num_new)
+
+    # ---- rules --------------------------------------------------------------------------
+    @initialize(
+        num_blocks=st.integers(1, 12),
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        prefixes=st.lists(tokens, min_size=1, max_size=3),
+    )
+    def setup(self, num_blocks: int, block_size: int, prefixes: list[list[int]]) -> None:
+        self.bm = BlockManager(num_blocks, block_size)
+        self.kv = [[None] * block_size for _ in range(num_blocks)]
+        self.prefixes = prefixes
+
+    @rule(prefix=st.integers(0, 2), suffix=tokens, chunk=st.integers(0, 50))
+    def admit_new(self, prefix: int, suffix: list[int], chunk: int) -> None:
+        prompt = self.prefixes[prefix % len(self.prefixes)] + suffix
+        if not prompt:
+            prompt = [0]
+        seq_id = f"s{self.next_id}"
+        self.next_id += 1
+        self._admit(Sequence(seq_id, seq_id, 0, prompt, PARAMS, max_tokens=1000), chunk)
+
+    @precondition(lambda self: self.parked)
+    @rule(pick=st.integers(0, 100), chunk=st.integers(0, 50))
+    def readmit(self, pick: int, chunk: int) -> None:
+        self._admit(self._pick(self.parked, pick), chunk)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 100), chunk=st.integers(0, 50))
+    def step(self, pick: int, chunk: int) -> None:
+        bm = self.manager
+        seq = self._pick(self.live, pick)
+        n = 1 + chunk % seq.num_uncomputed_tokens
+        old_len = len(seq.block_table)
+        before = snapshot(bm, seq)
+        if not bm.allocate(seq, n):
+            assert snapshot(bm, seq) == before, "a failed allocate changed state"
+            event("step: allocate failed")
+            return
+        assert len(seq.block_table) == max(old_len, bm.blocks_needed(seq.num_computed_tokens + n))
+        self._compute(seq, n)
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 100))
+    def preempt(self, pick: int) -> None:
+        seq = self.live.pop(self._pick(self.live, pick).seq_id)
+        self.manager.free(seq)
+        assert seq.block_table == []
+        seq.num_computed_tokens = 0
+        self.parked[seq.seq_id] = seq
+
+    @precondition(lambda self: self.live or self.parked)
+    @rule(pick=st.integers(0, 100))
+    def finish(self, pick: int) -> None:
+        pool = {**self.live, **self.parked}
+        seq = self._pick(pool, pick)
+        self.live.pop(seq.seq_id, None)
+        self.parked.pop(seq.seq_id, None)
+        self.manager.free(seq)
+        self.manager.forget(seq)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        bm = self.manager
+        bm.reset_prefix_cache()
+        assert all(bm.blocks[b].hash is None for b in bm.free_pool)
+        assert all(bm.blocks[b].ref_count > 0 for b in bm.cached.values())
+
+    # ---- invariants -----------------------------------------------------------------------
+    @invariant()
+    def consistent(self) -> None:
+        if self.bm is None:
+            return
+        bm = self.bm
+        bs = bm.block_size
+        bm.check_invariants([*self.live.values(), *self.parked.values()])
+        owners: dict[int, int] = {}
+        for seq in self.live.values():
+            assert len(set(seq.block_table)) == len(seq.block_table), f"a block twice in {seq}"
+            assert len(seq.block_table) * bs >= seq.num_computed_tokens
+            for block_id in seq.block_table:
+                owners[block_id] = owners.get(block_id, 0) + 1
+            for pos in range(seq.num_computed_tokens):  # the KV this sequence attends to is its own
+                assert self.kv[seq.block_table[pos // bs]][pos % bs] == seq.token_ids[pos], (seq, pos)
+        for seq in self.parked.values():
+            assert seq.block_table == [] and seq.num_computed_tokens == 0
+        for block_id, n in owners.items():
+            block = bm.blocks[block_id]
+            assert block.ref_count == n
+            if n > 1:
+                assert block.hash is not None, f"block {block_id} shared by {n} sequences but not a cached block"
+        for block in bm.blocks:
+            assert block.ref_count <= 1 or block.hash is not None
+        assert bm.num_used_blocks == len(owners)
+        assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
+        for h, block_id in bm.cached.items():
+            block = bm.blocks[block_id]
+            assert block.hash == h and len(block.token_ids) == bs
+            assert tuple(self.kv[block_id]) == block.token_ids, f"cached block {block_id} does not hold its tokens"
+        free_hashed = [bm.blocks[b].hash is not None for b in bm.free_pool]
+        assert free_hashed == sorted(free_hashed), "an uncached free block waits behind a cached one"
+
+    def teardown(self) -> None:
+        if self.bm is None:
+            return
+        bm = self.bm
+        for seq in [*self.live.values(), *self.parked.values()]:
+            bm.free(seq)
+            bm.forget(seq)
+        self.live.clear()
+        self.parked.clear()
+        bm.check_invariants([])
+        assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+        assert bm.block_hashes == {} and bm.num_registered == {}, "per-sequence state leaked"
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def make_seq(seq_id: str, prompt: list[int]) -> Sequence:
+    return Sequence(seq_id, seq_id, 0, prompt, PARAMS, max_tokens=1000)
+
+
+def test_prefix_hit_reuses_computed_blocks_and_survives_until_evicted() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq("a", [0, 1, 2, 0, 1])
+    assert bm.find_cached_prefix(a) == []
+    assert bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.commit_computed(a)
+    table = list(a.block_table)
+    bm.free(a)
+    bm.forget(a)
+    assert bm.num_used_blocks == 0 and len(bm.cached) == 2  # two full blocks stay cached while free
+
+    b = make_seq("b", [0, 1, 2, 0, 2, 2])
+    hit = bm.find_cached_prefix(b)
+    assert hit == table[:2]
+    assert bm.allocate(b, 2, hit)
+    assert b.block_table[:2] == hit and bm.num_used_blocks == 3
+    bm.check_invariants([b])
+
+    c = make_seq("c", [2, 2, 2, 2, 2, 2, 2])  # needs 4 blocks: only 1 is free
+    assert not bm.allocate(c, 7)
+    assert bm.allocate(c, 2)  # takes the uncached free block
+    assert len(bm.cached) == 2
+    bm.free(b)
+    bm.forget(b)
+    assert bm.allocate(c, 7)  # now the cached blocks must be evicted for c
+    assert bm.cached == {}
+    bm.free(c)
+    bm.forget(c)
+    assert bm.num_used_blocks == 0
+
+
+def test_prefix_caching_disabled_never_hits() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    a = make_seq("a", [0, 1, 2, 0, 1])
+    assert bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.commit_computed(a)
+    assert bm.cached == {}
+    bm.free(a)
+    assert bm.find_cached_prefix(make_seq("b", [0, 1, 2, 0, 1])) == []
+
+
+def test_prefix_hit_never_covers_the_whole_sequence() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq = make_seq("a", [1, 2, 3, 4])
+    assert bm.allocate(seq, 4)
+    seq.num_computed_tokens = 4  # caught up at a block boundary: both blocks registered
+    bm.commit_computed(seq)
+    bm.free(seq)  # e.g. preempted before its next token was appended
+    seq.num_computed_tokens = 0
+    hit = bm.find_cached_prefix(seq)
+    assert len(hit) * bm.block_size < seq.num_tokens  # fails: hit == [0, 1], 4 of 4 tokens

@@ -1,0 +1,50 @@
+"""``cb-serve generate``: every engine argument has a flag and help; bad input exits cleanly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+from cb_serve import EngineConfig
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cb_serve.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_every_engine_argument():
+    out = run_cli("generate", "--help")
+    assert out.returncode == 0
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in out.stdout, f.name
+
+
+def test_generate_with_a_model_directory(random_model_dir):
+    out = run_cli(
+        "generate",
+        "--model",
+        str(random_model_dir("llama")),
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "World",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
+        "--max-model-len",
+        "256",
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hello", "World"]
+    assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in rows)
+
+
+def test_bad_input_is_a_clean_error(random_model_dir):
+    out = run_cli("generate", "--model", str(random_model_dir("llama")), "--prompt", "x", "--top-p", "2")
+    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr and "Traceback" not in out.stderr
+    out = run_cli("generate", "--model", "/no/such/model", "--prompt", "x")
+    assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,198 @@
+"""Engine behaviour: batch invariance, seeded sampling, mixed steps without padding,
+sampling options, stop conditions, n > 1, logprobs, no leaked blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from cb_serve import LLM, RequestOutputKind, SamplingParams
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Paris is the capital of France, and Berlin is",
+    "1, 2, 3, 4,",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole",
+]
+
+
+def tokens(out) -> list[int]:
+    return out.outputs[0].token_ids
+
+
+def test_greedy_alone_equals_in_busy_batch(smol_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = smol_llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    busy_prompts = PROMPTS * 3
+    busy = smol_llm.generate(
+        busy_prompts, [SamplingParams(temperature=0.0, max_tokens=40)] * len(busy_prompts), use_tqdm=False
+    )
+    assert max(s.num_seqs for s in smol_llm.engine.step_history) > 1
+    in_batch = smol_llm.generate(busy_prompts[:4] + [PROMPTS[1]] + busy_prompts[4:], [params] * 19, use_tqdm=False)[4]
+    assert tokens(alone) == tokens(in_batch)
+    assert busy[1].outputs[0].text  # sanity: the busy batch produced text
+
+
+def test_seeded_sampling_is_reproducible(smol_llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True)
+    first = smol_llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0]
+    again = smol_llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0]
+    mates = [SamplingParams(temperature=1.0, max_tokens=30)] * 3
+    in_batch = smol_llm.generate(
+        [PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[4]], [mates[0], seeded, *mates[1:]], use_tqdm=False
+    )[1]
+    assert tokens(first) == tokens(again) == tokens(in_batch)
+    other_seed = smol_llm.generate([PROMPTS[0]], SamplingParams(**{**seeded.__dict__, "seed": 99}), use_tqdm=False)[0]
+    assert tokens(other_seed) != tokens(first)
+
+
+def test_step_mixes_decodes_and_prefill_chunk_without_padding(tiny_llm):
+    engine = tiny_llm.engine
+    seen = []
+    prepare = engine.runner.prepare
+
+    def spy(sched):
+        inp = prepare(sched)
+        seen.append((inp.input_ids.numel(), inp.positions.numel(), list(inp.meta.query_lens), inp.meta.num_decodes))
+        return inp
+
+    engine.runner.prepare = spy
+    try:
+        engine.add_request("short", list(range(100, 110)), SamplingParams(temperature=0, max_tokens=20))
+        engine.step()  # prefill of "short"; it now decodes
+        engine.add_request("long", list(range(200, 500)), SamplingParams(temperature=0, max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.runner.prepare = prepare
+    mixed = [s for s in engine.step_history if s.num_decode_tokens and s.num_prefill_tokens]
+    assert mixed, "no step mixed decode tokens and a prefill chunk"
+    for num_ids, num_pos, query_lens, num_decodes in seen:
+        assert num_ids == num_pos == sum(query_lens), "the batch is padded"
+        assert all(n == 1 for n in query_lens[:num_decodes]) and all(n > 1 for n in query_lens[num_decodes:])
+    assert any(nd and len(q) > nd for _, _, q, nd in seen)
+    for s in mixed:
+        assert s.num_scheduled_tokens == s.num_decode_tokens + s.num_prefill_tokens <= s.token_budget
+
+
+def test_n_parallel_samples_and_logprobs(tiny_llm):
+    out = tiny_llm.generate(
+        ["Hello there"],
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=4, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.token_ids) == len(c.logprobs) == 8
+        for tok, lp in zip(c.token_ids, c.logprobs):
+            assert tok in lp and len(lp) >= 4 and all(v <= 0 for v in lp.values())
+        assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+    greedy = tiny_llm.generate(
+        ["Hello there"], SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False
+    )[0].outputs[0]
+    for tok, lp in zip(greedy.token_ids, greedy.logprobs):
+        assert lp[tok] == max(lp.values())
+
+
+def test_top_k_one_is_greedy_and_min_tokens(tiny_llm):
+    greedy = tiny_llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[
+        0
+    ]
+    top1 = tiny_llm.generate(
+        ["abc"], SamplingParams(temperature=5.0, top_k=1, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert tokens(greedy) == tokens(top1)
+    first = tokens(greedy)[0]
+    out = tiny_llm.generate(
+        ["abc"], SamplingParams(temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=[first]), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.token_ids) >= 4 and first not in out.token_ids[:4]
+    stopped = tiny_llm.generate(
+        ["abc"], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[first]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason == first
+
+
+def test_stop_string_spanning_tokens(smol_llm):
+    tok = smol_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = smol_llm.generate([PROMPTS[5]], params, use_tqdm=False)[0].outputs[0]
+    # A stop string that starts inside one token and ends inside a later one.
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    k = next(i for i in range(3, len(pieces) - 2) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    start = len("".join(pieces[:k])) + 1
+    stop = full.text[start : start + len(pieces[k]) + 1]
+    out = smol_llm.generate([PROMPTS[5]], SamplingParams(**{**params.__dict__, "stop": [stop]}), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    kept = smol_llm.generate(
+        [PROMPTS[5]],
+        SamplingParams(**{**params.__dict__, "stop": [stop], "include_stop_str_in_output": True}),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_multibyte_text_streams_whole_characters(smol_llm):
+    from cb_serve.engine.detokenizer import IncrementalDetokenizer
+
+    tok = smol_llm.get_tokenizer()
+    text = "Emoji 🎉🚀 and 日本語のテキスト, accents: café naïve — ünïcödé ✓"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    pieces = []
+    for t in ids:
+        before = detok.text
+        detok.append(t)
+        pieces.append(detok.text[len(before) :])
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert any(p == "" for p in pieces), "some characters span several tokens"
+
+
+def test_finish_reasons_eos_and_length(smol_llm):
+    out = smol_llm.chat(
+        [{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None and out.text.strip()
+    assert "<|im_end|>" not in out.text
+    short = smol_llm.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+def test_delta_outputs_add_up(tiny_llm):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("d", "Streaming test", params)
+    text, ids = "", []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].text
+            ids += out.outputs[0].token_ids
+    final = tiny_llm.generate(
+        ["Streaming test"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    assert (text, ids) == (final.text, final.token_ids)
+
+
+def test_abort_frees_blocks(tiny_llm):
+    engine = tiny_llm.engine
+    engine.add_request("a", "x " * 100, SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.get_stats().kv_blocks_used > 0
+    engine.abort_request("a")
+    assert engine.get_stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
+
+
+def test_token_id_prompts_and_order(tiny_llm: LLM):
+    outs = tiny_llm.generate(
+        [[5, 6, 7], "text prompt", [9] * 40], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+    )
+    assert [o.prompt_token_ids[:3] for o in (outs[0], outs[2])] == [[5, 6, 7], [9, 9, 9]]
+    assert outs[1].prompt == "text prompt"
