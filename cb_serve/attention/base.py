@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ class AttentionMetadata:
     max_seqlen_k: int
     block_table: torch.Tensor  # int32 [B, max_blocks], padded with 0
     slot_mapping: torch.Tensor  # int64 [T]
+    backend_cache: dict = field(default_factory=dict)  # per-step plans a backend builds once, used by all layers
 
     @property
     def num_seqs(self) -> int:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 
 
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens stored in ``block_ids`` of one K or V cache, ``[length, H, D]``."""
-    return cache[block_ids].flatten(0, 1)[:length]
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Tokens of ``block_ids`` (``[..., n]``) of one K or V cache ``[num_blocks, block_size, H, D]``,
+    as ``[..., n * block_size, H, D]``. ``index_select`` over whole blocks is a row memcpy, several
+    times faster than advanced indexing."""
+    num_blocks, block_size, heads, head_dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, heads, head_dim)
 
 
 def causal_mask(query_len: int, key_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
@@ -24,9 +30,53 @@ def causal_mask(query_len: int, key_len: int, sliding_window: int | None, device
     return mask
 
 
+@dataclass
+class DecodeBucket:
+    """Decode rows ``start:end`` attend over ``num_blocks`` blocks each (their longest context);
+    built once per step, used by every layer."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # flat int64 [rows * num_blocks]
+    num_blocks: int
+    seq_lens: torch.Tensor  # [rows]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # sliding window -> [rows, 1, 1, S]
+
+    def mask(self, block_size: int, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window not in self.masks:
+            k_pos = torch.arange(self.num_blocks * block_size, device=self.seq_lens.device)[None, :]
+            lens = self.seq_lens[:, None]
+            mask = k_pos < lens
+            if sliding_window is not None:
+                mask &= k_pos >= lens - sliding_window
+            self.masks[sliding_window] = mask[:, None, None, :]
+        return self.masks[sliding_window]
+
+
+def decode_buckets(meta: AttentionMetadata, block_size: int, slack: float = 0.8) -> list[DecodeBucket]:
+    """Consecutive decode rows grouped while their context stays within ``slack`` of the
+    group's first (the model runner sorts decode rows longest first, so padding stays small)."""
+    if "torch_decode_buckets" in meta.backend_cache:
+        return meta.backend_cache["torch_decode_buckets"]
+    lens = meta.seq_lens[: meta.num_decodes]
+    bounds, start = [], 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or lens[i] < slack * lens[start]:
+            bounds.append((start, i))
+            start = i
+    buckets = []
+    for start, end in bounds:
+        num_blocks = -(-max(lens[start:end]) // block_size)
+        block_ids = meta.block_table[start:end, :num_blocks].reshape(-1).long()
+        buckets.append(DecodeBucket(start, end, block_ids, num_blocks, meta.seqused_k[start:end]))
+    meta.backend_cache["torch_decode_buckets"] = buckets
+    return buckets
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Decode rows (one query each) in one batched gather + matmul; prefill chunks one
-    sequence at a time through SDPA (straight from the new K/V when there is no context)."""
+    """Decode rows (one query each) in a few length buckets, each one block gather and one
+    masked SDPA; prefill chunks one sequence at a time through SDPA (straight from the new
+    K/V when there is no cached context)."""
 
     name = "torch"
 
@@ -35,18 +85,29 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window)
-        start = nd
-        for i in range(nd, meta.num_seqs):
+        block_size = kv_cache.shape[2]
+        for b in decode_buckets(meta, block_size) if meta.num_decodes else ():
+            n = b.end - b.start
+            ks = gather_blocks(kv_cache[0], b.block_ids).view(n, -1, *k.shape[1:]).transpose(1, 2)
+            vs = gather_blocks(kv_cache[1], b.block_ids).view(n, -1, *v.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[b.start : b.end].unsqueeze(2),
+                ks,
+                vs,
+                attn_mask=b.mask(block_size, sliding_window),
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[b.start : b.end] = o.squeeze(2)
+        start = meta.num_decodes
+        for i in range(meta.num_decodes, meta.num_seqs):
             q_len, k_len = meta.query_lens[i], meta.seq_lens[i]
             end = start + q_len
             if q_len == k_len:
                 ks, vs = k[start:end], v[start:end]
             else:
-                block_ids = meta.block_table[i, : -(-k_len // kv_cache.shape[2])]
-                ks, vs = gather_kv(kv_cache[0], block_ids, k_len), gather_kv(kv_cache[1], block_ids, k_len)
+                block_ids = meta.block_table[i, : -(-k_len // block_size)]
+                ks, vs = gather_blocks(kv_cache[0], block_ids)[:k_len], gather_blocks(kv_cache[1], block_ids)[:k_len]
             out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window)
             start = end
         return out
@@ -58,34 +119,13 @@ class TorchAttentionBackend(AttentionBackend):
             mask, is_causal = None, True
         else:
             mask, is_causal = causal_mask(q_len, k_len, sliding_window, q.device), False
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+        o = F.scaled_dot_product_attention(  # 4-D inputs: CPU SDPA takes its flash kernel only for those
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=is_causal,
             scale=scale,
             enable_gqa=True,
         )
-        return o.transpose(0, 1)
-
-    @staticmethod
-    def _decode(q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-        nd = q.shape[0]
-        num_heads, head_dim = q.shape[1:]
-        num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
-        max_len = max(meta.seq_lens[:nd])
-        block_ids = meta.block_table[:nd, : -(-max_len // block_size)]
-        k = kv_cache[0][block_ids].flatten(1, 2)  # [nd, S, Hkv, D]
-        v = kv_cache[1][block_ids].flatten(1, 2)
-        qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).mul_(scale)  # [nd, Hkv, G, S]
-        seq_lens = meta.seqused_k[:nd, None]
-        k_pos = torch.arange(k.shape[1], device=q.device)[None, :]
-        invalid = k_pos >= seq_lens
-        if sliding_window is not None:
-            invalid |= k_pos <= seq_lens - 1 - sliding_window
-        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v.transpose(1, 2))  # [nd, Hkv, G, D]
-        return out.reshape(nd, num_heads, head_dim)
+        return o[0].transpose(0, 1)

@@ -48,7 +48,11 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
-        rows = sorted(range(len(sched.seqs)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
+        # Decode rows first, longest context first (attention buckets them by length).
+        n_sched = sched.num_scheduled_tokens
+        rows = sorted(
+            range(len(sched.seqs)), key=lambda i: (n_sched[i] != 1, -(sched.seqs[i].num_computed_tokens + n_sched[i]))
+        )
         seqs = [sched.seqs[i] for i in rows]
         query_lens = [sched.num_scheduled_tokens[i] for i in rows]
         starts = [s.num_computed_tokens for s in seqs]

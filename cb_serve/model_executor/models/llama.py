@@ -51,12 +51,11 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
