@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine
-from cb_serve.engine.processor import PromptType
+from cb_serve.engine.processor import PromptType, apply_chat_template
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -65,13 +65,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not messages:
-            raise ValueError("messages is empty.")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("This model's tokenizer has no chat template.")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import EngineOverloadedError, LLMEngine
-from cb_serve.engine.processor import InputProcessor, ProcessedRequest, PromptType
+from cb_serve.engine.processor import InputProcessor, ProcessedRequest, PromptType, apply_chat_template
 from cb_serve.engine.stats import EngineStats
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import SamplingParams
@@ -84,6 +84,9 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id, None)

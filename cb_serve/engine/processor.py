@@ -64,3 +64,16 @@ class InputProcessor:
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are out of vocabulary.")
         return ProcessedRequest(text, token_ids, replace(params, eos_token_ids=self.eos_token_ids), max_tokens)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template."""
+    if not messages:
+        raise ValueError("messages is empty.")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("This model's tokenizer has no chat template.")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    except Exception as e:  # template errors (bad roles, order) are the caller's input
+        raise ValueError(f"The chat template rejected the messages: {e}") from e
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -1,0 +1,91 @@
+"""The Ray Serve deployment that owns one engine (one GPU where there are GPUs)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from cb_serve.config import EngineConfig
+from cb_serve.engine.async_llm import AsyncLLM
+from cb_serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]] | None) -> list[dict] | None:
+    """Per token: its text, its logprob and the top alternatives (text, logprob), best first."""
+    if entries is None:
+        return None
+    return [
+        {
+            "token": tokenizer.decode([tok]),
+            "logprob": entry[tok],
+            "top": [(tokenizer.decode([t]), lp) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])],
+        }
+        for tok, entry in zip(token_ids, entries)
+    ]
+
+
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=5, health_check_timeout_s=30)
+class EngineReplica:
+    """Streams plain-dict chunks (no tensors cross this boundary) and reports its load."""
+
+    def __init__(self, engine_args: dict[str, Any]) -> None:
+        self.engine = AsyncLLM(EngineConfig.from_kwargs(**engine_args))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """``payload``: request_id, params (SamplingParams), and prompt (str | token ids) or
+        messages (chat). Yields one dict per new piece of output, per completion index."""
+        params: SamplingParams = payload["params"]
+        if "messages" in payload:
+            prompt = self.engine.apply_chat_template(payload["messages"], payload.get("add_generation_prompt", True))
+        else:
+            prompt = payload["prompt"]
+        tokenizer = self.engine.tokenizer
+        async for out in self.engine.generate(prompt, params, payload["request_id"]):
+            for c in out.outputs:
+                yield {
+                    "index": c.index,
+                    "text": c.text,
+                    "num_tokens": len(c.token_ids),
+                    "logprobs": token_logprobs(tokenizer, c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "cached_tokens": out.num_cached_tokens,
+                    "replica": self.replica_id,
+                }
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load for the request router (see ``request_router.KVCacheAwareRouter``)."""
+        s = self.engine.get_stats()
+        return {
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_waiting_tokens": s.num_waiting_tokens,
+            "token_budget": self.engine.config.max_num_batched_tokens,
+            "max_num_seqs": self.engine.config.max_num_seqs,
+            "time": time.time(),
+        }
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine counters (tests, debugging)."""
+        s = self.engine.get_stats()
+        return {**s.__dict__, "kv_cache_usage": s.kv_cache_usage, "replica": self.replica_id,
+                "max_batch_seqs": max((st.num_seqs for st in self.engine.step_history), default=0)}  # fmt: skip
+
+    async def model_info(self) -> dict[str, Any]:
+        return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+
+    async def __del__(self) -> None:  # pragma: no cover - best effort at replica shutdown
+        await asyncio.to_thread(self.engine.shutdown)
