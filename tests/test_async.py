@@ -31,6 +31,17 @@ async def collect(engine: AsyncLLM, prompt, params, request_id):
     return text, ids, finish
 
 
+async def settled_stats(engine: AsyncLLM, timeout_s: float = 4.0):
+    """Engine stats once nothing runs and no KV block is in use (or after ``timeout_s``)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        stats = engine.get_stats()
+        if stats.num_running == 0 and stats.kv_blocks_used == 0:
+            break
+        await asyncio.sleep(0.02)
+    return engine.get_stats()
+
+
 def test_concurrent_streams_match_offline(async_llm, tiny_llm):
     prompts = [f"request number {i} says" for i in range(12)]
     lengths = [5 + 3 * i for i in range(12)]
@@ -62,12 +73,7 @@ def test_leaving_early_aborts_and_frees_blocks(async_llm):
             seen += 1
             if seen == 3:
                 break
-        for _ in range(200):
-            stats = async_llm.get_stats()
-            if stats.num_running == 0 and stats.kv_blocks_used == 0:
-                return stats
-            await asyncio.sleep(0.02)
-        return async_llm.get_stats()
+        return await settled_stats(async_llm)
 
     stats = asyncio.run(main())
     assert stats.num_running == 0 and stats.kv_blocks_used == 0
@@ -82,11 +88,7 @@ def test_cancelled_task_aborts(async_llm):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if async_llm.get_stats().kv_blocks_used == 0:
-                break
-            await asyncio.sleep(0.02)
-        return async_llm.get_stats()
+        return await settled_stats(async_llm)
 
     stats = asyncio.run(main())
     assert stats.num_running == 0 and stats.kv_blocks_used == 0
