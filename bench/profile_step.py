@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from throughput import Timer, Workload, engine_kwargs, log, make_workload, parse_args
+from throughput import Timer, Workload, engine_kwargs, log, make_workload, parse_args, write_json
 
 from cb_serve import LLM, SamplingParams
 from cb_serve.engine.detokenizer import IncrementalDetokenizer
@@ -305,10 +305,7 @@ def main() -> dict[str, Any]:
         "breakdown": table,
         "ops": ops,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        log(f"wrote {args.json}")
+    write_json(args.json, out)
     return out
 
 

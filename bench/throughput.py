@@ -649,11 +649,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         **summary,
         "errors": errors,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        log(f"wrote {args.json}")
+    write_json(args.json, out)
     return out
+
+
+def write_json(path: str | None, out: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+        log(f"wrote {path}")
 
 
 if __name__ == "__main__":
