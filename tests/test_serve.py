@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -90,3 +91,49 @@ def test_bad_requests_get_openai_errors(server, path, body, status):
     r = httpx.post(server + path, content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == status, r.text
     assert set(r.json()["error"]) >= {"message", "type", "code"}
+
+
+def stats(server) -> dict:
+    return httpx.get(f"{server}/stats", timeout=30).json()
+
+
+def test_concurrent_streams_are_batched(server):
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300, max_retries=0)
+    lengths = [8 + (i % 5) for i in range(32)]
+
+    async def one(i: int, n: int) -> int:
+        stream = await client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=f"Request {i}: count to ten.",
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+
+    assert asyncio.run(main()) == lengths
+    assert stats(server)["max_batch_seqs"] > 1
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 4:
+                break  # leave mid-stream: closing the connection must abort the engine request
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = stats(server)
+        if s["num_running"] == 0 and s["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.5)
+    assert s["num_running"] == 0 and s["kv_blocks_used"] == 0, s

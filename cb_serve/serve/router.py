@@ -157,6 +157,12 @@ class Router:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/stats")
+    async def stats(self, request: Request) -> dict[str, Any]:
+        """Engine counters of one replica (operators, tests): running/waiting, KV blocks, steps."""
+        await self._check(request, None)
+        return await self.engine.stats.remote()
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         await self._check(request, None)
