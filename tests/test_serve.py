@@ -18,6 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "http://127.0.0.1:8000"
+API_KEY = "test-key-123"  # the server runs with CB_SERVE_API_KEY set: every /v1 call needs it
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
@@ -25,7 +27,7 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def server():
     serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "CB_SERVE_API_KEY": API_KEY}
     proc = subprocess.Popen([serve_bin, "run", "deploy/config.yaml"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
@@ -33,7 +35,7 @@ def server():
         while time.monotonic() < deadline:
             assert proc.poll() is None, "serve run exited"
             try:
-                if httpx.get(f"{BASE}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{BASE}/v1/models", headers=AUTH, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -53,7 +55,7 @@ def server():
 def test_openai_client_matches_offline(server, smol_llm):
     from cb_serve import SamplingParams
 
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=120, max_retries=0)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=120, max_retries=0)
     model = client.models.list().data[0].id
     prompts = ["The capital of France is", "def add(a, b):"]
     offline = smol_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
@@ -72,33 +74,49 @@ def test_openai_client_matches_offline(server, smol_llm):
     assert chunks[-1].usage.completion_tokens == len(offline_chat.token_ids)
 
 
+HUGE = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+LONG_PROMPT = b'{"prompt": "' + b"hello " * 9000 + b'", "max_tokens": 1}'
+
+
 @pytest.mark.parametrize(
-    "path, body, status",
+    "path, body, status, headers",
     [
-        ("/v1/completions", b"{not json", 400),
-        ("/v1/completions", b'{"prompt": "x", "top_p": 2}', 400),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
-        ("/v1/completions", b'{"prompt": ""}', 400),
-        ("/v1/completions", b'{"prompt": "x", "model": "no-such-model"}', 404),
-        ("/v1/chat/completions", b'{"messages": []}', 400),
-        ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', 400),
-        ("/v1/completions", b'{"prompt": "x", "n": 0}', 400),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400),
-        ("/v1/nothing", b"{}", 404),
+        ("/v1/completions", b"{not json", 400, AUTH),
+        ("/v1/completions", b"[1, 2]", 400, AUTH),
+        ("/v1/completions", b'{"prompt": 123}', 400, AUTH),
+        ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', 400, AUTH),
+        ("/v1/completions", b'{"prompt": "x", "top_p": 2}', 400, AUTH),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400, AUTH),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, AUTH),
+        ("/v1/completions", b'{"prompt": ""}', 400, AUTH),
+        ("/v1/completions", b'{"prompt": "x", "n": 0}', 400, AUTH),
+        ("/v1/completions", b'{"prompt": "x", "stop": 5}', 400, AUTH),
+        ("/v1/completions", LONG_PROMPT, 400, AUTH),
+        ("/v1/completions", b'{"prompt": "x", "model": "no-such-model"}', 404, AUTH),
+        ("/v1/chat/completions", b'{"messages": []}', 400, AUTH),
+        ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, AUTH),
+        ("/v1/chat/completions", b'{"messages": "hello"}', 400, AUTH),
+        ("/v1/completions", HUGE, 413, AUTH),
+        ("/v1/completions", b'{"prompt": "x"}', 401, {}),
+        ("/v1/completions", b'{"prompt": "x"}', 401, {"authorization": "Bearer wrong"}),
+        ("/v1/nothing", b"{}", 404, AUTH),
     ],
 )
-def test_bad_requests_get_openai_errors(server, path, body, status):
-    r = httpx.post(server + path, content=body, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == status, r.text
+def test_bad_requests_get_openai_errors(server, path, body, status, headers):
+    r = httpx.post(server + path, content=body, headers={"content-type": "application/json", **headers}, timeout=60)
+    assert r.status_code == status, r.text[:500]
     assert set(r.json()["error"]) >= {"message", "type", "code"}
+    assert "Traceback" not in r.text
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH, timeout=60)
+    assert ok.status_code == 200, "a normal request must still succeed afterwards"
 
 
 def stats(server) -> dict:
-    return httpx.get(f"{server}/stats", timeout=30).json()
+    return httpx.get(f"{server}/stats", headers=AUTH, timeout=30).json()
 
 
 def test_concurrent_streams_are_batched(server):
-    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", timeout=300, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=300, max_retries=0)
     lengths = [8 + (i % 5) for i in range(32)]
 
     async def one(i: int, n: int) -> int:
@@ -125,7 +143,7 @@ def test_concurrent_streams_are_batched(server):
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
     body = {"prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200
         for i, _ in enumerate(r.iter_lines()):
             if i >= 4:
