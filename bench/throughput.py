@@ -474,6 +474,19 @@ def time_matmul(m: int, k: int, n: int, dtype: torch.dtype, min_reps: int = 7, m
     return statistics.median(times)
 
 
+def measure_copy_bandwidth(num_bytes: int = 256 << 20, reps: int = 7) -> float:
+    """GB/s (read + write) of a large tensor copy: what bounds decode steps, which stream all weights and KV."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * num_bytes / statistics.median(times) / 1e9
+
+
 def measure_roofline(hf_config, dtype: torch.dtype) -> dict[str, Any]:
     shapes = model_gemm_shapes(hf_config)
     extra = GemmShape("gate_or_up", hf_config.hidden_size, hf_config.intermediate_size, 0)
@@ -489,6 +502,7 @@ def measure_roofline(hf_config, dtype: torch.dtype) -> dict[str, Any]:
                 "median_s": seconds,
                 "gflop_s": flop / seconds / 1e9,
             }
+        copy_gb_s = measure_copy_bandwidth()
     flop_per_token = sum(s.flop_per_token for s in shapes)
     # The model's mix: time per token = sum over shapes of its FLOP / its rate.
     seconds_per_token = sum(s.flop_per_token / (per_shape[s.name]["gflop_s"] * 1e9) for s in shapes)
@@ -501,6 +515,7 @@ def measure_roofline(hf_config, dtype: torch.dtype) -> dict[str, Any]:
         "per_shape": per_shape,
         "model_mix_gflop_s": rate / 1e9,
         "roofline_tok_s": rate / flop_per_token,
+        "memory_copy_gb_s": copy_gb_s,
         "foreign_cpu_share": timer.foreign_cpu_share,
     }
 
@@ -526,6 +541,7 @@ def report(workload: Workload, roofline: dict[str, Any], results: dict[str, Syst
         log(f"    {name:13s} [{s['m']}, {s['k']}] x [{s['k']}, {s['n']}]: {s['gflop_s']:.1f} GFLOP/s")
     log(f"    FLOP/token (matmuls incl. LM head): {roofline['flop_per_token'] / 1e9:.4f} GFLOP")
     log(f"    model-mix GEMM rate: {roofline['model_mix_gflop_s']:.1f} GFLOP/s")
+    log(f"    memory bandwidth (256 MB tensor copy, read + write): {roofline['memory_copy_gb_s']:.1f} GB/s")
     log(f"    roofline: {roofline['roofline_tok_s']:.1f} processed tok/s")
     log(f"    workload roofline: {workload_roofline:.1f} generated tok/s ({processed} processed tokens)")
     log("")
