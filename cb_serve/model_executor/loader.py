@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,6 @@ import torch
 
 from cb_serve.attention.base import AttentionBackend
 from cb_serve.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-
-logger = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
