@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn"]
+
 
 def _arg(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
@@ -47,7 +49,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
     attention_backend: str = _arg(
-        "auto", "Attention backend: auto, torch, flash_attn.", choices=["auto", "torch", "flash_attn"]
+        "auto",
+        "Attention backend: auto (flash_attn on CUDA, cpu on CPU, else torch), cpu (C++ paged-decode kernel), "
+        "torch (pure PyTorch reference), flash_attn.",
+        choices=ATTENTION_BACKENDS,
     )
     seed: int = _arg(0, "Seed of the engine's default random generator (requests may bring their own).")
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's choice).")
@@ -75,7 +80,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs without chunked prefill.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"Unknown dtype {self.dtype!r}.")
-        if self.attention_backend not in ("auto", "torch", "flash_attn"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
 
     @classmethod

@@ -13,7 +13,7 @@ import pytest
 from conftest import STRESS_ENGINE_ARGS
 from models import assert_greedy_match, hf_greedy
 
-from cb_serve import LLM, SamplingParams
+from cb_serve import LLM, SamplingParams, cpu_ops
 
 PROMPT_LENGTHS = [1, 3, 17, 31, 48, 64, 77, 100, 129, 150, 181, 200, 233, 260, 287, 300]
 SHARED_PREFIX = 70  # tokens shared by several prompts: 4 full blocks of 16
@@ -60,10 +60,14 @@ def run_and_compare(
     check_engine_exercised(llm, prompts)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])  # the PyTorch reference and the C++ kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_random_models_match_hf(arch, random_model_dir):
+def test_random_models_match_hf(arch, backend, random_model_dir):
+    if backend == "cpu" and not cpu_ops.available():
+        pytest.skip("cb_serve CPU kernels did not build here (no C++ toolchain?)")
     model_dir = random_model_dir(arch)
-    llm = LLM(str(model_dir), **STRESS_ENGINE_ARGS)
+    llm = LLM(str(model_dir), attention_backend=backend, **STRESS_ENGINE_ARGS)
+    assert llm.engine.backend.name == backend
     prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=["llama", "qwen2", "mistral"].index(arch))
     run_and_compare(llm, model_dir, prompts, max_tokens, arch, stop_at_eos=False)
 

@@ -84,21 +84,10 @@ class TorchAttentionBackend(AttentionBackend):
         self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None = None
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
+        if meta.num_decodes:
+            self.decode(out, q, kv_cache, meta, scale, sliding_window)
         block_size = kv_cache.shape[2]
-        for b in decode_buckets(meta, block_size) if meta.num_decodes else ():
-            n = b.end - b.start
-            ks = gather_blocks(kv_cache[0], b.block_ids).view(n, -1, *k.shape[1:]).transpose(1, 2)
-            vs = gather_blocks(kv_cache[1], b.block_ids).view(n, -1, *v.shape[1:]).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[b.start : b.end].unsqueeze(2),
-                ks,
-                vs,
-                attn_mask=b.mask(block_size, sliding_window),
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[b.start : b.end] = o.squeeze(2)
         start = meta.num_decodes
         for i in range(meta.num_decodes, meta.num_seqs):
             q_len, k_len = meta.query_lens[i], meta.seq_lens[i]
@@ -111,6 +100,23 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window)
             start = end
         return out
+
+    def decode(self, out, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
+        """Attention of the ``meta.num_decodes`` one-token rows, written into ``out``."""
+        block_size = kv_cache.shape[2]
+        for b in decode_buckets(meta, block_size):
+            n = b.end - b.start
+            ks = gather_blocks(kv_cache[0], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2)
+            vs = gather_blocks(kv_cache[1], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[b.start : b.end].unsqueeze(2),
+                ks,
+                vs,
+                attn_mask=b.mask(block_size, sliding_window),
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[b.start : b.end] = o.squeeze(2)
 
     @staticmethod
     def _prefill(q, k, v, scale: float, sliding_window: int | None) -> torch.Tensor:

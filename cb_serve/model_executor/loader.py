@@ -121,6 +121,8 @@ def load_model(
     with torch.device(device):
         model = ARCHITECTURES[config.model_type](hf_model.config, backend, cos, sin).to(dtype)
     model.load_hf_state_dict(hf_model.state_dict())
+    if device.type == "cpu":
+        model.transpose_weight_storage()
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     del hf_model
     return model.eval().requires_grad_(False)

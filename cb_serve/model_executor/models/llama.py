@@ -2,7 +2,9 @@
 
 The math follows HF transformers' modeling code op for op (RMSNorm in float32, rotate-half
 RoPE, residual order) so float32 greedy outputs match ``model.generate`` token for token;
-the layout differs where it is faster: fused QKV and gate/up projections, flattened tokens.
+the layout differs where it is faster: fused QKV and gate/up projections, flattened tokens,
+and (with the ``cpu`` attention backend) fused C++ kernels for RMSNorm with the residual add,
+RoPE in place and SiLU-and-mul (``cb_serve.cpu_ops``), in the same op order.
 """
 
 from __future__ import annotations
@@ -11,16 +13,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cb_serve import cpu_ops
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """``norm(x)``, or with a residual ``(norm(residual + x), residual + x)`` (vLLM's fused form)."""
+
+    def __init__(self, hidden_size: int, eps: float, use_cpu_ops: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_cpu_ops = use_cpu_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return cpu_ops.rms_norm(x, self.weight, self.eps) if self.use_cpu_ops else self._norm(x)
+        if self.use_cpu_ops:
+            cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,15 +60,14 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
+        self.use_cpu_ops = use_cpu_ops(backend)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k heads at once
+        qk = rope.apply(qk)  # on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
@@ -61,8 +75,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, use_cpu_ops: bool = False) -> None:
         super().__init__()
+        self.use_cpu_ops = use_cpu_ops
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
@@ -71,21 +86,33 @@ class MLP(nn.Module):
             raise ValueError(f"Unsupported activation {config.hidden_act!r} (only silu).")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        x = self.gate_up_proj(x)
+        if self.use_cpu_ops:
+            return self.down_proj(cpu_ops.silu_and_mul(x))
+        gate, up = x.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Takes and returns ``(x, residual)``: the hidden state is ``residual + x``, and the add
+    happens inside the next norm (HF: ``h = h + attn(norm(h)); h = h + mlp(norm(h))``)."""
+
     def __init__(self, config, attention: Attention) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        fused = attention.use_cpu_ops
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.mlp = MLP(config, fused)
 
-    def forward(self, h: torch.Tensor, cos, sin, kv_cache, meta) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -102,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, Attention(config, backend, windows[i], qkv_bias, o_bias))
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_ops(backend))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
@@ -118,12 +145,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1).to(h.dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(h.dtype)
+        x, residual = self.embed_tokens(input_ids), None
+        rope = Rope(positions, self.rope_cos, self.rope_sin, x.dtype, self.layers[0].self_attn.use_cpu_ops)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return h
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
@@ -157,6 +183,16 @@ class LlamaForCausalLM(nn.Module):
                 put(dst + "mlp.gate_up_proj.bias", src + "mlp.gate_proj.bias", src + "mlp.up_proj.bias")
                 put(dst + "mlp.down_proj.bias", src + "mlp.down_proj.bias")
 
+    @torch.no_grad()
+    def transpose_weight_storage(self) -> None:
+        """Keeps each projection weight as an ``[out, in]`` parameter but stores it transposed,
+        so ``F.linear`` runs a plain (non-transposed) GEMM: on CPU, MKL then streams the weights
+        instead of repacking a transposed operand, ~10% faster at decode batch sizes."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                linear.weight.data = linear.weight.data.t().contiguous().t()
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on q/k/v (not on o_proj)."""
@@ -164,6 +200,30 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
         return True, False
+
+
+def use_cpu_ops(backend: AttentionBackend) -> bool:
+    """The fused C++ layer ops go with the C++ attention backend (``torch`` stays pure PyTorch)."""
+    return backend.name == "cpu"
+
+
+class Rope:
+    """Rotate-half RoPE for one step's ``positions``: in place by the C++ kernel (straight from
+    the float32 tables) or, in PyTorch, with the step's cos/sin rows gathered once for all layers."""
+
+    def __init__(self, positions, cos_table, sin_table, dtype: torch.dtype, use_cpu_ops: bool) -> None:
+        self.positions, self.use_cpu_ops = positions, use_cpu_ops
+        if use_cpu_ops:
+            self.cos, self.sin = cos_table, sin_table
+        else:
+            self.cos = cos_table[positions].unsqueeze(1).to(dtype)
+            self.sin = sin_table[positions].unsqueeze(1).to(dtype)
+
+    def apply(self, qk: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_ops:
+            cpu_ops.rotary_embedding(qk, self.positions, self.cos, self.sin)
+            return qk
+        return qk * self.cos + rotate_half(qk) * self.sin
 
 
 def sliding_windows(config) -> list[int | None]:

@@ -1,0 +1,26 @@
+"""The CPU backend: the PyTorch backend with decode rows through a C++ paged-attention kernel
+that reads K/V blocks in place instead of gathering them (``cb_serve/cpu_ops``)."""
+
+from __future__ import annotations
+
+from cb_serve import cpu_ops
+from cb_serve.attention.base import AttentionMetadata
+from cb_serve.attention.torch_backend import TorchAttentionBackend
+
+
+def is_available() -> bool:
+    return cpu_ops.available()
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    @staticmethod
+    def write_kv(k, v, kv_cache, slot_mapping) -> None:
+        cpu_ops.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+
+    def decode(self, out, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
+        n = meta.num_decodes
+        cpu_ops.paged_decode_attention(
+            out[:n], q[:n], kv_cache[0], kv_cache[1], meta.block_table[:n], meta.seqused_k[:n], scale, sliding_window
+        )

@@ -1,0 +1,98 @@
+"""C++ CPU kernels (``csrc/``), compiled on first use with torch's JIT extension builder and
+cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); ``available()``
+is False without a working C++ toolchain (or with ``CB_SERVE_CPU_OPS=0``), and callers then keep
+their PyTorch path. The ops are registered as ``torch.ops.cb_serve.*``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+# -fopenmp: at::parallel_for is a header template that runs serially without it (torch uses OpenMP).
+COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+EXTENSIONS = {
+    # Reassociated reductions and vectorized exp for the attention kernel.
+    "cb_serve_attention_ops": ("paged_attention.cpp", ["-ffast-math", "-fno-finite-math-only"]),
+    # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
+    "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
+}
+OPS = ("paged_decode_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+
+
+@functools.cache
+def available() -> bool:
+    """Builds (or loads the cached builds of) the kernels, once per process."""
+    if os.environ.get("CB_SERVE_CPU_OPS", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        for name, (source, flags) in EXTENSIONS.items():
+            load(
+                name=name,
+                sources=[str(CSRC / source)],
+                extra_cflags=COMMON_FLAGS + flags,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        return all(hasattr(torch.ops.cb_serve, op) for op in OPS)
+    except Exception as e:  # no compiler or ninja, unsupported platform
+        logger.warning("cb_serve CPU kernels unavailable (%s); using the PyTorch path.", e)
+        return False
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """``out[i]`` = softmax attention of the single query ``q[i]`` (``[N, H, D]``) over the first
+    ``seq_lens[i]`` tokens (the last ``sliding_window`` of them, if set) of sequence ``i``, whose
+    blocks ``block_table[i]`` live in ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, KVH, D]``)."""
+    torch.ops.cb_serve.paged_decode_attention(
+        out, q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window or 0
+    )
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``k_cache`` / ``v_cache`` slot ``slot_mapping[i]`` = ``k[i]`` / ``v[i]`` (``[T, KVH, D]``)."""
+    torch.ops.cb_serve.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.ops.cb_serve.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual)``."""
+    torch.ops.cb_serve.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place on ``qk`` (``[T, heads, D]``): ``x * cos + rotate_half(x) * sin`` at ``positions``."""
+    torch.ops.cb_serve.rotary_embedding(qk, positions, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]``."""
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    torch.ops.cb_serve.silu_and_mul(out, x)
+    return out

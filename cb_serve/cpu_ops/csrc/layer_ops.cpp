@@ -1,0 +1,139 @@
+// Fused per-token CPU ops of a decoder layer, in HF transformers' op order (float32 math):
+//   rms_norm            out = w * (x * rsqrt(mean(x^2) + eps))
+//   fused_add_rms_norm  residual += x; x = rms_norm(residual)
+//   rotary_embedding    in place on q and k heads: x * cos + rotate_half(x) * sin
+//   silu_and_mul        out = silu(x[:, :I]) * x[:, I:]
+// Each replaces 4-8 eager ops (and their temporaries) with one pass over the rows.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;  // below this many elements a call runs on one thread
+
+int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
+
+template <typename scalar_t>
+void normalize_row(scalar_t* out, const scalar_t* x, const scalar_t* w, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<scalar_t>(static_cast<float>(w[i]) *
+                                   static_cast<float>(static_cast<scalar_t>(static_cast<float>(x[i]) * inv)));
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [T, H] with contiguous rows");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  TORCH_CHECK(out.sizes() == x.sizes() && weight.is_contiguous() && weight.size(0) == x.size(1), "shapes");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "dtypes");
+  const int64_t n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        normalize_row(out.data_ptr<scalar_t>() + r * out.stride(0), x.data_ptr<scalar_t>() + r * x.stride(0),
+                      weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
+    });
+  });
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && weight.is_contiguous() && weight.size(0) == x.size(1), "shapes");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "dtypes");
+  const int64_t n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* xr = x.data_ptr<scalar_t>() + r * x.stride(0);
+        scalar_t* rr = residual.data_ptr<scalar_t>() + r * residual.stride(0);
+        for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<scalar_t>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        normalize_row(xr, rr, weight.data_ptr<scalar_t>(), n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// qk [T, heads, D] (the q and k heads of a fused qkv row; head rows contiguous), positions int64 [T],
+// cos / sin float32 [max_positions, D].
+void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "qk must be [T, heads, D] with contiguous head rows");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == qk.size(0),
+              "positions: int64 [T]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+                  sin.is_contiguous() && cos.size(1) == qk.size(2) && qk.size(2) % 2 == 0,
+              "cos / sin: float32 [max_positions, D]");
+  const int64_t heads = qk.size(1), dim = qk.size(2), half = dim / 2, max_pos = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary_embedding", [&] {
+    at::parallel_for(0, qk.size(0), grain(heads * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range of the RoPE table");
+        // HF casts the tables to the activation dtype before multiplying.
+        const float* c = cos.data_ptr<float>() + pos[t] * dim;
+        const float* s = sin.data_ptr<float>() + pos[t] * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* x = qk.data_ptr<scalar_t>() + t * qk.stride(0) + h * qk.stride(1);
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = x[i], x2 = x[i + half];
+            const float c1 = static_cast<scalar_t>(c[i]), c2 = static_cast<scalar_t>(c[i + half]);
+            const float s1 = static_cast<scalar_t>(s[i]), s2 = static_cast<scalar_t>(s[i + half]);
+            const float a = static_cast<scalar_t>(x1 * c1), b = static_cast<scalar_t>(-x2 * s1);
+            const float d = static_cast<scalar_t>(x2 * c2), e = static_cast<scalar_t>(x1 * s2);
+            x[i] = static_cast<scalar_t>(a + b);
+            x[i + half] = static_cast<scalar_t>(d + e);
+          }
+        }
+      }
+    });
+  });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_rows(out, "out");
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(0) == out.size(0) && x.size(1) == 2 * out.size(1) && x.scalar_type() == out.scalar_type(),
+              "x must be [T, 2I] and out [T, I] of one dtype");
+  const int64_t n = out.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = x.data_ptr<scalar_t>() + r * x.stride(0);
+        const scalar_t* up = gate + n;
+        scalar_t* o = out.data_ptr<scalar_t>() + r * out.stride(0);
+        for (int64_t i = 0; i < n; ++i) {
+          const float g = gate[i];
+          const float act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+          o[i] = static_cast<scalar_t>(act * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,155 @@
+// CPU kernels for the paged KV cache. paged_decode_attention: one query token per sequence, K
+// and V read in place from the block cache (no gather into padded tensors), every KV head of a
+// cached token read as one contiguous row; the semantics of TorchAttentionBackend's decode path.
+// write_kv: the new tokens' K/V into their cache slots (AttentionBackend.write_kv).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+void decode_sequence(
+    int64_t n, scalar_t* out, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+    const int32_t* block_table, const int32_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, int64_t q_stride_n, int64_t q_stride_h, int64_t block_stride,
+    int64_t table_stride, float scale, int64_t sliding_window) {
+  const int64_t len = seq_lens[n];
+  const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+  const int64_t span = len - start;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;
+  const int32_t* table = block_table + n * table_stride;
+
+  std::vector<float> query(num_heads * head_dim);
+  for (int64_t h = 0; h < num_heads; ++h)
+    for (int64_t d = 0; d < head_dim; ++d)
+      query[h * head_dim + d] = static_cast<float>(q[n * q_stride_n + h * q_stride_h + d]) * scale;
+
+  std::vector<float> scores(num_heads * span);  // [head][token]
+  for (int64_t t = start; t < len; ++t) {
+    const scalar_t* row = k_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const scalar_t* key = row + (h / group) * head_dim;
+      const float* qh = query.data() + h * head_dim;
+      float s = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(key[d]);
+      scores[h * span + (t - start)] = s;
+    }
+  }
+
+  std::vector<float> denom(num_heads);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* sh = scores.data() + h * span;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < span; ++i) m = std::max(m, sh[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < span; ++i) {
+      sh[i] = std::exp(sh[i] - m);
+      sum += sh[i];
+    }
+    denom[h] = sum;
+  }
+
+  std::vector<float> acc(num_heads * head_dim, 0.f);
+  for (int64_t t = start; t < len; ++t) {
+    const scalar_t* row = v_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const scalar_t* value = row + (h / group) * head_dim;
+      const float p = scores[h * span + (t - start)];
+      float* ah = acc.data() + h * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(value[d]);
+    }
+  }
+  scalar_t* o = out + n * num_heads * head_dim;
+  for (int64_t h = 0; h < num_heads; ++h)
+    for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] / denom[h]);
+}
+
+// out [N, H, D] contiguous; q [N, H, D] (head rows contiguous); k_cache / v_cache
+// [num_blocks, block_size, KVH, D] with contiguous blocks; block_table int32 [N, max_blocks];
+// seq_lens int32 [N] (>= 1). sliding_window <= 0: full attention.
+void paged_decode_attention(
+    at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, shaped like q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, D] with contiguous head rows");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "k_cache must be [num_blocks, block_size, KVH, D] with contiguous blocks");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(), "v_cache like k_cache");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "out, q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32 rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(seq_lens.size(0) == num_seqs && block_table.size(0) == num_seqs, "one row per sequence");
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
+    // Round-robin over sequences: the caller sorts them longest first, so threads get equal work.
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t tid = begin; tid < end; ++tid)
+        for (int64_t n = tid; n < num_seqs; n += threads)
+          decode_sequence<scalar_t>(n, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                    v_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
+                                    seq_lens.data_ptr<int32_t>(), num_heads, num_kv_heads, head_dim, block_size,
+                                    q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
+                                    static_cast<float>(scale), sliding_window);
+    });
+  });
+}
+
+// Copies row i of k and v ([T, KVH, D], head rows contiguous) to slot slot_mapping[i] of
+// k_cache / v_cache ([num_blocks, block_size, KVH, D], contiguous blocks).
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.dim() == 3 && v.stride(2) == 1, "k, v: [T, KVH, D] rows");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "shapes");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3) && v_cache.strides() == k_cache.strides(),
+              "caches must have contiguous blocks");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping: int64");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtypes");
+  const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2), block_size = k_cache.size(1);
+  const int64_t row = heads * head_dim, block_stride = k_cache.stride(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t offset = slots[i] / block_size * block_stride + slots[i] % block_size * row;
+        for (int64_t h = 0; h < heads; ++h) {
+          std::copy_n(kp + i * k.stride(0) + h * k.stride(1), head_dim, kc + offset + h * head_dim);
+          std::copy_n(vp + i * v.stride(0) + h * v.stride(1), head_dim, vc + offset + h * head_dim);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, float scale, int sliding_window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv", &write_kv);
+}

@@ -1,0 +1,131 @@
+"""The C++ CPU kernels (``cb_serve.cpu_ops``) against their PyTorch definitions: the paged
+decode attention and KV write against ``TorchAttentionBackend`` (the reference), the fused
+layer ops against HF's eager op sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cb_serve import cpu_ops
+from cb_serve.attention import CpuAttentionBackend, TorchAttentionBackend
+from cb_serve.attention.base import AttentionMetadata
+from cb_serve.model_executor.models.llama import rotate_half
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.available(), reason="cb_serve CPU kernels did not build here (no C++ toolchain?)"
+)
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen):
+    """Metadata for sequences with ``query_lens`` new tokens at the end of ``seq_lens``, whose
+    blocks are scattered over the cache in random order."""
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    order = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        block_table[i, :nb] = order[used : used + nb].int()
+        used += nb
+    assert used <= num_blocks
+    slots = []
+    for i, (q, n) in enumerate(zip(query_lens, seq_lens)):
+        slots += [int(block_table[i, p // block_size]) * block_size + p % block_size for p in range(n - q, n)]
+    cu_q = torch.tensor([0, *query_lens]).cumsum(0).int()
+    return AttentionMetadata(
+        num_decodes=sum(q == 1 for q in query_lens),
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=torch.tensor([0, *seq_lens]).cumsum(0).int(),
+        seqused_k=torch.tensor(seq_lens, dtype=torch.int32),
+        max_seqlen_q=max(query_lens),
+        max_seqlen_k=max(seq_lens),
+        block_table=block_table,
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_window):
+    gen = torch.Generator().manual_seed(heads * head_dim + (sliding_window or 0))
+    block_size, num_blocks = 16, 160
+    # decode rows (longest first, as the model runner orders them; lengths 1 and block multiples
+    # included), then prefill chunks with and without cached context
+    query_lens = [1] * 7 + [5, 33, 20]
+    seq_lens = [300, 257, 64, 33, 16, 2, 1, 40, 33, 100]
+    meta = ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen)
+    tokens = sum(query_lens)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim)  # q, k, v are strided views, as in the model
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    cache = rand(2, num_blocks, block_size, kv_heads, head_dim)
+    caches = [cache.clone(), cache.clone()]
+    outs = [
+        backend.forward(q, k, v, c, meta, head_dim**-0.5, sliding_window)
+        for backend, c in zip([TorchAttentionBackend(), CpuAttentionBackend()], caches)
+    ]
+    assert torch.equal(caches[0], caches[1]), "write_kv differs"
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 34, 700])
+def test_layer_ops_match_eager(dtype, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, eps = 96, 1e-5
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(dtype)
+
+    def eager_norm(x, w):  # HF LlamaRMSNorm
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(dtype)
+
+    tol = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    x, w, residual = rand(tokens, hidden), 1 + rand(hidden, scale=0.1), rand(tokens, hidden)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, eps), eager_norm(x, w), **tol)
+    xx, rr = x.clone(), residual.clone()
+    cpu_ops.fused_add_rms_norm(xx, rr, w, eps)
+    assert torch.equal(rr, residual + x)
+    torch.testing.assert_close(xx, eager_norm(residual + x, w), **tol)
+
+    heads, head_dim, max_pos = 5, 32, 512
+    qkv = rand(tokens, (heads + 2) * head_dim)
+    qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    cos, sin = torch.randn(max_pos, head_dim, generator=gen), torch.randn(max_pos, head_dim, generator=gen)
+    c, s = cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+    expected = qk * c + rotate_half(qk) * s
+    untouched = qkv[:, heads * head_dim :].clone()
+    cpu_ops.rotary_embedding(qk, positions, cos, sin)
+    assert torch.equal(qk, expected), "RoPE must equal eager PyTorch bit for bit"
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+    gate_up = rand(tokens, 2 * hidden, scale=3.0)
+    gate, up = gate_up.split(hidden, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, **tol)
+
+
+def test_kernels_reject_bad_layouts():
+    q = torch.randn(2, 4, 8)
+    cache = torch.randn(4, 16, 2, 8)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        cpu_ops.paged_decode_attention(
+            torch.empty(2, 4, 8), q, cache[..., :4].contiguous(), cache[..., :4].contiguous(),
+            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 1.0, None,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_ops.rotary_embedding(q, torch.tensor([0, 99]), torch.randn(10, 8), torch.randn(10, 8))
