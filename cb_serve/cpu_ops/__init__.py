@@ -20,7 +20,10 @@ CSRC = Path(__file__).parent / "csrc"
 COMMON_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 EXTENSIONS = {
     # Reassociated reductions and vectorized exp for the attention kernel.
-    "cb_serve_attention_ops": ("paged_attention.cpp", ["-ffast-math", "-fno-finite-math-only"]),
+    "cb_serve_attention_ops": (
+        "paged_attention.cpp",
+        ["-ffast-math", "-fno-finite-math-only", "-mprefer-vector-width=512"],
+    ),
     # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
     "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
 }

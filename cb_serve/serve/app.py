@@ -13,6 +13,19 @@ from cb_serve.serve.engine_replica import EngineReplica
 from cb_serve.serve.router import Router, RouterSettings
 
 
+class ReplicaOptions(BaseModel):
+    """Deployment options of the engine replicas for the Python API (``serve.run(build_app(...))``).
+    In a config file the ``deployments:`` entry for ``EngineReplica`` sets these and wins."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int | None = Field(None, ge=-1)
+    ray_actor_options: dict[str, Any] | None = None
+
+
 class AppArgs(BaseModel):
     """The ``args`` of the application in a Serve config file."""
 
@@ -22,21 +35,27 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="Engine arguments (see EngineConfig).")
     router: RouterSettings = Field(default_factory=RouterSettings)
     routing_stats_period_s: float = Field(0.5, gt=0)
+    engine_replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
 
     @field_validator("engine")
     @classmethod
     def _known_engine_args(cls, v: dict[str, Any]) -> dict[str, Any]:
-        EngineConfig.from_kwargs(**{"model": "default", **v})  # raises on unknown names or bad values
+        try:
+            EngineConfig.from_kwargs(**{"model": "default", **v})
+        except TypeError as e:  # unknown names; pydantic reports only ValueErrors as validation errors
+            raise ValueError(str(e)) from None
         return v
 
 
 def build_app(args: dict[str, Any]) -> Application:
+    """Router (HTTP ingress) in front of ``EngineReplica`` deployments, from validated ``args``."""
     parsed = AppArgs.model_validate(args or {})
     engine = EngineReplica.options(
+        **parsed.engine_replica.model_dump(exclude_none=True),
         request_router_config=RequestRouterConfig(
             request_router_class="cb_serve.serve.request_router:KVCacheAwareRouter",
             request_routing_stats_period_s=parsed.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 2 * parsed.routing_stats_period_s),
-        )
+        ),
     ).bind({"model": parsed.model, **parsed.engine})
     return Router.bind(engine, parsed.router.model_dump())

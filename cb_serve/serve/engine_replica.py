@@ -38,6 +38,7 @@ class EngineReplica:
     def __init__(self, engine_args: dict[str, Any]) -> None:
         self.engine = AsyncLLM(EngineConfig.from_kwargs(**engine_args))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.num_requests = 0  # generate() calls in progress, including those the engine has not taken yet
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """``payload``: request_id, params (SamplingParams), and prompt (str | token ids) or
@@ -48,19 +49,23 @@ class EngineReplica:
         else:
             prompt = payload["prompt"]
         tokenizer = self.engine.tokenizer
-        async for out in self.engine.generate(prompt, params, payload["request_id"]):
-            for c in out.outputs:
-                yield {
-                    "index": c.index,
-                    "text": c.text,
-                    "num_tokens": len(c.token_ids),
-                    "logprobs": token_logprobs(tokenizer, c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                    "prompt_tokens": len(out.prompt_token_ids),
-                    "cached_tokens": out.num_cached_tokens,
-                    "replica": self.replica_id,
-                }
+        self.num_requests += 1
+        try:
+            async for out in self.engine.generate(prompt, params, payload["request_id"]):
+                for c in out.outputs:
+                    yield {
+                        "index": c.index,
+                        "text": c.text,
+                        "num_tokens": len(c.token_ids),
+                        "logprobs": token_logprobs(tokenizer, c.token_ids, c.logprobs),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        "prompt_tokens": len(out.prompt_token_ids),
+                        "cached_tokens": out.num_cached_tokens,
+                        "replica": self.replica_id,
+                    }
+        finally:
+            self.num_requests -= 1
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for the request router (see ``request_router.KVCacheAwareRouter``)."""
@@ -70,6 +75,8 @@ class EngineReplica:
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "num_waiting_tokens": s.num_waiting_tokens,
+            # Requests, not sequences (n > 1 makes several); counts those still in the engine's inbox.
+            "num_requests": max(self.num_requests, s.num_running + s.num_waiting),
             "token_budget": self.engine.config.max_num_batched_tokens,
             "max_num_seqs": self.engine.config.max_num_seqs,
             "time": time.time(),

@@ -31,25 +31,45 @@ class RouterSettings(BaseModel):
     served_model_name: str | None = None
 
 
+RETRY_AFTER_S = 1  # Retry-After of overload answers (the openai client honours it when it retries)
+REPLICA_HEADER = "x-cb-replica"  # which engine replica served the request (operators, tests)
+
+
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.status, self.param), status_code=self.status)
+        body = error_body(self.message, self.type, self.status, self.param)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def overloaded(message: str) -> APIError:
+    """503 Service Unavailable + Retry-After: the server (not this client) is over capacity;
+    OpenAI's API answers engine overload with 503 too and keeps 429 for per-key rate limits."""
+    return APIError(503, message, "overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def engine_error(e: BaseException) -> APIError:
     """Maps an exception from the engine replica to the HTTP error the client sees."""
     if isinstance(e, EngineOverloadedError):
-        return APIError(503, str(e), "overloaded_error")
+        return overloaded(str(e))
     if isinstance(e, BackPressureError):
-        return APIError(503, "The server is overloaded; retry later.", "overloaded_error")
+        return overloaded("The server is overloaded (all engine replicas and their queues are full); retry later.")
     if isinstance(e, ValueError):
         return APIError(400, str(e).splitlines()[-1] if "Traceback" in str(e) else str(e))
     if isinstance(e, EngineDeadError):
-        return APIError(503, "The engine is restarting; retry later.", "service_unavailable")
+        return APIError(503, "The engine is restarting; retry later.", "service_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
     return APIError(500, "Internal server error.", "internal_error")
 
 
@@ -200,10 +220,12 @@ class Router:
         except Exception as e:  # noqa: BLE001
             raise engine_error(e) from None
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
+        headers = {REPLICA_HEADER: first["replica"]} if first is not None else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, first, meta, req.n, include_usage), media_type="text/event-stream")
-        return await self._collect(gen, first, meta, req.n)
+            events = self._sse(gen, first, meta, req.n, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return JSONResponse(await self._collect(gen, first, meta, req.n), headers=headers)
 
     async def _chunks(self, gen, first) -> AsyncIterator[dict[str, Any]]:
         try:

@@ -9,7 +9,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
@@ -112,7 +115,18 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
         const scalar_t* gate = x.data_ptr<scalar_t>() + r * x.stride(0);
         const scalar_t* up = gate + n;
         scalar_t* o = out.data_ptr<scalar_t>() + r * out.stride(0);
-        for (int64_t i = 0; i < n; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          for (; i + 16 <= n; i += 16) {
+            const __m512 g = _mm512_loadu_ps(gate + i);
+            const __m512 one = _mm512_set1_ps(1.f);
+            const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(act, _mm512_loadu_ps(up + i)));
+          }
+        }
+#endif
+        for (; i < n; ++i) {
           const float g = gate[i];
           const float act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
           o[i] = static_cast<scalar_t>(act * static_cast<float>(up[i]));

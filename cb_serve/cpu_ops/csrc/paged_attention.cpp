@@ -7,12 +7,88 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kPrefetch = 16;  // tokens ahead
+
+// float32, head_dim = 16 * NV: one query head at a time, its NV accumulators in registers; the
+// sequence's K/V rows stay in L2 between the heads of a KV group.
+template <int NV>
+void decode_sequence_avx512(
+    int64_t n, float* out, const float* q, const float* k_cache, const float* v_cache,
+    const int32_t* block_table, const int32_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
+    int64_t block_size, int64_t q_stride_n, int64_t q_stride_h, int64_t block_stride, int64_t table_stride,
+    float scale, int64_t sliding_window) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t len = seq_lens[n];
+  const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+  const int64_t span = len - start;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * D;
+  const int32_t* table = block_table + n * table_stride;
+  std::vector<const float*> k_rows(span), v_rows(span);
+  for (int64_t t = start; t < len; ++t) {
+    const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride;
+    k_rows[t - start] = k_cache + offset;
+    v_rows[t - start] = v_cache + offset;
+  }
+  std::vector<float> scores(span + 16);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const int64_t head_offset = (h / group) * D;
+    __m512 qv[NV];
+    for (int j = 0; j < NV; ++j)
+      qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + n * q_stride_n + h * q_stride_h + 16 * j), _mm512_set1_ps(scale));
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const bool first_of_group = h % group == 0;  // the group's K/V rows come from memory: prefetch
+    for (int64_t i = 0; i < span; ++i) {
+      if (first_of_group && i + kPrefetch < span)
+        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(k_rows[i + kPrefetch] + head_offset + 16 * j), _MM_HINT_T0);
+      const float* key = k_rows[i] + head_offset;
+      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), acc);
+      scores[i] = _mm512_reduce_add_ps(acc);
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < span; ++i) m = std::max(m, scores[i]);
+    (void)vmax;
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vm = _mm512_set1_ps(m);
+    int64_t i = 0;
+    for (; i + 16 <= span; i += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + i), vm));
+      _mm512_storeu_ps(scores.data() + i, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (i < span) {
+      const __mmask16 tail = (__mmask16)((1u << (span - i)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores.data() + i), vm));
+      _mm512_mask_storeu_ps(scores.data() + i, tail, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+    }
+    const float inv_sum = 1.f / _mm512_reduce_add_ps(vsum);
+    __m512 acc[NV];
+    for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < span; ++t) {
+      if (first_of_group && t + kPrefetch < span)
+        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(v_rows[t + kPrefetch] + head_offset + 16 * j), _MM_HINT_T0);
+      const float* value = v_rows[t] + head_offset;
+      const __m512 p = _mm512_set1_ps(scores[t]);
+      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * j), acc[j]);
+    }
+    float* o = out + (n * num_heads + h) * D;
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(inv_sum)));
+  }
+}
+#endif
 
 template <typename scalar_t>
 void decode_sequence(
@@ -39,6 +115,7 @@ void decode_sequence(
       const scalar_t* key = row + (h / group) * head_dim;
       const float* qh = query.data() + h * head_dim;
       float s = 0.f;
+#pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(key[d]);
       scores[h * span + (t - start)] = s;
     }
@@ -50,6 +127,7 @@ void decode_sequence(
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < span; ++i) m = std::max(m, sh[i]);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < span; ++i) {
       sh[i] = std::exp(sh[i] - m);
       sum += sh[i];
@@ -64,6 +142,7 @@ void decode_sequence(
       const scalar_t* value = row + (h / group) * head_dim;
       const float p = scores[h * span + (t - start)];
       float* ah = acc.data() + h * head_dim;
+#pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(value[d]);
     }
   }
@@ -99,12 +178,25 @@ void paged_decode_attention(
     // Round-robin over sequences: the caller sorts them longest first, so threads get equal work.
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tid = begin; tid < end; ++tid)
-        for (int64_t n = tid; n < num_seqs; n += threads)
+        for (int64_t n = tid; n < num_seqs; n += threads) {
+#if defined(__AVX512F__)
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            if (head_dim == 64 || head_dim == 128) {
+              auto kernel = head_dim == 64 ? decode_sequence_avx512<4> : decode_sequence_avx512<8>;
+              kernel(n, out.data_ptr<float>(), q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                     v_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                     num_heads, num_kv_heads, block_size, q.stride(0), q.stride(1), k_cache.stride(0),
+                     block_table.stride(0), static_cast<float>(scale), sliding_window);
+              continue;
+            }
+          }
+#endif
           decode_sequence<scalar_t>(n, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                     v_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
                                     seq_lens.data_ptr<int32_t>(), num_heads, num_kv_heads, head_dim, block_size,
                                     q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
                                     static_cast<float>(scale), sliding_window);
+        }
     });
   });
 }
