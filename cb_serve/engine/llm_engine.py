@@ -174,6 +174,10 @@ class LLMEngine:
         if sched.is_empty:
             return []
         inp = self.runner.prepare(sched)
+        num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk)
+            n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            for seq, n in zip(sched.seqs, sched.num_scheduled_tokens)
+        )
         sampled = self.runner.execute(inp)
         self.scheduler.update_after_step(sched)
         now = time.monotonic()
@@ -190,7 +194,7 @@ class LLMEngine:
                 outputs.append(out)
             if state.finished:
                 del self.requests[request_id]
-        self._record_step(sched, now - start, outputs)
+        self._record_step(sched, num_decode_tokens, now - start, outputs)
         return outputs
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: dict | None, now: float) -> None:
@@ -219,13 +223,14 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(seq, status)
 
-    def _record_step(self, sched: SchedulerOutput, duration: float, outputs: list[RequestOutput]) -> None:
+    def _record_step(
+        self, sched: SchedulerOutput, num_decode_tokens: int, duration: float, outputs: list[RequestOutput]
+    ) -> None:
         self.num_steps += 1
-        decode = sum(n for n in sched.num_scheduled_tokens if n == 1)
         stats = StepStats(
             num_seqs=len(sched.seqs),
-            num_decode_tokens=decode,
-            num_prefill_tokens=sched.total_tokens - decode,
+            num_decode_tokens=num_decode_tokens,
+            num_prefill_tokens=sched.total_tokens - num_decode_tokens,
             num_scheduled_tokens=sched.total_tokens,
             token_budget=self.scheduler.max_num_batched_tokens,
             num_preempted=len(sched.preempted),

@@ -10,7 +10,7 @@ class StepStats:
     """One engine step: what it computed and how full the token budget was."""
 
     num_seqs: int
-    num_decode_tokens: int  # tokens of sequences scheduled one token (decodes)
+    num_decode_tokens: int  # output tokens fed back one per sequence (decodes)
     num_prefill_tokens: int  # tokens of prompt chunks / recomputation
     num_scheduled_tokens: int
     token_budget: int
