@@ -4,6 +4,8 @@ layer ops against HF's eager op sequences."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ from cb_serve.attention import CpuAttentionBackend, TorchAttentionBackend
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.model_executor.models.llama import rotate_half
 
+if os.environ.get("CB_SERVE_REQUIRE_CPU_OPS") == "1":  # CI: a build failure is an error, not a skip
+    assert cpu_ops.available(), f"cb_serve CPU kernels failed to build: {cpu_ops.BUILD_ERROR}"
 pytestmark = pytest.mark.skipif(
     not cpu_ops.available(), reason="cb_serve CPU kernels did not build here (no C++ toolchain?)"
 )

@@ -27,6 +27,7 @@ EXTENSIONS = {
     # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
     "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
 }
+BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
 OPS = ("paged_decode_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 
 
@@ -49,6 +50,7 @@ def available() -> bool:
             )
         return all(hasattr(torch.ops.cb_serve, op) for op in OPS)
     except Exception as e:  # no compiler or ninja, unsupported platform
+        BUILD_ERROR.append(str(e))
         logger.warning("cb_serve CPU kernels unavailable (%s); using the PyTorch path.", e)
         return False
 

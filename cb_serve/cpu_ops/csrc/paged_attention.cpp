@@ -12,115 +12,116 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
+// One call's operands: decode row n's query is q + n * q_stride_n + h * q_stride_h (head h), its
+// output out + (n * num_heads + h) * head_dim, its cached tokens live in the blocks of its row of
+// block_table.
+template <typename scalar_t>
+struct DecodeProblem {
+  scalar_t* out;
+  const scalar_t* q;
+  const scalar_t* k_cache;
+  const scalar_t* v_cache;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  int64_t q_stride_n, q_stride_h, block_stride, table_stride;
+  float scale;
+  int64_t sliding_window;  // <= 0: none
+
+  int64_t group() const { return num_heads / num_kv_heads; }
+
+  // Element offsets (into k_cache and v_cache alike) of the [KVH, D] rows of the cached tokens that
+  // row n attends to, oldest first: its last sliding_window tokens, or all of them.
+  std::vector<int64_t> row_offsets(int64_t n) const {
+    const int64_t len = seq_lens[n];
+    const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    const int32_t* table = block_table + n * table_stride;
+    std::vector<int64_t> offsets(len - start);
+    for (int64_t t = start; t < len; ++t)
+      offsets[t - start] = table[t / block_size] * block_stride + (t % block_size) * num_kv_heads * head_dim;
+    return offsets;
+  }
+};
+
 #if defined(__AVX512F__)
 constexpr int64_t kPrefetch = 16;  // tokens ahead
 
-// float32, head_dim = 16 * NV: one query head at a time, its NV accumulators in registers; the
-// sequence's K/V rows stay in L2 between the heads of a KV group.
+// float32, head_dim = 16 * NV: one query head at a time with its NV accumulators in registers;
+// the sequence's K/V rows stay in L2 between the heads of a KV group, and the first head of a
+// group prefetches them from memory.
 template <int NV>
-void decode_sequence_avx512(
-    int64_t n, float* out, const float* q, const float* k_cache, const float* v_cache,
-    const int32_t* block_table, const int32_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
-    int64_t block_size, int64_t q_stride_n, int64_t q_stride_h, int64_t block_stride, int64_t table_stride,
-    float scale, int64_t sliding_window) {
+void decode_sequence_avx512(const DecodeProblem<float>& p, int64_t n) {
   constexpr int64_t D = 16 * NV;
-  const int64_t len = seq_lens[n];
-  const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-  const int64_t span = len - start;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * D;
-  const int32_t* table = block_table + n * table_stride;
-  std::vector<const float*> k_rows(span), v_rows(span);
-  for (int64_t t = start; t < len; ++t) {
-    const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride;
-    k_rows[t - start] = k_cache + offset;
-    v_rows[t - start] = v_cache + offset;
-  }
-  std::vector<float> scores(span + 16);
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const int64_t head_offset = (h / group) * D;
+  const std::vector<int64_t> rows = p.row_offsets(n);
+  const int64_t span = static_cast<int64_t>(rows.size());
+  std::vector<float> scores(span);
+  for (int64_t h = 0; h < p.num_heads; ++h) {
+    const int64_t head = (h / p.group()) * D;
+    const bool prefetch = h % p.group() == 0;
     __m512 qv[NV];
     for (int j = 0; j < NV; ++j)
-      qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + n * q_stride_n + h * q_stride_h + 16 * j), _mm512_set1_ps(scale));
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    const bool first_of_group = h % group == 0;  // the group's K/V rows come from memory: prefetch
+      qv[j] = _mm512_mul_ps(_mm512_loadu_ps(p.q + n * p.q_stride_n + h * p.q_stride_h + 16 * j),
+                            _mm512_set1_ps(p.scale));
+    float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < span; ++i) {
-      if (first_of_group && i + kPrefetch < span)
-        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(k_rows[i + kPrefetch] + head_offset + 16 * j), _MM_HINT_T0);
-      const float* key = k_rows[i] + head_offset;
+      if (prefetch && i + kPrefetch < span)
+        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(p.k_cache + rows[i + kPrefetch] + head + 16 * j), _MM_HINT_T0);
+      const float* key = p.k_cache + rows[i] + head;
       __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
       for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), acc);
       scores[i] = _mm512_reduce_add_ps(acc);
+      m = std::max(m, scores[i]);
     }
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < span; ++i) m = std::max(m, scores[i]);
-    (void)vmax;
-    __m512 vsum = _mm512_setzero_ps();
     const __m512 vm = _mm512_set1_ps(m);
-    int64_t i = 0;
-    for (; i + 16 <= span; i += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + i), vm));
-      _mm512_storeu_ps(scores.data() + i, e);
-      vsum = _mm512_add_ps(vsum, e);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < span; i += 16) {
+      const __mmask16 lanes = span - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (span - i)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores.data() + i), vm));
+      _mm512_mask_storeu_ps(scores.data() + i, lanes, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(lanes, e));
     }
-    if (i < span) {
-      const __mmask16 tail = (__mmask16)((1u << (span - i)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores.data() + i), vm));
-      _mm512_mask_storeu_ps(scores.data() + i, tail, e);
-      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
-    }
-    const float inv_sum = 1.f / _mm512_reduce_add_ps(vsum);
+    const __m512 inv_sum = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
     __m512 acc[NV];
     for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < span; ++t) {
-      if (first_of_group && t + kPrefetch < span)
-        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(v_rows[t + kPrefetch] + head_offset + 16 * j), _MM_HINT_T0);
-      const float* value = v_rows[t] + head_offset;
-      const __m512 p = _mm512_set1_ps(scores[t]);
-      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * j), acc[j]);
+    for (int64_t i = 0; i < span; ++i) {
+      if (prefetch && i + kPrefetch < span)
+        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(p.v_cache + rows[i + kPrefetch] + head + 16 * j), _MM_HINT_T0);
+      const float* value = p.v_cache + rows[i] + head;
+      const __m512 w = _mm512_set1_ps(scores[i]);
+      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * j), acc[j]);
     }
-    float* o = out + (n * num_heads + h) * D;
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(inv_sum)));
+    float* o = p.out + (n * p.num_heads + h) * D;
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], inv_sum));
   }
 }
 #endif
 
+// Any dtype and head_dim: token rows outer (every KV head of a token read once), float math.
 template <typename scalar_t>
-void decode_sequence(
-    int64_t n, scalar_t* out, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
-    const int32_t* block_table, const int32_t* seq_lens, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, int64_t q_stride_n, int64_t q_stride_h, int64_t block_stride,
-    int64_t table_stride, float scale, int64_t sliding_window) {
-  const int64_t len = seq_lens[n];
-  const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
-  const int64_t span = len - start;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;
-  const int32_t* table = block_table + n * table_stride;
-
+void decode_sequence(const DecodeProblem<scalar_t>& p, int64_t n) {
+  const int64_t num_heads = p.num_heads, head_dim = p.head_dim, group = p.group();
+  const std::vector<int64_t> rows = p.row_offsets(n);
+  const int64_t span = static_cast<int64_t>(rows.size());
   std::vector<float> query(num_heads * head_dim);
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t d = 0; d < head_dim; ++d)
-      query[h * head_dim + d] = static_cast<float>(q[n * q_stride_n + h * q_stride_h + d]) * scale;
+      query[h * head_dim + d] = static_cast<float>(p.q[n * p.q_stride_n + h * p.q_stride_h + d]) * p.scale;
 
   std::vector<float> scores(num_heads * span);  // [head][token]
-  for (int64_t t = start; t < len; ++t) {
-    const scalar_t* row = k_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride;
+  for (int64_t i = 0; i < span; ++i) {
     for (int64_t h = 0; h < num_heads; ++h) {
-      const scalar_t* key = row + (h / group) * head_dim;
+      const scalar_t* key = p.k_cache + rows[i] + (h / group) * head_dim;
       const float* qh = query.data() + h * head_dim;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * static_cast<float>(key[d]);
-      scores[h * span + (t - start)] = s;
+      scores[h * span + i] = s;
     }
   }
-
   std::vector<float> denom(num_heads);
   for (int64_t h = 0; h < num_heads; ++h) {
     float* sh = scores.data() + h * span;
@@ -134,21 +135,33 @@ void decode_sequence(
     }
     denom[h] = sum;
   }
-
   std::vector<float> acc(num_heads * head_dim, 0.f);
-  for (int64_t t = start; t < len; ++t) {
-    const scalar_t* row = v_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride;
+  for (int64_t i = 0; i < span; ++i) {
     for (int64_t h = 0; h < num_heads; ++h) {
-      const scalar_t* value = row + (h / group) * head_dim;
-      const float p = scores[h * span + (t - start)];
+      const scalar_t* value = p.v_cache + rows[i] + (h / group) * head_dim;
+      const float w = scores[h * span + i];
       float* ah = acc.data() + h * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * static_cast<float>(value[d]);
+      for (int64_t d = 0; d < head_dim; ++d) ah[d] += w * static_cast<float>(value[d]);
     }
   }
-  scalar_t* o = out + n * num_heads * head_dim;
+  scalar_t* o = p.out + n * num_heads * head_dim;
   for (int64_t h = 0; h < num_heads; ++h)
     for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] / denom[h]);
+}
+
+template <typename scalar_t>
+auto pick_kernel(int64_t /*head_dim*/) {
+  return decode_sequence<scalar_t>;
+}
+
+template <>
+auto pick_kernel<float>(int64_t head_dim) {
+#if defined(__AVX512F__)
+  if (head_dim == 64) return decode_sequence_avx512<4>;
+  if (head_dim == 128) return decode_sequence_avx512<8>;
+#endif
+  return decode_sequence<float>;
 }
 
 // out [N, H, D] contiguous; q [N, H, D] (head rows contiguous); k_cache / v_cache
@@ -169,34 +182,23 @@ void paged_decode_attention(
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32 rows");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(seq_lens.size(0) == num_seqs && block_table.size(0) == num_seqs, "one row per sequence");
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const DecodeProblem<scalar_t> problem{out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                          block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                                          num_heads, num_kv_heads, head_dim, k_cache.size(1),
+                                          q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
+                                          static_cast<float>(scale), sliding_window};
+    const auto kernel = pick_kernel<scalar_t>(head_dim);
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
     // Round-robin over sequences: the caller sorts them longest first, so threads get equal work.
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tid = begin; tid < end; ++tid)
-        for (int64_t n = tid; n < num_seqs; n += threads) {
-#if defined(__AVX512F__)
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            if (head_dim == 64 || head_dim == 128) {
-              auto kernel = head_dim == 64 ? decode_sequence_avx512<4> : decode_sequence_avx512<8>;
-              kernel(n, out.data_ptr<float>(), q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                     v_cache.data_ptr<float>(), block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                     num_heads, num_kv_heads, block_size, q.stride(0), q.stride(1), k_cache.stride(0),
-                     block_table.stride(0), static_cast<float>(scale), sliding_window);
-              continue;
-            }
-          }
-#endif
-          decode_sequence<scalar_t>(n, out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
-                                    v_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
-                                    seq_lens.data_ptr<int32_t>(), num_heads, num_kv_heads, head_dim, block_size,
-                                    q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
-                                    static_cast<float>(scale), sliding_window);
-        }
+        for (int64_t n = tid; n < num_seqs; n += threads) kernel(problem, n);
     });
   });
 }
