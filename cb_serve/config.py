@@ -45,7 +45,9 @@ class EngineConfig:
     gpu_memory_utilization: float = _arg(0.9, "Fraction of total device memory the engine may use (CUDA).")
     max_num_batched_tokens: int = _arg(2048, "Token budget of one engine step (decode tokens + prefill chunks).")
     max_num_seqs: int = _arg(256, "Most sequences running at once.")
-    max_waiting_requests: int | None = _arg(None, "Reject new requests once this many wait (None: unbounded).")
+    max_waiting_requests: int | None = _arg(
+        None, "Reject new requests once this many would wait for a free running slot (None: unbounded)."
+    )
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
     attention_backend: str = _arg(

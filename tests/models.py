@@ -20,24 +20,26 @@ TINY = dict(
 )
 
 
-def tiny_config(arch: str, vocab_size: int):
+def tiny_config(arch: str, vocab_size: int, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
+    kwargs = {**TINY, **overrides}
     if arch == "llama":
-        return LlamaConfig(vocab_size=vocab_size, rope_theta=10000.0, **TINY)
+        return LlamaConfig(vocab_size=vocab_size, rope_theta=10000.0, **kwargs)
     if arch == "qwen2":
-        return Qwen2Config(vocab_size=vocab_size, **TINY)
+        return Qwen2Config(vocab_size=vocab_size, **kwargs)
     if arch == "mistral":  # a sliding window shorter than the long prompts, so it matters
-        return MistralConfig(vocab_size=vocab_size, sliding_window=48, head_dim=16, **TINY)
+        return MistralConfig(vocab_size=vocab_size, sliding_window=48, head_dim=16, **kwargs)
     raise ValueError(arch)
 
 
-def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0) -> Path:
-    """Saves a random-weight ``arch`` model plus ``tokenizer`` into ``directory``."""
+def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **config_overrides) -> Path:
+    """Saves a random-weight ``arch`` model plus ``tokenizer`` into ``directory``
+    (``config_overrides``: e.g. ``max_position_embeddings`` for a longer context)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config(arch, len(tokenizer))
+    config = tiny_config(arch, len(tokenizer), **config_overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # non-trivial norms and biases, so those code paths are exercised
         for name, p in model.named_parameters():

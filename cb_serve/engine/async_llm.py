@@ -11,7 +11,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from cb_serve.config import EngineConfig
-from cb_serve.engine.llm_engine import EngineOverloadedError, LLMEngine
+from cb_serve.engine.llm_engine import EngineOverloadedError, LLMEngine, waiting_queue_full
 from cb_serve.engine.processor import InputProcessor, ProcessedRequest, PromptType, apply_chat_template
 from cb_serve.engine.stats import EngineStats
 from cb_serve.outputs import RequestOutput
@@ -64,8 +64,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         self.check_health()
         processed = self.processor.process(prompt, params)
-        limit = self.config.max_waiting_requests
-        if limit is not None and self._stats.num_waiting + self._inbox.qsize() >= limit:
+        if waiting_queue_full(self._stats.num_waiting + self._inbox.qsize(), self._stats.num_running, self.config):
+            limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests); retry later.")
         if request_id in self._streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")

@@ -32,6 +32,13 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (``max_waiting_requests``); retry later."""
 
 
+def waiting_queue_full(num_waiting: int, num_running: int, config: EngineConfig) -> bool:
+    """Whether one more request would leave more than ``max_waiting_requests`` requests waiting
+    for one of the ``max_num_seqs`` running slots (queued requests fill free slots first)."""
+    limit = config.max_waiting_requests
+    return limit is not None and num_waiting >= limit + max(0, config.max_num_seqs - num_running)
+
+
 def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device(config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     if config.dtype == "auto":
@@ -147,8 +154,8 @@ class LLMEngine:
         self.add_processed_request(request_id, processed, arrival_time)
 
     def add_processed_request(self, request_id: str, processed, arrival_time: float | None = None) -> None:
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
+        if waiting_queue_full(len(self.scheduler.waiting), len(self.scheduler.running), self.config):
+            limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
         state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic())
         self.requests[request_id] = state

@@ -1,0 +1,71 @@
+"""The Serve config files in deploy/ are valid for Ray Serve's own schema and for our
+application builder, without starting Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+yaml = pytest.importorskip("yaml")
+schema = pytest.importorskip("ray.serve.schema")
+
+from ray.serve.config import AutoscalingConfig  # noqa: E402
+
+from cb_serve.serve.app import AppArgs, build_app  # noqa: E402
+from cb_serve.serve.engine_replica import EngineReplica  # noqa: E402
+from cb_serve.serve.router import Router  # noqa: E402
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+CONFIGS = ["config.yaml", "config.gpu.yaml"]
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_is_valid_for_ray_serve_and_our_app_args(name):
+    config = schema.ServeDeploySchema.model_validate(load(name))
+    assert config.applications, name
+    for app in config.applications:
+        assert app.import_path == "cb_serve.serve.app:build_app"
+        args = AppArgs.model_validate(app.args)  # unknown keys or engine arguments fail here
+        assert build_app(app.args) is not None  # builds the deployment graph (Ray not started)
+        names = {d.name for d in app.deployments}
+        assert names <= {EngineReplica.name, Router.name}, f"{name}: unknown deployment(s) {names}"
+        assert args.engine.get("max_waiting_requests"), f"{name}: the engine's queue must be bounded"
+
+
+def test_gpu_config_has_one_gpu_per_autoscaled_engine_replica():
+    config = schema.ServeDeploySchema.model_validate(load("config.gpu.yaml"))
+    (app,) = config.applications
+    engine = next(d for d in app.deployments if d.name == EngineReplica.name)
+    assert engine.ray_actor_options.num_gpus == 1
+    autoscaling = AutoscalingConfig(**engine.autoscaling_config)
+    assert autoscaling.min_replicas >= 1 and autoscaling.max_replicas > autoscaling.min_replicas
+    assert "num_replicas" not in engine.model_fields_set  # the autoscaler owns the replica count
+    assert engine.max_ongoing_requests >= AppArgs.model_validate(app.args).engine["max_num_seqs"]
+    assert engine.max_queued_requests > 0  # backpressure: beyond the queue, 503 at once
+
+
+def test_cpu_config_serves_locally_with_bounded_queues():
+    config = schema.ServeDeploySchema.model_validate(load("config.yaml"))
+    (app,) = config.applications
+    assert config.http_options.port == 8000
+    engine = next(d for d in app.deployments if d.name == EngineReplica.name)
+    assert "num_gpus" not in engine.ray_actor_options.model_fields_set
+    assert engine.max_queued_requests > 0
+    assert AppArgs.model_validate(app.args).engine["max_waiting_requests"] > 0
+
+
+def test_app_args_reject_unknown_keys_and_bad_values():
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate({"engine": {"no_such_engine_arg": 1}})
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate({"engine": {"max_num_seqs": 0}})
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate({"routr": {}})
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate({"engine_replica": {"num_replica": 2}})
