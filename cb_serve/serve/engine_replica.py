@@ -13,6 +13,7 @@ from ray import serve
 from cb_serve.config import EngineConfig
 from cb_serve.engine.async_llm import AsyncLLM
 from cb_serve.sampling_params import SamplingParams
+from cb_serve.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class EngineReplica:
     def __init__(self, engine_args: dict[str, Any]) -> None:
         self.engine = AsyncLLM(EngineConfig.from_kwargs(**engine_args))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.metrics = EngineMetrics(self.engine, self.engine.model_name)  # cb_serve_* metrics (metrics.py)
         self.num_requests = 0  # generate() calls in progress, including those the engine has not taken yet
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -96,3 +98,5 @@ class EngineReplica:
 
     async def __del__(self) -> None:  # pragma: no cover - best effort at replica shutdown
         await asyncio.to_thread(self.engine.shutdown)
+        if hasattr(self, "metrics"):
+            self.metrics.close()

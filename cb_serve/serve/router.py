@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cb_serve.engine.async_llm import EngineDeadError
 from cb_serve.engine.llm_engine import EngineOverloadedError
+from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 app = FastAPI(title="cb-serve", description="OpenAI-compatible API over continuous-batching engines.")
@@ -49,6 +50,7 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
+        router_metrics().rejected(self.status, self.type)
         body = error_body(self.message, self.type, self.status, self.param)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
@@ -221,6 +223,8 @@ class Router:
             raise engine_error(e) from None
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
         headers = {REPLICA_HEADER: first["replica"]} if first is not None else None
+        if first is not None:
+            router_metrics().routed(meta["model"], first["replica"])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._sse(gen, first, meta, req.n, include_usage)
@@ -258,6 +262,7 @@ class Router:
                 yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
         except Exception as e:  # noqa: BLE001 - mid-stream failure: tell the client in-band
             err = engine_error(e)
+            router_metrics().rejected(err.status, err.type)
             yield f"data: {json.dumps(error_body(err.message, err.type, err.status))}\n\n"
         if include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage.body()})}\n\n"

@@ -1,0 +1,229 @@
+"""Prometheus metrics of the serving layer, vLLM-style names under ``cb_serve_``.
+
+Recorded with ``ray.serve.metrics``: Ray exports them on every node's metrics export port
+(the port KubeRay's ``PodMonitor``s scrape) with a ``ray_`` prefix, adds a ``_total`` suffix
+to counters, and labels every series with the Serve ``deployment``, ``replica`` and
+``application``; we add ``model``. So ``cb_serve_generation_tokens`` below is scraped as
+``ray_cb_serve_generation_tokens_total{model=..., replica=...}``.
+
+Cost on the engine: ``EngineMetrics`` adds one step listener that appends ``(StepStats,
+outputs)`` to a deque (O(1), in the engine thread). A daemon thread drains it every
+``interval_s`` and does the recording: per step two histogram observations, per request
+and token what the latency histograms need, and counters as deltas of the engine's own
+cumulative ``EngineStats`` (no per-token counting).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from cb_serve.engine.stats import EngineStats, StepStats
+from cb_serve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "cb_serve_"
+EXPORT_PREFIX = "ray_"  # what Ray prepends when it exports
+
+# Seconds; 1 ms (a GPU decode step) to 20 min (a long generation on a busy CPU replica).
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]  # fmt: skip
+FILL_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+SEQS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+# name without prefix -> (type, description); the buckets of histograms are in BUCKETS.
+ENGINE_METRICS: dict[str, tuple[str, str]] = {
+    "num_requests_running": ("gauge", "Sequences in the running batch."),
+    "num_requests_waiting": ("gauge", "Sequences waiting to be scheduled (new or preempted)."),
+    "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks in use (0 to 1)."),
+    "kv_cache_blocks_used": ("gauge", "KV-cache blocks in use."),
+    "kv_cache_blocks_total": ("gauge", "KV-cache blocks of the replica."),
+    "prompt_tokens": ("counter", "Prompt tokens of sequences that produced their first token."),
+    "generation_tokens": ("counter", "Tokens generated."),
+    "num_preemptions": ("counter", "Sequences preempted (their KV blocks freed, recomputed later)."),
+    "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache."),
+    "request_success": ("counter", "Requests finished, by finished_reason (stop, length)."),
+    "time_to_first_token_seconds": ("histogram", "Arrival in the engine to the first token."),
+    "inter_token_latency_seconds": ("histogram", "Time between consecutive tokens of a sequence."),
+    "e2e_request_latency_seconds": ("histogram", "Arrival in the engine to the last token."),
+    "request_queue_time_seconds": ("histogram", "Arrival in the engine to first scheduled."),
+    "batch_token_fill_ratio": ("histogram", "Per step: tokens scheduled over the token budget."),
+    "batch_num_seqs": ("histogram", "Per step: sequences in the batch."),
+}
+ROUTER_METRICS: dict[str, tuple[str, str]] = {
+    "router_requests": ("counter", "Requests the router sent to each engine replica (label engine_replica)."),
+    "router_rejections": ("counter", "Requests answered with an error, by HTTP status and error type."),
+}
+BUCKETS: dict[str, list[float]] = {
+    "time_to_first_token_seconds": LATENCY_BUCKETS,
+    "inter_token_latency_seconds": LATENCY_BUCKETS,
+    "e2e_request_latency_seconds": LATENCY_BUCKETS,
+    "request_queue_time_seconds": LATENCY_BUCKETS,
+    "batch_token_fill_ratio": FILL_BUCKETS,
+    "batch_num_seqs": SEQS_BUCKETS,
+}
+_COUNTER_FIELDS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+
+
+def exported_name(name: str) -> str:
+    """The series name Prometheus sees for metric ``name`` (without prefix): ``ray_cb_serve_…``,
+    counters with ``_total`` (histograms add ``_bucket``/``_sum``/``_count`` themselves)."""
+    kind = (ENGINE_METRICS | ROUTER_METRICS)[name][0]
+    return EXPORT_PREFIX + PREFIX + name + ("_total" if kind == "counter" else "")
+
+
+def _make(api: ModuleType, name: str, tag_keys: tuple[str, ...], defaults: dict[str, str]) -> Any:
+    kind, description = (ENGINE_METRICS | ROUTER_METRICS)[name]
+    if kind == "counter":
+        metric = api.Counter(PREFIX + name, description=description, tag_keys=tag_keys)
+    elif kind == "gauge":
+        metric = api.Gauge(PREFIX + name, description=description, tag_keys=tag_keys)
+    else:
+        metric = api.Histogram(PREFIX + name, description=description, boundaries=BUCKETS[name], tag_keys=tag_keys)
+    metric.set_default_tags(dict(defaults))  # Serve adds its labels to the dict it is given
+    return metric
+
+
+def _serve_metrics() -> ModuleType:
+    from ray.serve import metrics
+
+    return metrics
+
+
+class EngineMetrics:
+    """Records one engine replica's metrics. ``engine``: an ``AsyncLLM`` (``get_stats()``,
+    ``engine.step_listeners``); ``api``: a module with Counter/Gauge/Histogram classes
+    (``ray.serve.metrics`` by default; tests pass fakes)."""
+
+    MAX_PENDING_STEPS = 1 << 16  # bounds memory if the flusher ever stalls
+    PRUNE_AFTER_S = 60.0
+
+    def __init__(self, engine: Any, model: str, interval_s: float = 1.0, api: ModuleType | None = None) -> None:
+        api = api or _serve_metrics()
+        tags = {"model": model}
+        self.m = {
+            name: _make(api, name, ("model", "finished_reason") if name == "request_success" else ("model",), tags)
+            for name in ENGINE_METRICS
+        }
+        self._engine = engine
+        self._get_stats: Callable[[], EngineStats] = engine.get_stats
+        self._counted = {f: 0 for f in _COUNTER_FIELDS}
+        self._steps: deque[tuple[StepStats, list[RequestOutput]]] = deque(maxlen=self.MAX_PENDING_STEPS)
+        self._last_token: dict[str, float] = {}  # request id -> its latest token time (monotonic)
+        self._pruned = time.monotonic()
+        self._lock = threading.Lock()  # one flush at a time (the thread and close())
+        self._stop = threading.Event()
+        self.interval_s = interval_s
+        engine.engine.step_listeners.append(self.on_step)
+        self._thread = threading.Thread(target=self._run, name="cb-serve-metrics", daemon=True)
+        self._thread.start()
+
+    def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        """Step listener (engine thread): queue the step, nothing else."""
+        self._steps.append((stats, outputs))
+
+    def close(self) -> None:
+        """Stops the flusher after one last flush."""
+        listeners = self._engine.engine.step_listeners
+        if self.on_step in listeners:
+            listeners.remove(self.on_step)
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                logger.exception("recording metrics failed")
+
+    def flush(self) -> None:
+        """Records the queued steps and the engine's current counters and gauges."""
+        with self._lock:
+            while self._steps:
+                self._record_step(*self._steps.popleft())
+            self._record_stats(self._get_stats())
+            now = time.monotonic()
+            if now - self._pruned > self.PRUNE_AFTER_S:
+                self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Forgets aborted requests (they never send a finished output): those the engine no
+        longer holds and that had no token for a while (a finished output may still be queued)."""
+        live = self._engine.engine.requests
+        horizon = now - self.PRUNE_AFTER_S
+        self._last_token = {k: t for k, t in self._last_token.items() if t > horizon or k in live}
+        self._pruned = now
+
+    def _record_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
+        m = self.m
+        m["batch_token_fill_ratio"].observe(step.budget_fill)
+        m["batch_num_seqs"].observe(step.num_seqs)
+        for out in outputs:
+            t = out.metrics
+            if t is None or t.last_token_time is None:
+                continue
+            prev = self._last_token.get(out.request_id)
+            if prev is None:  # the request's first output: its first token
+                m["time_to_first_token_seconds"].observe(t.first_token_time - t.arrival_time)
+                if t.first_scheduled_time is not None:
+                    m["request_queue_time_seconds"].observe(t.first_scheduled_time - t.arrival_time)
+            else:  # each completion in a DELTA output advanced by one token this step
+                itl = t.last_token_time - prev
+                for _ in out.outputs:
+                    m["inter_token_latency_seconds"].observe(itl)
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+                m["e2e_request_latency_seconds"].observe((t.finished_time or t.last_token_time) - t.arrival_time)
+                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
+                m["request_success"].inc(1, tags={"finished_reason": reason})
+            else:
+                self._last_token[out.request_id] = t.last_token_time
+
+    def _record_stats(self, s: EngineStats) -> None:
+        m = self.m
+        m["num_requests_running"].set(s.num_running)
+        m["num_requests_waiting"].set(s.num_waiting)
+        m["kv_cache_usage_perc"].set(s.kv_cache_usage)
+        m["kv_cache_blocks_used"].set(s.kv_blocks_used)
+        m["kv_cache_blocks_total"].set(s.kv_blocks_total)
+        for field in _COUNTER_FIELDS:
+            value = getattr(s, field)
+            if value > self._counted[field]:
+                m[field].inc(value - self._counted[field])
+                self._counted[field] = value
+
+
+class RouterMetrics:
+    """The router's (HTTP ingress) metrics: where requests went and what was refused."""
+
+    def __init__(self, api: ModuleType | None = None) -> None:
+        api = api or _serve_metrics()
+        self.requests = _make(api, "router_requests", ("model", "engine_replica"), {})
+        self.rejections = _make(api, "router_rejections", ("status", "type"), {})
+
+    def routed(self, model: str, engine_replica: str) -> None:
+        self.requests.inc(1, tags={"model": model, "engine_replica": engine_replica})
+
+    def rejected(self, status: int, error_type: str) -> None:
+        self.rejections.inc(1, tags={"status": str(status), "type": error_type})
+
+
+_router_metrics: RouterMetrics | None = None
+
+
+def router_metrics() -> RouterMetrics:
+    """The process's ``RouterMetrics``, made on first use (inside the Serve replica, so
+    Serve's labels are attached)."""
+    global _router_metrics
+    if _router_metrics is None:
+        _router_metrics = RouterMetrics()
+    return _router_metrics

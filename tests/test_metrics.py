@@ -1,0 +1,394 @@
+"""Metrics (issue 4). A fast check of what ``EngineMetrics`` records, on an ``AsyncLLM`` with
+fake metric classes; then the acceptance test: the Serve application on 127.0.0.1 with Ray's
+metrics export port, a real Prometheus scraping it, a known workload through the ``openai``
+client, and every query of the Grafana dashboard run against that Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "grafana" / "cb-serve-dashboard.json"
+# Forces chunked prefill (budget < prompt), preemption (few blocks) and prefix-cache hits.
+ENGINE_ARGS = dict(block_size=16, max_num_batched_tokens=64, num_gpu_blocks=40, max_model_len=400, max_num_seqs=8,
+                   attention_backend="torch")  # fmt: skip
+
+
+class _Fake:
+    """Stands in for ray.serve.metrics' Counter / Gauge / Histogram: keeps every value by tags."""
+
+    def __init__(self, name: str, description: str = "", boundaries=None, tag_keys: tuple = ()) -> None:
+        self.name, self.boundaries, self.tag_keys = name, boundaries, tag_keys
+        self.defaults: dict[str, str] = {}
+        self.values: dict[tuple, list[float]] = defaultdict(list)
+
+    def set_default_tags(self, tags: dict[str, str]) -> None:
+        self.defaults = dict(tags)
+
+    def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
+        full = {**self.defaults, **(tags or {})}
+        assert set(full) == set(self.tag_keys), (self.name, full)
+        self.values[tuple(sorted(full.items()))].append(value)
+
+    inc = observe = set = _record
+
+    def all(self) -> list[float]:
+        return [v for vs in self.values.values() for v in vs]
+
+
+FAKE_API = type("FakeMetrics", (), {"Counter": _Fake, "Gauge": _Fake, "Histogram": _Fake})
+
+
+def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
+    from cb_serve.config import EngineConfig
+    from cb_serve.engine.async_llm import AsyncLLM
+    from cb_serve.sampling_params import RequestOutputKind, SamplingParams
+    from cb_serve.serve.metrics import EngineMetrics
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=str(random_model_dir("llama")), **ENGINE_ARGS))
+    metrics = EngineMetrics(engine, "tiny", interval_s=0.05, api=FAKE_API)
+    shared = list(range(100, 140))  # 40 shared prompt tokens: 2 full blocks for the prefix cache
+
+    async def one(i: int) -> tuple[int, str]:
+        params = SamplingParams(max_tokens=70 + i % 7, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        tokens, reason = 0, None
+        async for out in engine.generate(shared + [200 + i] * (5 + i), params, f"r{i}"):
+            tokens += sum(len(c.token_ids) for c in out.outputs)
+            reason = out.outputs[0].finish_reason or reason
+        return tokens, reason
+
+    async def main() -> list[tuple[int, str]]:
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()  # its last stats snapshot is taken after the last step: close() then reads it
+    metrics.close()
+    m, stats = metrics.m, engine.get_stats()
+    generated = sum(t for t, _ in results)
+    assert m["generation_tokens"].all() and sum(m["generation_tokens"].all()) == generated == stats.generation_tokens
+    assert sum(m["prompt_tokens"].all()) == sum(45 + i for i in range(12))
+    assert len(m["time_to_first_token_seconds"].all()) == len(m["e2e_request_latency_seconds"].all()) == 12
+    assert len(m["request_queue_time_seconds"].all()) == 12
+    assert len(m["inter_token_latency_seconds"].all()) == generated - 12  # every token after the first
+    assert min(m["inter_token_latency_seconds"].all()) >= 0
+    assert m["request_success"].values == {(("finished_reason", "length"), ("model", "tiny")): [1] * 12}
+    assert sum(m["num_preemptions"].all()) == stats.num_preemptions > 0
+    assert sum(m["prefix_cache_hits"].all()) == stats.prefix_cache_hits > 0
+    assert sum(m["prefix_cache_queries"].all()) == stats.prefix_cache_queries
+    fills = m["batch_token_fill_ratio"].all()
+    assert len(fills) == len(m["batch_num_seqs"].all()) == stats.num_steps
+    assert all(0 < f <= 1 for f in fills) and max(m["batch_num_seqs"].all()) > 1
+    assert m["kv_cache_blocks_total"].all()[-1] == 40 and 0 <= m["kv_cache_usage_perc"].all()[-1] <= 1
+    assert metrics._last_token == {}  # finished requests are forgotten
+
+
+def test_dashboard_is_importable_with_a_datasource_variable():
+    from cb_serve.serve.metrics import ENGINE_METRICS, ROUTER_METRICS, exported_name
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["schemaVersion"] >= 36 and dashboard["uid"] and "id" not in dashboard  # Grafana >= 10 import
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for name in ("model", "replica"):
+        assert variables[name]["datasource"]["uid"] == "${datasource}" and variables[name]["includeAll"]
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    for p in panels:
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in p["targets"]), p["title"]
+    text = DASHBOARD.read_text()
+    unused = [n for n in ENGINE_METRICS | ROUTER_METRICS if exported_name(n).removesuffix("_total") not in text]
+    assert not unused, f"metrics no panel shows: {unused}"
+
+
+# ---- acceptance: Ray's metrics export port -> a real Prometheus -> every dashboard query ----------
+
+N_REQUESTS = 16  # after a warm-up of 4
+SERVE_ENGINE_ARGS = {**ENGINE_ARGS, "num_gpu_blocks": 32}  # 4 running sequences per replica already preempt
+SHARED = "You are a helpful assistant. Answer briefly and precisely, in plain English. " * 3  # > 2 KV blocks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout: float, interval: float = 0.5):
+    """Polls ``check()`` until it returns a truthy value (returned) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, AssertionError, KeyError, ValueError) as e:
+            last = e
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when pytest dies, even if it is killed before its teardown."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except OSError:
+        pass
+
+
+class Prometheus:
+    """A real Prometheus (Debian package ``prometheus``) scraping only ``targets`` on loopback
+    every second, with its own storage under ``workdir``; stopped by ``stop()``."""
+
+    def __init__(self, binary: str, workdir: Path, targets: list[str]) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        config = workdir / "prometheus.yml"
+        config.write_text(json.dumps({  # JSON is YAML
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "15s"},
+            "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}],
+        }))  # fmt: skip
+        self.log = (workdir / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+             f"--web.listen-address={self.url.removeprefix('http://')}", "--storage.tsdb.retention.time=1h",
+             "--log.level=warn"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        wait_for("Prometheus to be ready", lambda: self.proc.poll() is None and self._ready(), timeout=60)
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, f"prometheus exited with {self.proc.returncode}"
+        return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+
+    def query(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+        """An instant query (now, or at unix time ``at``): (labels, value) per series."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        r = httpx.get(f"{self.url}/api/v1/query", params=params, timeout=10)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+        assert body["data"]["resultType"] == "vector", expr
+        return [(item["metric"], float(item["value"][1])) for item in body["data"]["result"]]
+
+    def scalar(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return result[0][1] if result else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus_binary() -> str:
+    binary = shutil.which("prometheus")
+    if binary is None and os.environ.get("CB_SERVE_REQUIRE_PROMETHEUS") == "1":  # CI: missing is an error
+        pytest.fail("the `prometheus` binary is not installed and CB_SERVE_REQUIRE_PROMETHEUS=1")
+    if binary is None:
+        pytest.skip("the `prometheus` binary is not installed (Debian/Ubuntu: apt-get install -y prometheus)")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def stack(prometheus_binary, random_model_dir, tmp_path_factory):
+    """Ray on 127.0.0.1 with its metrics export port, the app with two engine replicas on a tiny
+    random-weight model, and Prometheus scraping that port. Everything is stopped after."""
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from cb_serve.serve.app import build_app
+
+    metrics_port, http_port = free_port(), free_port()
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},  # export every second (default 10 s)
+        runtime_env={"env_vars": env},
+    )
+    prometheus = None
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        args = {
+            "model": str(random_model_dir("llama")),
+            "engine": SERVE_ENGINE_ARGS,
+            "router": {"served_model_name": "tiny"},
+            "engine_replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
+        }
+        serve.run(build_app(args), name="cb-serve", route_prefix="/")
+        prometheus = Prometheus(prometheus_binary, tmp_path_factory.mktemp("prometheus"),
+                                [f"127.0.0.1:{metrics_port}"])  # fmt: skip
+        wait_for("Prometheus to scrape Ray", lambda: prometheus.query('up{job="ray"} == 1'), timeout=60)
+        yield f"http://127.0.0.1:{http_port}", prometheus
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def openai_client(base_url: str):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=300, max_retries=0)
+
+
+async def rejected_requests(base_url: str) -> None:
+    """A 404 (unknown model) and a 400 (bad max_tokens)."""
+    import openai
+
+    client = openai_client(base_url)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model="tiny", prompt="x", max_tokens=-1)
+
+
+async def workload(base_url: str, n_requests: int, max_tokens: int | None = None) -> tuple[int, int]:
+    """``n_requests`` concurrent requests (completions and chat, streaming and not) with a
+    shared prefix. Returns (completion tokens the clients were told, requests)."""
+    client = openai_client(base_url)
+
+    async def one(i: int) -> int:
+        n = max_tokens or 60 + 8 * (i % 6)
+        kwargs = dict(model="tiny", max_tokens=n, temperature=0.0, extra_body={"ignore_eos": True})
+        prompt = f"{SHARED} Question {i}: what is {i} plus {i}?"
+        messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": f"Question {i}?"}]
+        if i % 4 == 0:
+            return (await client.completions.create(prompt=prompt, **kwargs)).usage.completion_tokens
+        if i % 4 == 1:
+            return (await client.chat.completions.create(messages=messages, **kwargs)).usage.completion_tokens
+        stream_kwargs = dict(stream=True, stream_options={"include_usage": True}, **kwargs)
+        if i % 4 == 2:
+            stream = await client.completions.create(prompt=prompt, **stream_kwargs)
+        else:
+            stream = await client.chat.completions.create(messages=messages, **stream_kwargs)
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+
+    tokens = await asyncio.gather(*(one(i) for i in range(n_requests)))
+    assert all(t > 0 for t in tokens)
+    return sum(tokens), len(tokens)
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of every panel (rows included)."""
+
+    def walk(panels):
+        for p in panels:
+            yield p
+            yield from walk(p.get("panels", []))
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in walk(dashboard["panels"]) for t in p.get("targets", [])]
+
+
+def substitute(expr: str, rate_interval: str) -> str:
+    """Grafana's variables, as the dashboard would expand them with "All" selected; rate
+    windows span ``rate_interval`` (the whole workload, so no panel looks at an idle minute)."""
+    for var, value in {"$__rate_interval": rate_interval, "$__interval": "15s", "$__range": rate_interval,
+                       "${model}": ".*", "$model": ".*", "${replica}": ".*", "$replica": ".*"}.items():  # fmt: skip
+        expr = expr.replace(var, value)
+    assert "$" not in expr, expr
+    return expr
+
+
+@pytest.mark.timeout(600)
+def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
+    from cb_serve.serve.metrics import ENGINE_METRICS, ROUTER_METRICS, exported_name
+
+    base_url, prom = stack
+
+    def counted(tokens: int, n: int) -> bool:
+        return (prom.scalar("sum(ray_cb_serve_generation_tokens_total)") == tokens
+                and prom.scalar("sum(ray_cb_serve_time_to_first_token_seconds_count)") == n
+                and prom.scalar("sum(ray_cb_serve_e2e_request_latency_seconds_count)") == n
+                and prom.scalar("sum(ray_cb_serve_router_requests_total)") == n)  # fmt: skip
+
+    # Series appear at their first sample and rate() counts only increases after it: a warm-up
+    # (and the rejections) first, so the main workload shows up in every rate() of the dashboard.
+    started = time.time()
+    asyncio.run(rejected_requests(base_url))
+    tokens, n = asyncio.run(workload(base_url, 4, max_tokens=4))
+    wait_for("Prometheus to see the warm-up", lambda: counted(tokens, n), timeout=90)
+    more_tokens, more = asyncio.run(workload(base_url, N_REQUESTS))
+    tokens, n = tokens + more_tokens, n + more
+    wait_for("the last scrape to count the whole workload", lambda: counted(tokens, n), timeout=90)
+    # Acceptance 1: exactly what the clients received, and one latency observation per request.
+    assert prom.scalar("sum(ray_cb_serve_generation_tokens_total)") == tokens
+    assert prom.scalar("sum(ray_cb_serve_time_to_first_token_seconds_count)") == n
+    assert prom.scalar("sum(ray_cb_serve_e2e_request_latency_seconds_count)") == n
+    assert prom.scalar("sum(ray_cb_serve_request_queue_time_seconds_count)") == n
+    assert prom.scalar('sum(ray_cb_serve_request_success_total{finished_reason="length"})') == n
+    assert prom.scalar("sum(ray_cb_serve_inter_token_latency_seconds_count)") == tokens - n
+    kv = prom.query("ray_cb_serve_kv_cache_usage_perc")
+    assert len(kv) == 2 and all(0 <= v <= 1 for _, v in kv), kv  # one series per engine replica
+    assert all(labels.get("model") and labels.get("replica") for labels, _ in kv), kv
+    assert 0 < prom.scalar("max(max_over_time(ray_cb_serve_kv_cache_usage_perc[5m]))") <= 1
+    used = prom.query("ray_cb_serve_kv_cache_blocks_used")
+    total = prom.query("ray_cb_serve_kv_cache_blocks_total")
+    assert len(used) == 2 and {v for _, v in total} == {SERVE_ENGINE_ARGS["num_gpu_blocks"]}
+    steps = prom.scalar("sum(ray_cb_serve_batch_token_fill_ratio_count)")
+    assert steps and steps == prom.scalar("sum(ray_cb_serve_batch_num_seqs_count)")
+    assert prom.scalar('sum(ray_cb_serve_batch_token_fill_ratio_bucket{le="1.0"})') == steps  # every step <= 1
+    assert 0 < prom.scalar("sum(ray_cb_serve_batch_token_fill_ratio_sum)") / steps <= 1
+    p99 = prom.scalar("histogram_quantile(0.99, sum by (le) (ray_cb_serve_batch_token_fill_ratio_bucket))")
+    assert 0 < p99 <= 1
+    assert prom.scalar("sum(ray_cb_serve_prefix_cache_hits_total)") > 0
+    assert prom.scalar("sum(ray_cb_serve_num_preemptions_total)") > 0
+    rejected = {
+        labels["status"]: v for labels, v in prom.query("sum by (status) (ray_cb_serve_router_rejections_total)")
+    }
+    assert rejected == {"404": 1, "400": 1}
+    replicas = {labels["replica"] for labels, _ in kv}
+    routed = {labels["engine_replica"] for labels, _ in prom.query("ray_cb_serve_router_requests_total")}
+    assert routed <= replicas, "the router's engine_replica label must match the engine metrics' replica label"
+
+    for name, (kind, _) in (ENGINE_METRICS | ROUTER_METRICS).items():  # the names Ray really exports
+        series = exported_name(name) + ("_count" if kind == "histogram" else "")
+        assert prom.query(series), f"no series {series}"
+
+    # Acceptance 2: every query of every panel returns data, evaluated now that every sample is in,
+    # over windows covering the workload.
+    at = time.time()
+    window = f"{math.ceil(at - started) + 15}s"
+    queries = dashboard_queries()
+    assert len(queries) >= 30
+    missing = {}
+    for title, expr in queries:
+        result = prom.query(substitute(expr, window), at=at)
+        if not any(math.isfinite(v) for _, v in result):
+            missing[f"{title}: {substitute(expr, window)}"] = result
+    assert not missing, f"dashboard queries without data: {missing}"
