@@ -112,6 +112,45 @@ def test_serve_config_is_the_gpu_config_verbatim_and_valid():
     assert config.http_options.host == "0.0.0.0", "the proxies must listen on the pod's network"
 
 
+# Where the GPU application (deploy/config.gpu.yaml = serveConfigV2) may differ from the laptop
+# one (deploy/config.yaml), as documented in the README: engine arguments sized for a GPU, router
+# limits, and the deployments' scaling, resources and health checks. Everything else (app name,
+# route, import path, model, HTTP port, deployment names) must be the same application.
+GPU_OVERRIDES = [
+    "applications.0.args.engine.*",
+    "applications.0.args.router.*",
+    "applications.0.args.routing_stats_period_s",
+    "applications.0.deployments.*.num_replicas",
+    "applications.0.deployments.*.autoscaling_config*",
+    "applications.0.deployments.*.max_ongoing_requests",
+    "applications.0.deployments.*.max_queued_requests",
+    "applications.0.deployments.*.graceful_shutdown_timeout_s",
+    "applications.0.deployments.*.health_check_*",
+    "applications.0.deployments.*.ray_actor_options.*",
+]
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in flatten(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in flatten(item, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def test_serve_config_is_the_laptop_config_plus_documented_gpu_overrides():
+    import fnmatch
+
+    cpu = flatten(yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text()))
+    gpu = flatten(yaml.safe_load(one("RayService")["spec"]["serveConfigV2"]))
+    differing = {key for key in cpu.keys() | gpu.keys() if cpu.get(key) != gpu.get(key)}
+    undocumented = sorted(k for k in differing if not any(fnmatch.fnmatch(k, p) for p in GPU_OVERRIDES))
+    assert not undocumented, f"serveConfigV2 differs from deploy/config.yaml beyond the GPU overrides: {undocumented}"
+    assert gpu["applications.0.deployments.0.ray_actor_options.num_gpus"] == 1
+    for key in ("applications.0.import_path", "applications.0.args.model", "http_options.port"):
+        assert gpu[key] == cpu[key]
+
+
 def test_cluster_shape_matches_the_serve_config():
     rs = one("RayService")
     cluster = rs["spec"]["rayClusterConfig"]
