@@ -25,15 +25,21 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "CB_SERVE_API_KEY": API_KEY}
-    proc = subprocess.Popen([serve_bin, "run", "deploy/config.yaml"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    log_path = tmp_path_factory.mktemp("serve") / "serve_run.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen([serve_bin, "run", "deploy/config.yaml"], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def log_tail() -> str:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            assert proc.poll() is None, "serve run exited"
+            assert proc.poll() is None, f"serve run exited; its log ends:\n{log_tail()}"
             try:
                 if httpx.get(f"{BASE}/v1/models", headers=AUTH, timeout=2).status_code == 200:
                     break
@@ -41,7 +47,7 @@ def server():
                 pass
             time.sleep(2)
         else:
-            pytest.fail("the server did not come up within 240 s")
+            pytest.fail(f"the server did not come up within 240 s; its log ends:\n{log_tail()}")
         yield BASE
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -50,6 +56,7 @@ def server():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=60)
+        log.close()
 
 
 def test_openai_client_matches_offline(server, smol_llm):
