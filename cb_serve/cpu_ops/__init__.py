@@ -1,5 +1,5 @@
 """C++ CPU kernels (``csrc/``), compiled on first use with torch's JIT extension builder and
-cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); ``available()``
+cached under ``$TORCH_EXTENSIONS_DIR/cb_serve`` (default ``~/.cache/torch_extensions``); ``available()``
 is False without a working C++ toolchain (or with ``CB_SERVE_CPU_OPS=0``), and callers then keep
 their PyTorch path. The ops are registered as ``torch.ops.cb_serve.*``.
 """
@@ -7,8 +7,11 @@ their PyTorch path. The ops are registered as ``torch.ops.cb_serve.*``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -27,8 +30,30 @@ EXTENSIONS = {
     # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
     "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
 }
+STALE_LOCK_S = 300  # no build takes this long (~25 s here)
 BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
 OPS = ("paged_decode_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+
+
+def build_directory(name: str, source: str, flags: list[str]) -> Path:
+    """A build directory per content (sources, headers, flags, torch version), holding its own
+    copy of the sources: checkouts at different paths then share one build instead of rebuilding
+    (ninja rebuilds whenever a source path changes)."""
+    files = sorted(CSRC.glob("*.h")) + [CSRC / source]
+    digest = hashlib.sha256(repr((flags, torch.__version__)).encode())
+    for path in files:
+        digest.update(path.read_bytes())
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    directory = root / "cb_serve" / f"{name}-{digest.hexdigest()[:16]}"
+    (directory / "src").mkdir(parents=True, exist_ok=True)
+    for path in files:
+        target = directory / "src" / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            shutil.copyfile(path, target)
+    lock = directory / "lock"  # torch's build lock; a build killed midway leaves it, and torch waits forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    return directory
 
 
 @functools.cache
@@ -40,11 +65,13 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         for name, (source, flags) in EXTENSIONS.items():
+            directory = build_directory(name, source, COMMON_FLAGS + flags)
             load(
                 name=name,
-                sources=[str(CSRC / source)],
+                sources=[str(directory / "src" / source)],
                 extra_cflags=COMMON_FLAGS + flags,
                 extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
             )
