@@ -129,7 +129,8 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, Attention(config, backend, windows[i], qkv_bias, o_bias))
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_cpu_ops(backend))
+        self.use_cpu_ops = use_cpu_ops(backend)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_cpu_ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
@@ -146,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        rope = Rope(positions, self.rope_cos, self.rope_sin, x.dtype, self.layers[0].self_attn.use_cpu_ops)
+        rope = Rope(positions, self.rope_cos, self.rope_sin, x.dtype, self.use_cpu_ops)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return residual + x
