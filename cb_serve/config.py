@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn"]
+ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 
 
 def _arg(default: Any, help: str, **kwargs: Any) -> Any:
@@ -52,9 +52,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
     attention_backend: str = _arg(
         "auto",
-        "Attention backend: auto (flash_attn on CUDA, cpu on CPU, else torch), cpu (C++ paged-decode kernel), "
-        "torch (pure PyTorch reference), flash_attn.",
+        "Attention backend: auto (flash_attn on CUDA if installed, else triton; cpu on CPU; else torch), "
+        "cpu (C++ paged-decode kernel), torch (pure PyTorch reference), flash_attn, triton (Triton paged kernels).",
         choices=ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = _arg(
+        False, "Never use CUDA graphs (by default decode steps on CUDA replay graphs captured at startup)."
     )
     seed: int = _arg(0, "Seed of the engine's default random generator (requests may bring their own).")
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's choice).")

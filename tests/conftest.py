@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: never wait on the network
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from models import make_random_model  # noqa: E402
 

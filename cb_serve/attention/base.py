@@ -43,6 +43,9 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     block_size_multiple: int = 1  # the backend's constraint on the KV block size
+    # Decode-only steps capturable in a CUDA graph: launches depend only on tensor shapes, rows with
+    # seqused_k == 0 / slot_mapping == -1 (graph padding) write no KV and return zeros.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(

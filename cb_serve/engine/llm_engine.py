@@ -18,6 +18,7 @@ from cb_serve.engine.scheduler import Scheduler, SchedulerOutput
 from cb_serve.engine.sequence import Sequence, SequenceStatus
 from cb_serve.engine.stats import EngineStats, StepStats
 from cb_serve.model_executor import loader
+from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import SamplingParams
@@ -37,6 +38,24 @@ def waiting_queue_full(num_waiting: int, num_running: int, config: EngineConfig)
     for one of the ``max_num_seqs`` running slots (queued requests fill free slots first)."""
     limit = config.max_waiting_requests
     return limit is not None and num_waiting >= limit + max(0, config.max_num_seqs - num_running)
+
+
+def activation_bytes(hf_config, config: EngineConfig, dtype_size: int) -> int:
+    """Upper bound on one step's transient memory: the widest activations of a full token budget
+    (hidden state, fused q/k/v and gate/up outputs), float32 logits and their softmax for every
+    running sequence, plus 512 MiB for CUDA graphs, kernel workspaces and allocator slack."""
+    tokens = config.max_num_batched_tokens
+    per_token = (4 * hf_config.hidden_size + 3 * hf_config.intermediate_size) * dtype_size
+    logits = config.max_num_seqs * hf_config.vocab_size * 4 * 2
+    return tokens * per_token + logits + (512 << 20)
+
+
+def cuda_kv_cache_bytes(free: int, total: int, utilization: float, activations: int) -> int:
+    """KV-cache bytes on a device with ``free`` of ``total`` bytes free (after loading the model):
+    the engine may use ``utilization * total`` in all, of which other processes' and our own
+    current use (``total - free``) and the step's ``activations`` are taken first."""
+    budget = min(free, utilization * total - (total - free)) - activations
+    return max(0, int(budget))
 
 
 def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -79,7 +98,12 @@ class LLMEngine:
             config.trust_remote_code,
         )
         self.num_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.dtype, self.device)
+        graph_sizes = None
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
+            graph_sizes = capture_sizes(config.max_num_seqs)
+        self.runner = ModelRunner(
+            model, self.num_blocks, self.block_size, self.dtype, self.device, graph_sizes, self.max_model_len
+        )
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -95,16 +119,18 @@ class LLMEngine:
         self.step_history: deque[StepStats] = deque(maxlen=4096)
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
         self.num_steps = 0
+        self.step_seconds = self.scheduling_seconds = 0.0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s blocks=%d x %d tokens",
+            "engine ready: model=%s device=%s dtype=%s backend=%s blocks=%d x %d tokens, cuda graphs %s",
             self.model_name,
             self.device,
             self.dtype,
             self.backend.name,
             self.num_blocks,
             self.block_size,
+            graph_sizes and f"{len(graph_sizes)} sizes up to {graph_sizes[-1]}",
         )
 
     def _eos_token_ids(self) -> frozenset[int]:
@@ -125,9 +151,8 @@ class LLMEngine:
             num = c.kv_cache_memory // per_block
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            activations = c.max_num_batched_tokens * self.hf_config.vocab_size * 4 * 2 + (512 << 20)
-            budget = min(free, total * c.gpu_memory_utilization - (total - free)) - activations
-            num = int(budget // per_block)
+            activations = activation_bytes(self.hf_config, c, self.dtype.itemsize)
+            num = int(cuda_kv_cache_bytes(free, total, c.gpu_memory_utilization, activations) // per_block)
         else:
             num = CPU_DEFAULT_KV_CACHE_BYTES // per_block
         need = -(-self.max_model_len // self.block_size)
@@ -181,6 +206,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         inp = self.runner.prepare(sched)
+        self.scheduling_seconds += time.monotonic() - start
         num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk)
             n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             for seq, n in zip(sched.seqs, sched.num_scheduled_tokens)
@@ -234,6 +260,7 @@ class LLMEngine:
         self, sched: SchedulerOutput, num_decode_tokens: int, duration: float, outputs: list[RequestOutput]
     ) -> None:
         self.num_steps += 1
+        self.step_seconds += duration
         stats = StepStats(
             num_seqs=len(sched.seqs),
             num_decode_tokens=num_decode_tokens,
@@ -264,4 +291,6 @@ class LLMEngine:
             num_steps=self.num_steps,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            step_seconds=self.step_seconds,
+            scheduling_seconds=self.scheduling_seconds,
         )

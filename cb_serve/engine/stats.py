@@ -36,6 +36,8 @@ class EngineStats:
     num_steps: int
     prompt_tokens: int
     generation_tokens: int
+    step_seconds: float = 0.0  # total wall time in step()
+    scheduling_seconds: float = 0.0  # of it, scheduling + building the batch (host work before the model)
 
     @property
     def kv_cache_usage(self) -> float:

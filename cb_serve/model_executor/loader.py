@@ -122,7 +122,7 @@ def load_model(
         model = ARCHITECTURES[config.model_type](hf_model.config, backend, cos, sin).to(dtype)
     model.load_hf_state_dict(hf_model.state_dict())
     if device.type == "cpu":
-        model.transpose_weight_storage()
+        model.prepare_for_cpu()
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     del hf_model
     return model.eval().requires_grad_(False)

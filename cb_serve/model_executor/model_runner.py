@@ -10,6 +10,7 @@ import torch
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.engine.scheduler import SchedulerOutput
 from cb_serve.engine.sequence import Sequence
+from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplerOutput, SamplingBatch
 
@@ -33,19 +34,37 @@ def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> 
 
 
 class ModelRunner:
+    """Owns the model, its KV cache and (on CUDA) the decode CUDA graphs."""
+
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cuda_graph_sizes: list[int] | None = None,
+        max_model_len: int = 0,
     ) -> None:
         cfg = model.config
         head_dim = model.layers[0].self_attn.head_dim
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.pin_memory = device.type == "cuda"  # host staging buffers, so copies are truly async
         self.kv_caches = [
             torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler()
+        self.graph_runner: DecodeGraphRunner | None = None
+        if cuda_graph_sizes:
+            self.graph_runner = DecodeGraphRunner(
+                self.forward, cuda_graph_sizes, max_model_len, block_size, device, capture=device.type == "cuda"
+            )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         # Decode rows first, longest context first (attention buckets them by length).
@@ -81,7 +100,8 @@ class ModelRunner:
         dev = self.device
 
         def tensor(a, dtype=torch.int64) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(a), dtype=dtype).to(dev, non_blocking=True)
+            host = torch.as_tensor(np.asarray(a), dtype=dtype)
+            return (host.pin_memory() if self.pin_memory else host).to(dev, non_blocking=True)
 
         meta = AttentionMetadata(
             num_decodes=num_decodes,
@@ -106,7 +126,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> SamplerOutput | None:
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(inp.input_ids.shape[0], inp.meta):
+            hidden = graphs.run(inp.input_ids, inp.positions, inp.meta)
+        else:
+            hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
         if not inp.sampling_seqs:
             return None
         logits = self.model.compute_logits(hidden[inp.logits_indices])

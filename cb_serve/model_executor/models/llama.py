@@ -15,6 +15,7 @@ from torch import nn
 
 from cb_serve import cpu_ops
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
+from cb_serve.model_executor.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -61,8 +62,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = backend
         self.use_cpu_ops = use_cpu_ops(backend)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -80,8 +81,8 @@ class MLP(nn.Module):
         self.use_cpu_ops = use_cpu_ops
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         if config.hidden_act != "silu":
             raise ValueError(f"Unsupported activation {config.hidden_act!r} (only silu).")
 
@@ -131,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.use_cpu_ops = use_cpu_ops(backend)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_cpu_ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", rope_cos, persistent=False)  # [max_positions, head_dim]
@@ -184,15 +185,15 @@ class LlamaForCausalLM(nn.Module):
                 put(dst + "mlp.gate_up_proj.bias", src + "mlp.gate_proj.bias", src + "mlp.up_proj.bias")
                 put(dst + "mlp.down_proj.bias", src + "mlp.down_proj.bias")
 
-    @torch.no_grad()
-    def transpose_weight_storage(self) -> None:
-        """Keeps each projection weight as an ``[out, in]`` parameter but stores it transposed,
-        so ``F.linear`` runs a plain (non-transposed) GEMM: on CPU, MKL then streams the weights
-        instead of repacking a transposed operand, ~10% faster at decode batch sizes."""
+    def prepare_for_cpu(self) -> None:
+        """CPU weight layouts: projections stored transposed (plain NN GEMMs at prefill sizes)
+        and, with the C++ kernels, MKL-packed copies for decode-sized batches (see ``Linear``)."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                linear.weight.data = linear.weight.data.t().contiguous().t()
+                linear.prepare_for_cpu(pack=self.use_cpu_ops)
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        self.lm_head.prepare_for_cpu(pack=self.use_cpu_ops, transpose=not tied)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,149 @@
+"""Decode steps through captured CUDA graphs, one per bucketed batch size.
+
+A decode-only step (one query token per sequence) at batch size ``n`` is padded to the smallest
+captured size ``>= n``: the step's inputs are copied into static buffers and the graph that ran
+the model on those buffers is replayed, so the ~10 launches per layer cost one launch. Padding
+rows have ``seqused_k == 0`` and ``slot_mapping == -1``: the attention backend (one with
+``supports_cuda_graphs``) writes no KV for them and returns zeros. Prefill and mixed steps, and
+batches above the largest size, run eagerly.
+
+``capture=False`` runs the same padded static-buffer path without graphs: how the padding logic
+is tested on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cb_serve.attention.base import AttentionMetadata
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def capture_sizes(max_num_seqs: int, largest: int = 256) -> list[int]:
+    """vLLM's buckets: 1, 2, 4, then multiples of 8, up to ``min(max_num_seqs, largest)``
+    (``max_num_seqs`` itself included when it is not a multiple of 8)."""
+    top = min(max_num_seqs, largest)
+    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+def bucket_for(num_rows: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding ``num_rows`` rows; None when none does (run eagerly)."""
+    return next((s for s in sizes if s >= num_rows), None)
+
+
+@dataclass
+class DecodeBuffers:
+    """Static inputs of every captured graph (each graph uses the first ``size`` rows)."""
+
+    input_ids: torch.Tensor  # int64 [max_rows]
+    positions: torch.Tensor  # int64 [max_rows]
+    slot_mapping: torch.Tensor  # int64 [max_rows]; -1 on padding rows
+    seqused_k: torch.Tensor  # int32 [max_rows]; 0 on padding rows
+    block_table: torch.Tensor  # int32 [max_rows, max_blocks_per_seq]
+    cu_seqlens_q: torch.Tensor  # int32 [max_rows + 1]: 0, 1, 2, ... (one query per row)
+
+    @classmethod
+    def allocate(cls, max_rows: int, max_blocks_per_seq: int, device: torch.device) -> DecodeBuffers:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=zeros(max_rows),
+            positions=zeros(max_rows),
+            slot_mapping=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+            seqused_k=zeros(max_rows, dtype=torch.int32),
+            block_table=zeros(max_rows, max_blocks_per_seq, dtype=torch.int32),
+            cu_seqlens_q=torch.arange(max_rows + 1, dtype=torch.int32, device=device),
+        )
+
+    def metadata(self, size: int, max_seqlen_k: int) -> AttentionMetadata:
+        """Decode-only metadata over the first ``size`` rows. Its host lists are placeholders:
+        a graph-capable backend reads only the device tensors in a decode-only step."""
+        return AttentionMetadata(
+            num_decodes=size,
+            query_lens=[1] * size,
+            seq_lens=[max_seqlen_k] * size,
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            cu_seqlens_k=self.cu_seqlens_q[: size + 1],  # unused by decode kernels
+            seqused_k=self.seqused_k[:size],
+            max_seqlen_q=1,
+            max_seqlen_k=max_seqlen_k,
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+        )
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
+        """Copies one step's ``n`` decode rows in and marks rows ``n:size`` as padding."""
+        n = input_ids.shape[0]
+        assert meta.max_seqlen_q == 1 and n <= size
+        width = meta.block_table.shape[1]
+        assert width <= self.block_table.shape[1], "block table wider than max_model_len allows"
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seqused_k[:n].copy_(meta.seqused_k, non_blocking=True)
+        self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
+        self.input_ids[n:size].zero_()
+        self.positions[n:size].zero_()
+        self.slot_mapping[n:size].fill_(-1)
+        self.seqused_k[n:size].zero_()
+
+
+class DecodeGraphRunner:
+    """Captures ``forward(input_ids, positions, meta) -> hidden [rows, hidden]`` at each size."""
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        sizes: list[int],
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        capture: bool = True,
+    ) -> None:
+        self.forward = forward
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.capture = capture
+        self.buffers = DecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device)
+        self.metas = {size: self.buffers.metadata(size, max_model_len) for size in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def can_run(self, num_rows: int, meta: AttentionMetadata) -> bool:
+        return meta.max_seqlen_q == 1 and bucket_for(num_rows, self.sizes) is not None
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        b = self.buffers
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            meta = self.metas[size]
+            self.forward(b.input_ids[:size], b.positions[:size], meta)  # warmup: lazy init, kernel compiles
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.forward(b.input_ids[:size], b.positions[:size], meta)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the step's rows (a view into the graph's output buffer: use it
+        before the next ``run``)."""
+        n = input_ids.shape[0]
+        size = bucket_for(n, self.sizes)
+        assert size is not None and meta.max_seqlen_q == 1
+        self.buffers.load(input_ids, positions, meta, size)
+        if not self.capture:
+            return self.forward(self.buffers.input_ids[:size], self.buffers.positions[:size], self.metas[size])[:n]
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
