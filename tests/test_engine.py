@@ -196,3 +196,38 @@ def test_token_id_prompts_and_order(tiny_llm: LLM):
     )
     assert [o.prompt_token_ids[:3] for o in (outs[0], outs[2])] == [[5, 6, 7], [9, 9, 9]]
     assert outs[1].prompt == "text prompt"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bf16_kv_cache_halves_kv_memory_and_keeps_greedy_outputs(random_model_dir, tokenizer, backend):
+    """``kv_cache_dtype="bfloat16"`` under float32 weights: twice the blocks in the same memory,
+    and greedy outputs that still follow HF's float32 ones. Rounding K/V to bf16 moves logits by
+    ~1e-2 here, so a divergence is accepted only where HF's top-2 logits are within 0.05 and
+    our token is its second choice."""
+    from models import assert_greedy_match, hf_greedy
+
+    if backend == "cpu":
+        from cb_serve import cpu_ops
+
+        if not cpu_ops.available():
+            pytest.skip("the C++ kernels did not build")
+    model = str(random_model_dir("llama"))
+    args = dict(max_model_len=256, kv_cache_memory=1 << 20, attention_backend=backend, max_num_batched_tokens=32)
+    fp32 = LLM(model, **args).engine.num_blocks
+    llm = LLM(model, kv_cache_dtype="bfloat16", **args)
+    assert llm.engine.num_blocks == 2 * fp32
+    assert all(c.dtype.is_floating_point and c.element_size() == 2 for c in llm.engine.runner.kv_caches)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    lens = [12, 20, 8, 16, 10, 24]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, ((ref, logits), out) in enumerate(zip(hf_greedy(model, prompts, lens), outputs)):
+        assert_greedy_match(tokens(out), ref, logits, context=f"prompt {i}", tie_tolerance=0.05)
+    assert llm.engine.get_stats().kv_blocks_used == 0
+
+
+def test_kv_cache_dtype_is_validated(random_model_dir):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(str(random_model_dir("llama")), kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype=float32 differs"):
+        LLM(str(random_model_dir("llama")), dtype="bfloat16", kv_cache_dtype="float32", max_model_len=128)

@@ -63,5 +63,5 @@ class AttentionBackend(ABC):
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

@@ -17,7 +17,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def write_kv(k, v, kv_cache, slot_mapping) -> None:
-        cpu_ops.write_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        cpu_ops.write_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], slot_mapping)
 
     def decode(self, out, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
         n = meta.num_decodes

@@ -96,7 +96,8 @@ class TorchAttentionBackend(AttentionBackend):
                 ks, vs = k[start:end], v[start:end]
             else:
                 block_ids = meta.block_table[i, : -(-k_len // block_size)]
-                ks, vs = gather_blocks(kv_cache[0], block_ids)[:k_len], gather_blocks(kv_cache[1], block_ids)[:k_len]
+                ks = gather_blocks(kv_cache[0], block_ids)[:k_len].to(q.dtype)
+                vs = gather_blocks(kv_cache[1], block_ids)[:k_len].to(q.dtype)
             out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window)
             start = end
         return out
@@ -106,8 +107,8 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = kv_cache.shape[2]
         for b in decode_buckets(meta, block_size):
             n = b.end - b.start
-            ks = gather_blocks(kv_cache[0], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2)
-            vs = gather_blocks(kv_cache[1], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2)
+            ks = gather_blocks(kv_cache[0], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2).to(q.dtype)
+            vs = gather_blocks(kv_cache[1], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 q[b.start : b.end].unsqueeze(2),
                 ks,

@@ -74,6 +74,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.device, self.dtype = resolve_device_and_dtype(config)
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self.source = loader.resolve_model_source(config.model)
         self.hf_config = loader.load_config(self.source, config.trust_remote_code)
         self.tokenizer = loader.load_tokenizer(self.source, config.tokenizer, config.trust_remote_code)
@@ -87,6 +88,13 @@ class LLMEngine:
             raise ValueError(
                 f"The {self.backend.name} backend needs block_size to be a multiple of "
                 f"{self.backend.block_size_multiple}, got {self.block_size}."
+            )
+        if self.kv_cache_dtype != self.dtype and (
+            self.backend.name not in ("cpu", "torch") or self.dtype != torch.float32
+        ):
+            raise ValueError(
+                f"kv_cache_dtype={config.kv_cache_dtype} differs from the model dtype {self.dtype}: supported only "
+                f"under float32 weights with the cpu or torch attention backend (got {self.backend.name})."
             )
         model = loader.load_model(
             self.source,
@@ -102,7 +110,7 @@ class LLMEngine:
         if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
             graph_sizes = capture_sizes(config.max_num_seqs)
         self.runner = ModelRunner(
-            model, self.num_blocks, self.block_size, self.dtype, self.device, graph_sizes, self.max_model_len
+            model, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device, graph_sizes, self.max_model_len
         )
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -123,10 +131,11 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s blocks=%d x %d tokens, cuda graphs %s",
+            "engine ready: model=%s device=%s dtype=%s kv cache %s backend=%s blocks=%d x %d tokens, cuda graphs %s",
             self.model_name,
             self.device,
             self.dtype,
+            self.kv_cache_dtype,
             self.backend.name,
             self.num_blocks,
             self.block_size,
@@ -143,7 +152,7 @@ class LLMEngine:
         return frozenset(ids)
 
     def _num_kv_blocks(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.kv_cache_dtype)
         c = self.config
         if c.num_gpu_blocks:
             num = c.num_gpu_blocks

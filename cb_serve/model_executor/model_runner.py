@@ -41,7 +41,7 @@ class ModelRunner:
         model: LlamaForCausalLM,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype,
         device: torch.device,
         cuda_graph_sizes: list[int] | None = None,
         max_model_len: int = 0,
@@ -53,7 +53,9 @@ class ModelRunner:
         self.block_size = block_size
         self.pin_memory = device.type == "cuda"  # host staging buffers, so copies are truly async
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(
+                2, num_blocks, block_size, cfg.num_key_value_heads, head_dim, dtype=kv_cache_dtype, device=device
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler()

@@ -12,19 +12,20 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 // One call's operands: decode row n's query is q + n * q_stride_n + h * q_stride_h (head h), its
 // output out + (n * num_heads + h) * head_dim, its cached tokens live in the blocks of its row of
-// block_table.
-template <typename scalar_t>
+// block_table. The cache may hold a narrower type than the queries (a bf16/fp16 KV cache).
+template <typename scalar_t, typename cache_t = scalar_t>
 struct DecodeProblem {
   scalar_t* out;
   const scalar_t* q;
-  const scalar_t* k_cache;
-  const scalar_t* v_cache;
+  const cache_t* k_cache;
+  const cache_t* v_cache;
   const int32_t* block_table;
   const int32_t* seq_lens;
   int64_t num_heads, num_kv_heads, head_dim, block_size;
@@ -50,11 +51,17 @@ struct DecodeProblem {
 #if defined(__AVX512F__)
 constexpr int64_t kPrefetch = 16;  // tokens ahead
 
-// float32, head_dim = 16 * NV: one query head at a time with its NV accumulators in registers;
-// the sequence's K/V rows stay in L2 between the heads of a KV group, and the first head of a
-// group prefetches them from memory.
-template <int NV>
-void decode_sequence_avx512(const DecodeProblem<float>& p, int64_t n) {
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32: the 16 bits become the high half
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// float32 queries, head_dim = 16 * NV, a float32 or bf16 cache: one query head at a time with its
+// NV accumulators in registers; the sequence's K/V rows stay in L2 between the heads of a KV
+// group, and the first head of a group prefetches them from memory.
+template <int NV, typename cache_t>
+void decode_sequence_avx512(const DecodeProblem<float, cache_t>& p, int64_t n) {
   constexpr int64_t D = 16 * NV;
   const std::vector<int64_t> rows = p.row_offsets(n);
   const int64_t span = static_cast<int64_t>(rows.size());
@@ -70,9 +77,9 @@ void decode_sequence_avx512(const DecodeProblem<float>& p, int64_t n) {
     for (int64_t i = 0; i < span; ++i) {
       if (prefetch && i + kPrefetch < span)
         for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(p.k_cache + rows[i + kPrefetch] + head + 16 * j), _MM_HINT_T0);
-      const float* key = p.k_cache + rows[i] + head;
-      __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(key + 16 * j), acc);
+      const cache_t* key = p.k_cache + rows[i] + head;
+      __m512 acc = _mm512_mul_ps(qv[0], load16(key));
+      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], load16(key + 16 * j), acc);
       scores[i] = _mm512_reduce_add_ps(acc);
       m = std::max(m, scores[i]);
     }
@@ -90,9 +97,9 @@ void decode_sequence_avx512(const DecodeProblem<float>& p, int64_t n) {
     for (int64_t i = 0; i < span; ++i) {
       if (prefetch && i + kPrefetch < span)
         for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(p.v_cache + rows[i + kPrefetch] + head + 16 * j), _MM_HINT_T0);
-      const float* value = p.v_cache + rows[i] + head;
+      const cache_t* value = p.v_cache + rows[i] + head;
       const __m512 w = _mm512_set1_ps(scores[i]);
-      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * j), acc[j]);
+      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(w, load16(value + 16 * j), acc[j]);
     }
     float* o = p.out + (n * p.num_heads + h) * D;
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], inv_sum));
@@ -101,8 +108,8 @@ void decode_sequence_avx512(const DecodeProblem<float>& p, int64_t n) {
 #endif
 
 // Any dtype and head_dim: token rows outer (every KV head of a token read once), float math.
-template <typename scalar_t>
-void decode_sequence(const DecodeProblem<scalar_t>& p, int64_t n) {
+template <typename scalar_t, typename cache_t>
+void decode_sequence(const DecodeProblem<scalar_t, cache_t>& p, int64_t n) {
   const int64_t num_heads = p.num_heads, head_dim = p.head_dim, group = p.group();
   const std::vector<int64_t> rows = p.row_offsets(n);
   const int64_t span = static_cast<int64_t>(rows.size());
@@ -114,7 +121,7 @@ void decode_sequence(const DecodeProblem<scalar_t>& p, int64_t n) {
   std::vector<float> scores(num_heads * span);  // [head][token]
   for (int64_t i = 0; i < span; ++i) {
     for (int64_t h = 0; h < num_heads; ++h) {
-      const scalar_t* key = p.k_cache + rows[i] + (h / group) * head_dim;
+      const cache_t* key = p.k_cache + rows[i] + (h / group) * head_dim;
       const float* qh = query.data() + h * head_dim;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -138,7 +145,7 @@ void decode_sequence(const DecodeProblem<scalar_t>& p, int64_t n) {
   std::vector<float> acc(num_heads * head_dim, 0.f);
   for (int64_t i = 0; i < span; ++i) {
     for (int64_t h = 0; h < num_heads; ++h) {
-      const scalar_t* value = p.v_cache + rows[i] + (h / group) * head_dim;
+      const cache_t* value = p.v_cache + rows[i] + (h / group) * head_dim;
       const float w = scores[h * span + i];
       float* ah = acc.data() + h * head_dim;
 #pragma omp simd
@@ -150,18 +157,35 @@ void decode_sequence(const DecodeProblem<scalar_t>& p, int64_t n) {
     for (int64_t d = 0; d < head_dim; ++d) o[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] / denom[h]);
 }
 
-template <typename scalar_t>
-auto pick_kernel(int64_t /*head_dim*/) {
-  return decode_sequence<scalar_t>;
-}
+template <typename scalar_t, typename cache_t>
+struct KernelPicker {
+  static auto pick(int64_t /*head_dim*/) { return decode_sequence<scalar_t, cache_t>; }
+};
 
-template <>
-auto pick_kernel<float>(int64_t head_dim) {
+template <typename cache_t>  // float queries over a float or bf16 cache: the AVX-512 paths
+struct AvxKernelPicker {
+  static auto pick(int64_t head_dim) {
 #if defined(__AVX512F__)
-  if (head_dim == 64) return decode_sequence_avx512<4>;
-  if (head_dim == 128) return decode_sequence_avx512<8>;
+    if (head_dim == 64) return decode_sequence_avx512<4, cache_t>;
+    if (head_dim == 128) return decode_sequence_avx512<8, cache_t>;
 #endif
-  return decode_sequence<float>;
+    return decode_sequence<float, cache_t>;
+  }
+};
+template <>
+struct KernelPicker<float, float> : AvxKernelPicker<float> {};
+template <>
+struct KernelPicker<float, c10::BFloat16> : AvxKernelPicker<c10::BFloat16> {};
+
+template <typename scalar_t, typename cache_t>
+void run_decode(const DecodeProblem<scalar_t, cache_t>& problem, int64_t num_seqs) {
+  const auto kernel = KernelPicker<scalar_t, cache_t>::pick(problem.head_dim);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  // Round-robin over sequences: the caller sorts them longest first, so threads get equal work.
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tid = begin; tid < end; ++tid)
+      for (int64_t n = tid; n < num_seqs; n += threads) kernel(problem, n);
+  });
 }
 
 // out [N, H, D] contiguous; q [N, H, D] (head rows contiguous); k_cache / v_cache
@@ -176,9 +200,11 @@ void paged_decode_attention(
                   k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
               "k_cache must be [num_blocks, block_size, KVH, D] with contiguous blocks");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(), "v_cache like k_cache");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "out, q, k_cache and v_cache must share a dtype");
+  const bool narrow_cache = q.scalar_type() == at::kFloat &&
+                            (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || narrow_cache) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "out and q must share a dtype; k_cache and v_cache theirs, or bf16/fp16 under float32 queries");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32 rows");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -186,21 +212,25 @@ void paged_decode_attention(
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(seq_lens.size(0) == num_seqs && block_table.size(0) == num_seqs, "one row per sequence");
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const DecodeProblem<scalar_t> problem{out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                          block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                          num_heads, num_kv_heads, head_dim, k_cache.size(1),
-                                          q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
-                                          static_cast<float>(scale), sliding_window};
-    const auto kernel = pick_kernel<scalar_t>(head_dim);
-    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
-    // Round-robin over sequences: the caller sorts them longest first, so threads get equal work.
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t tid = begin; tid < end; ++tid)
-        for (int64_t n = tid; n < num_seqs; n += threads) kernel(problem, n);
+  auto run = [&](auto* q_type, auto* cache_type) {
+    using scalar_t = std::remove_pointer_t<decltype(q_type)>;
+    using cache_t = std::remove_pointer_t<decltype(cache_type)>;
+    const DecodeProblem<scalar_t, cache_t> problem{
+        out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
+        block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), num_heads, num_kv_heads, head_dim,
+        k_cache.size(1), q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
+        static_cast<float>(scale), sliding_window};
+    run_decode(problem, num_seqs);
+  };
+  if (k_cache.scalar_type() == at::kBFloat16 && narrow_cache) {
+    run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+  } else if (k_cache.scalar_type() == at::kHalf && narrow_cache) {
+    run(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+      run(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
     });
-  });
+  }
 }
 
 // Copies row i of k and v ([T, KVH, D], head rows contiguous) to slot slot_mapping[i] of
