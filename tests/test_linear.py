@@ -1,4 +1,5 @@
-"""The CPU linear layer: MKL-packed weights for small batches, transposed storage for large ones."""
+"""The CPU linear layer: a packed weight for ``cpu_ops.decode_gemm`` at decode batch sizes,
+MKL on the transposed weight above them."""
 
 from __future__ import annotations
 
@@ -6,31 +7,46 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cb_serve.model_executor.linear import PACKED_MAX_ROWS, Linear, packed_gemm_works
+from cb_serve import cpu_ops
+from cb_serve.model_executor.linear import DECODE_MAX_ROWS, Linear
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepared_linear_equals_plain_linear_at_every_batch_size(bias):
+@pytest.mark.parametrize("shape", [(96, 200), (576, 960), (40, 17)])  # (in, out); 17 and 200 pad a tile
+def test_prepared_linear_equals_plain_linear_at_every_batch_size(bias, shape):
     torch.manual_seed(0)
-    layer = Linear(96, 200, bias=bias)
+    layer = Linear(*shape, bias=bias)
     weight = layer.weight.detach().clone()
     bias_value = layer.bias.detach().clone() if bias else None
     layer.prepare_for_cpu(pack=True)
-    assert (layer.packed_weight is not None) == packed_gemm_works()
-    assert layer.weight.shape == (200, 96) and layer.weight.stride() == (1, 200)  # [out, in], stored transposed
+    assert layer.decode_weight is not None
+    assert layer.weight.shape == shape[::-1] and layer.weight.stride() == (1, shape[1])  # [out, in], stored transposed
     with torch.inference_mode():
-        for rows in (1, 3, 16, 34, 64, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 700):
-            x = torch.randn(rows, 96)
+        for rows in (1, 3, 12, 13, 34, DECODE_MAX_ROWS, DECODE_MAX_ROWS + 1, 300):
+            x = torch.randn(rows, shape[0])
             torch.testing.assert_close(layer(x), F.linear(x, weight, bias_value), rtol=1e-5, atol=1e-5)
-        x = torch.randn(2, 5, 96)  # not 2-D: the plain path
+        x = torch.randn(2, 5, shape[0])  # not 2-D: the plain path
         torch.testing.assert_close(layer(x), F.linear(x, weight, bias_value), rtol=1e-5, atol=1e-5)
-        assert layer(torch.randn(0, 96)).shape == (0, 200)
+        assert layer(torch.randn(0, shape[0])).shape == (0, shape[1])
+
+
+def test_decode_gemm_rows_do_not_depend_on_the_batch():
+    """Each output is one FMA chain over k: a row's result is bit-identical alone or in a batch."""
+    torch.manual_seed(1)
+    weight = torch.randn(100, 64)
+    packed = cpu_ops.pack_decode_weight(weight)
+    x = torch.randn(30, 64)
+    batch = cpu_ops.decode_gemm(x, packed, 100, None)
+    for row in (0, 11, 12, 29):
+        assert torch.equal(cpu_ops.decode_gemm(x[row : row + 1].contiguous(), packed, 100, None)[0], batch[row])
 
 
 def test_packing_is_float32_only_and_a_tied_weight_keeps_its_layout():
     half = Linear(32, 48).to(torch.bfloat16)
     half.prepare_for_cpu(pack=True)
-    assert half.packed_weight is None
+    assert half.decode_weight is None
 
     embedding = torch.nn.Embedding(48, 32)
     head = Linear(32, 48, bias=False)

@@ -29,10 +29,20 @@ EXTENSIONS = {
     ),
     # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
     "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
+    "cb_serve_gemm_ops": ("decode_gemm.cpp", ["-mprefer-vector-width=512"]),
 }
 STALE_LOCK_S = 300  # no build takes this long (~25 s here)
 BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
-OPS = ("paged_decode_attention", "write_kv", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+OPS = (
+    "paged_decode_attention",
+    "write_kv",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "pack_decode_weight",
+    "decode_gemm",
+)
 
 
 def build_directory(name: str, source: str, flags: list[str]) -> Path:
@@ -127,4 +137,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :I]) * x[:, I:]``."""
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     torch.ops.cb_serve.silu_and_mul(out, x)
+    return out
+
+
+def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[N, K]`` weight as ``decode_gemm`` reads it: tiles of 32 output columns, each
+    ``[K, 32]`` and contiguous (zero-padded to a multiple of 32 columns)."""
+    return torch.ops.cb_serve.pack_decode_weight(weight)
+
+
+def decode_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a small float32 batch ``x`` (``[M, K]``, contiguous), from the
+    packed weight: every weight byte read once per call, FMA chains in k order (batch-invariant)."""
+    out = x.new_empty(x.shape[0], out_features)
+    torch.ops.cb_serve.decode_gemm(out, x, packed, bias)
     return out

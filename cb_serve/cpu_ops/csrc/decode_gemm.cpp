@@ -1,0 +1,113 @@
+// float32 GEMM for decode-sized batches: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), M small.
+// The weight is packed once into tiles of 32 output columns, [ceil(N / 32)][K][32], so one tile is
+// one contiguous stream; each tile is read once from memory and reused from cache for every
+// block of up to 12 rows, with 12 x 2 register accumulators. Each output is an FMA chain over k in
+// order, so results do not depend on M (batch invariance) and need no horizontal sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 32;  // output columns per tile
+constexpr int kMaxRows = 12;   // rows per register block
+
+at::Tensor pack_decode_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: float32 [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1), tiles = (n + kCols - 1) / kCols;
+  // [N, K] -> zero-padded [tiles * 32, K] -> [tiles, 32, K] -> [tiles, K, 32]
+  const at::Tensor padded = at::constant_pad_nd(weight.contiguous(), {0, 0, 0, tiles * kCols - n}).contiguous();
+  return padded.view({tiles, kCols, k}).transpose(1, 2).contiguous();
+}
+
+#if defined(__AVX512F__)
+template <int Rows>
+void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
+                const float* bias) {
+  __m512 lo[Rows], hi[Rows];
+  for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    _mm_prefetch((const char*)(tile + (k + 16) * kCols), _MM_HINT_T0);
+    _mm_prefetch((const char*)(tile + (k + 16) * kCols + 16), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(tile + k * kCols), w1 = _mm512_loadu_ps(tile + k * kCols + 16);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
+      lo[r] = _mm512_fmadd_ps(a, w0, lo[r]);
+      hi[r] = _mm512_fmadd_ps(a, w1, hi[r]);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? (__mmask16)0xFFFF : cols <= 16 ? (__mmask16)0 : (__mmask16)((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_mask_storeu_ps(out + r * ld_out, m0, _mm512_add_ps(lo[r], b0));
+    _mm512_mask_storeu_ps(out + r * ld_out + 16, m1, _mm512_add_ps(hi[r], b1));
+  }
+}
+#else
+template <int Rows>
+void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
+                const float* bias) {
+  for (int r = 0; r < Rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < k_dim; ++k) acc += x[r * k_dim + k] * tile[k * kCols + c];
+      out[r * ld_out + c] = acc + (bias ? bias[c] : 0.f);
+    }
+}
+#endif
+
+using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*);
+template <int... R>
+constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
+  return {tile_block<R + 1>...};
+}
+constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kMaxRows>{});
+
+// out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight; bias [N] or undefined.
+void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kCols && packed.is_contiguous(),
+              "packed weight does not match x");
+  const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = out.size(1), tiles = packed.size(0);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == m_dim && (n_dim + kCols - 1) / kCols == tiles, "out: [M, N]");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n_dim, "bias: [N]");
+    b = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
+      for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - m0);
+        kBlocks[rows - 1](xp + m0 * k_dim, k_dim, wp + t * k_dim * kCols, op + m0 * n_dim + n0, n_dim, cols,
+                          b ? b + n0 : nullptr);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
+  m.def("pack_decode_weight(Tensor weight) -> Tensor");
+  m.def("decode_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
+  m.impl("pack_decode_weight", &pack_decode_weight);
+  m.impl("decode_gemm", &decode_gemm);
+}
