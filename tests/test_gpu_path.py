@@ -14,7 +14,7 @@ from models import assert_greedy_match
 from cb_serve import LLM, SamplingParams
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.config import EngineConfig
-from cb_serve.engine.llm_engine import activation_bytes, cuda_kv_cache_bytes
+from cb_serve.engine.kv_cache_sizing import activation_bytes, cuda_kv_cache_bytes
 from cb_serve.model_executor.cuda_graph import DecodeBuffers, DecodeGraphRunner, bucket_for, capture_sizes
 
 GiB = 1 << 30

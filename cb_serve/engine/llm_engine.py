@@ -12,6 +12,7 @@ import torch
 from cb_serve.attention import get_attention_backend
 from cb_serve.config import EngineConfig
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.kv_cache_sizing import num_kv_blocks
 from cb_serve.engine.processor import InputProcessor, PromptType
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler, SchedulerOutput
@@ -19,13 +20,12 @@ from cb_serve.engine.sequence import Sequence, SequenceStatus
 from cb_serve.engine.stats import EngineStats, StepStats
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
-from cb_serve.model_executor.model_runner import ModelRunner, kv_cache_bytes_per_block
+from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
@@ -38,24 +38,6 @@ def waiting_queue_full(num_waiting: int, num_running: int, config: EngineConfig)
     for one of the ``max_num_seqs`` running slots (queued requests fill free slots first)."""
     limit = config.max_waiting_requests
     return limit is not None and num_waiting >= limit + max(0, config.max_num_seqs - num_running)
-
-
-def activation_bytes(hf_config, config: EngineConfig, dtype_size: int) -> int:
-    """Upper bound on one step's transient memory: the widest activations of a full token budget
-    (hidden state, fused q/k/v and gate/up outputs), float32 logits and their softmax for every
-    running sequence, plus 512 MiB for CUDA graphs, kernel workspaces and allocator slack."""
-    tokens = config.max_num_batched_tokens
-    per_token = (4 * hf_config.hidden_size + 3 * hf_config.intermediate_size) * dtype_size
-    logits = config.max_num_seqs * hf_config.vocab_size * 4 * 2
-    return tokens * per_token + logits + (512 << 20)
-
-
-def cuda_kv_cache_bytes(free: int, total: int, utilization: float, activations: int) -> int:
-    """KV-cache bytes on a device with ``free`` of ``total`` bytes free (after loading the model):
-    the engine may use ``utilization * total`` in all, of which other processes' and our own
-    current use (``total - free``) and the step's ``activations`` are taken first."""
-    budget = min(free, utilization * total - (total - free)) - activations
-    return max(0, int(budget))
 
 
 def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -105,7 +87,9 @@ class LLMEngine:
             self.max_model_len,
             config.trust_remote_code,
         )
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = num_kv_blocks(
+            config, self.hf_config, self.block_size, self.max_model_len, self.kv_cache_dtype, self.dtype, self.device
+        )
         graph_sizes = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
             graph_sizes = capture_sizes(config.max_num_seqs)
@@ -150,28 +134,6 @@ class LLMEngine:
             elif source:
                 ids.update(source)
         return frozenset(ids)
-
-    def _num_kv_blocks(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.kv_cache_dtype)
-        c = self.config
-        if c.num_gpu_blocks:
-            num = c.num_gpu_blocks
-        elif c.kv_cache_memory:
-            num = c.kv_cache_memory // per_block
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            activations = activation_bytes(self.hf_config, c, self.dtype.itemsize)
-            num = int(cuda_kv_cache_bytes(free, total, c.gpu_memory_utilization, activations) // per_block)
-        else:
-            num = CPU_DEFAULT_KV_CACHE_BYTES // per_block
-        need = -(-self.max_model_len // self.block_size)
-        if num < need:
-            raise ValueError(
-                f"The KV cache holds {num} blocks of {self.block_size} tokens, fewer than one "
-                f"max_model_len={self.max_model_len} sequence needs ({need}). Raise the KV cache "
-                f"size or lower max_model_len."
-            )
-        return num
 
     # ---- requests -------------------------------------------------------------------
     def add_request(

@@ -27,12 +27,6 @@ class ModelInput:
     sampling_seqs: list[Sequence]
 
 
-def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
-
-
 class ModelRunner:
     """Owns the model, its KV cache and (on CUDA) the decode CUDA graphs."""
 

@@ -1,0 +1,66 @@
+"""How many KV-cache blocks an engine gets: from explicit settings, the CPU default, or what is
+left of the device's memory after the weights and one step's activations."""
+
+from __future__ import annotations
+
+import torch
+
+from cb_serve.config import EngineConfig
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def activation_bytes(hf_config, config: EngineConfig, dtype_size: int) -> int:
+    """Upper bound on one step's transient memory: the widest activations of a full token budget
+    (hidden state, fused q/k/v and gate/up outputs), float32 logits and their softmax for every
+    running sequence, plus 512 MiB for CUDA graphs, kernel workspaces and allocator slack."""
+    tokens = config.max_num_batched_tokens
+    per_token = (4 * hf_config.hidden_size + 3 * hf_config.intermediate_size) * dtype_size
+    logits = config.max_num_seqs * hf_config.vocab_size * 4 * 2
+    return tokens * per_token + logits + (512 << 20)
+
+
+def cuda_kv_cache_bytes(free: int, total: int, utilization: float, activations: int) -> int:
+    """KV-cache bytes on a device with ``free`` of ``total`` bytes free (after loading the model):
+    the engine may use ``utilization * total`` in all, of which other processes' and our own
+    current use (``total - free``) and the step's ``activations`` are taken first."""
+    budget = min(free, utilization * total - (total - free)) - activations
+    return max(0, int(budget))
+
+
+def num_kv_blocks(
+    config: EngineConfig,
+    hf_config,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_dtype: torch.dtype,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """``num_gpu_blocks``, else ``kv_cache_memory``, else (CUDA) free device memory, else 1 GiB;
+    raises if that cannot hold one ``max_model_len`` sequence."""
+    per_block = kv_cache_bytes_per_block(hf_config, block_size, kv_cache_dtype)
+    if config.num_gpu_blocks:
+        num = config.num_gpu_blocks
+    elif config.kv_cache_memory:
+        num = config.kv_cache_memory // per_block
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        activations = activation_bytes(hf_config, config, dtype.itemsize)
+        num = cuda_kv_cache_bytes(free, total, config.gpu_memory_utilization, activations) // per_block
+    else:
+        num = CPU_DEFAULT_KV_CACHE_BYTES // per_block
+    need = -(-max_model_len // block_size)
+    if num < need:
+        raise ValueError(
+            f"The KV cache holds {num} blocks of {block_size} tokens, fewer than one "
+            f"max_model_len={max_model_len} sequence needs ({need}). Raise the KV cache "
+            f"size or lower max_model_len."
+        )
+    return num
