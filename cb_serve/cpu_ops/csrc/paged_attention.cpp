@@ -49,7 +49,7 @@ struct DecodeProblem {
 };
 
 #if defined(__AVX512F__)
-constexpr int64_t kPrefetch = 16;  // tokens ahead
+constexpr int64_t kPrefetch = 32;  // tokens ahead: 16/32/48/64/96 measured 42/35/36/37/40 ms per decode step
 
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32: the 16 bits become the high half
