@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -72,7 +71,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -82,7 +81,6 @@ import httpx
 import numpy as np
 import torch
 import yaml
-from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -91,7 +89,8 @@ from throughput import (
     Workload,
     _busy_cpu_seconds,
     cb_serve_source,
-    left_pad,
+    eos_disabled,
+    hf_static_batch,
     load_hf_model,
     log,
     make_workload,
@@ -282,27 +281,11 @@ class StepClock(BaseStreamer):
         pass
 
 
-@contextlib.contextmanager
-def eos_disabled(model) -> Iterator[None]:
-    """No EOS stopping, as in ``throughput.run_hf_static``: ``generate()`` fills an unset eos_token_id from
-    the model's generation_config, so clear it there too (otherwise rows stop at EOS and are padded)."""
-    saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
-    try:
-        yield
-    finally:
-        model.generation_config.eos_token_id = saved
-
-
 def hf_generate(
     model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, streamer: StepClock
 ) -> list[list[int]]:
-    """One static left-padded greedy batch, as in ``throughput.run_hf_static``; returns the new tokens."""
-    input_ids, mask = left_pad(prompts, pad_id)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id, use_cache=True
-    )
-    out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=streamer)
-    new = out[:, input_ids.shape[1] :].tolist()
+    """``throughput.hf_static_batch`` with a step clock; checks that the clock saw every step and token."""
+    new = hf_static_batch(model, prompts, max_new_tokens, pad_id, streamer).tolist()
     if len(streamer.times) != max_new_tokens or any(len(row) != max_new_tokens for row in new):
         raise RuntimeError(f"hf: {len(streamer.times)} steps streamed, {max_new_tokens} tokens expected")
     if [list(step) for step in zip(*new)] != streamer.tokens:

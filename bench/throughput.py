@@ -41,7 +41,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,41 +322,49 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return input_ids, mask
 
 
-@torch.inference_mode()
-def run_hf_static(model, tokenizer, workload: Workload, batch_size: int) -> SystemResult:
+@contextmanager
+def eos_disabled(model) -> Iterator[None]:
+    """No EOS stopping (greedy tokens stay unaltered, unlike with min_new_tokens). generate() fills an unset
+    eos_token_id from the model's generation_config, so clear it there too: otherwise rows stop at EOS and
+    are padded while the rest of the batch goes on."""
+    saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
+def hf_static_batch(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, streamer=None) -> torch.Tensor:
+    """One static left-padded greedy ``generate`` batch (inside ``eos_disabled``); the new tokens
+    ``[len(prompts), max_new_tokens]``."""
     from transformers import GenerationConfig
 
+    input_ids, mask = left_pad(prompts, pad_id)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id, use_cache=True
+    )
+    out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=streamer)
+    return out[:, input_ids.shape[1] :]
+
+
+@torch.inference_mode()
+def run_hf_static(model, tokenizer, workload: Workload, batch_size: int) -> SystemResult:
     tokenizer.padding_side = "left"
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
-        input_ids, mask = left_pad(prompts, pad_id)
-        config = GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=pad_id, use_cache=True
-        )
-        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
-        return out[:, input_ids.shape[1] :]
-
-    # No EOS stopping (greedy tokens stay unaltered, unlike with min_new_tokens). generate() fills an unset
-    # eos_token_id from the model's generation_config, so clear it there too: otherwise rows stop at EOS
-    # and are padded while the rest of the batch goes on.
-    model_eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
-    try:
-        generate([warmup_prompt(workload)], 2)
+    with eos_disabled(model):
+        hf_static_batch(model, [warmup_prompt(workload)], 2, pad_id)
         outputs: list[list[int]] = []
         padding = wasted = 0
         with Timer() as timer:
             for b in range(0, workload.num_requests, batch_size):
                 prompts = workload.prompts[b : b + batch_size]
                 lens = workload.output_lens[b : b + batch_size]
-                new = generate(prompts, max(lens))
+                new = hf_static_batch(model, prompts, max(lens), pad_id)
                 if new.shape[1] != max(lens):
                     raise RuntimeError(f"hf-static: generated {new.shape[1]} tokens, expected {max(lens)}.")
                 outputs.extend(new[row, :n].tolist() for row, n in enumerate(lens))
                 padding += sum(max(len(p) for p in prompts) - len(p) for p in prompts)
                 wasted += sum(max(lens) - n for n in lens)
-    finally:
-        model.generation_config.eos_token_id = model_eos
     return make_result(
         "hf-static",
         timer,

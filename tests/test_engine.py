@@ -4,6 +4,7 @@ sampling options, stop conditions, n > 1, logprobs, no leaked blocks."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cb_serve import LLM, RequestOutputKind, SamplingParams
 
@@ -216,7 +217,7 @@ def test_bf16_kv_cache_halves_kv_memory_and_keeps_greedy_outputs(random_model_di
     fp32 = LLM(model, **args).engine.num_blocks
     llm = LLM(model, kv_cache_dtype="bfloat16", **args)
     assert llm.engine.num_blocks == 2 * fp32
-    assert all(c.dtype.is_floating_point and c.element_size() == 2 for c in llm.engine.runner.kv_caches)
+    assert all(c.dtype == torch.bfloat16 for c in llm.engine.runner.kv_caches)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     lens = [12, 20, 8, 16, 10, 24]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]

@@ -46,6 +46,8 @@ class AttentionBackend(ABC):
     # Decode-only steps capturable in a CUDA graph: launches depend only on tensor shapes, rows with
     # seqused_k == 0 / slot_mapping == -1 (graph padding) write no KV and return zeros.
     supports_cuda_graphs: bool = False
+    # Attends float32 queries over a bf16/fp16 cache (``kv_cache_dtype`` narrower than the model's).
+    supports_narrow_kv_cache: bool = False
 
     @abstractmethod
     def forward(

@@ -79,6 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
     K/V when there is no cached context)."""
 
     name = "torch"
+    supports_narrow_kv_cache = True
 
     def forward(
         self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None = None

@@ -71,9 +71,8 @@ class LLMEngine:
                 f"The {self.backend.name} backend needs block_size to be a multiple of "
                 f"{self.backend.block_size_multiple}, got {self.block_size}."
             )
-        if self.kv_cache_dtype != self.dtype and (
-            self.backend.name not in ("cpu", "torch") or self.dtype != torch.float32
-        ):
+        narrow_ok = self.backend.supports_narrow_kv_cache and self.dtype == torch.float32
+        if self.kv_cache_dtype != self.dtype and not narrow_ok:
             raise ValueError(
                 f"kv_cache_dtype={config.kv_cache_dtype} differs from the model dtype {self.dtype}: supported only "
                 f"under float32 weights with the cpu or torch attention backend (got {self.backend.name})."

@@ -110,7 +110,6 @@ class DecodeGraphRunner:
     ) -> None:
         self.forward = forward
         self.sizes = sorted(sizes)
-        self.max_model_len = max_model_len
         self.capture = capture
         self.buffers = DecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device)
         self.metas = {size: self.buffers.metadata(size, max_model_len) for size in self.sizes}

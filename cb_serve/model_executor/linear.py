@@ -1,8 +1,7 @@
 """``nn.Linear`` with a CPU fast path for decode-sized batches.
 
-At decode batch sizes (a few to ~64 rows) an fp32 GEMM on CPU is bound by streaming the weight
-from memory, and MKL's general kernels stream it at well under the machine's bandwidth. With the
-C++ kernels, ``Linear.prepare_for_cpu`` keeps a copy of the weight packed for
+At decode batch sizes (a few to ~64 rows) MKL's fp32 GEMM spends much of its time on packing and
+blocking made for large batches. With the C++ kernels, ``Linear.prepare_for_cpu`` keeps a copy of the weight packed for
 ``cpu_ops.decode_gemm`` (tiles of 32 output columns, each one contiguous stream); larger batches
 (prefill) run MKL's NN GEMM on the weight stored transposed. Measured on the default model's
 shapes, all 30 layers plus the LM head with weights streamed from memory: 34 rows 52.7 -> 45.4 ms

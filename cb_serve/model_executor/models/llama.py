@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_for_cpu(self) -> None:
         """CPU weight layouts: projections stored transposed (plain NN GEMMs at prefill sizes)
-        and, with the C++ kernels, MKL-packed copies for decode-sized batches (see ``Linear``)."""
+        and, with the C++ kernels, copies packed for ``decode_gemm`` at decode sizes (see ``Linear``)."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
