@@ -5,7 +5,8 @@ blocking made for large batches. With the C++ kernels, ``Linear.prepare_for_cpu`
 ``cpu_ops.decode_gemm`` (tiles of 32 output columns, each one contiguous stream); larger batches
 (prefill) run MKL's NN GEMM on the weight stored transposed. Measured on the default model's
 shapes, all 30 layers plus the LM head with weights streamed from memory: 34 rows 52.7 -> 45.4 ms
-(MKL with pre-packed weights) and 56 ms (plain MKL); 8 rows 33.6 -> 24.7 ms; 64 rows even.
+(MKL with pre-packed weights) and 56 ms (plain MKL); 8 rows 33.6 -> 24.7 ms; 64 rows even. Prefetching
+the next weight tile while the current one is in use then took 34 rows to 38.9 ms and 64 rows to ~60 ms.
 """
 
 from __future__ import annotations

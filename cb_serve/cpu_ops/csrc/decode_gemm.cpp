@@ -1,14 +1,18 @@
 // float32 GEMM for decode-sized batches: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), M small.
 // The weight is packed once into tiles of 32 output columns, [ceil(N / 32)][K][32], so one tile is
 // one contiguous stream; each tile is read once from memory and reused from cache for every
-// block of up to 12 rows, with 12 x 2 register accumulators. Each output is an FMA chain over k in
-// order, so results do not depend on M (batch invariance) and need no horizontal sums.
+// block of up to 12 rows, with 12 x 2 register accumulators. With more than one row block, the blocks
+// of a tile also prefetch the next tile into L2, so its memory stream overlaps their arithmetic
+// instead of stalling the next tile's first block (34 rows, all 30 layers + LM head: 47.5 -> 38.9 ms).
+// Each output is an FMA chain over k in order, so results do not depend on M (batch invariance) and
+// need no horizontal sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <utility>
 
 #if defined(__AVX512F__)
@@ -29,14 +33,24 @@ at::Tensor pack_decode_weight(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512F__)
+// `ahead`, `ahead_rows`: a part of the next tile to prefetch into L2 meanwhile, spread over the k loop, so
+// the memory stream of the next tile overlaps this block's arithmetic.
 template <int Rows>
 void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
-                const float* bias) {
+                const float* bias, const float* ahead, int64_t ahead_rows) {
   __m512 lo[Rows], hi[Rows];
   for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const uint64_t ahead_step = ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0;
+  uint64_t ahead_pos = 0;
   for (int64_t k = 0; k < k_dim; ++k) {
     _mm_prefetch((const char*)(tile + (k + 16) * kCols), _MM_HINT_T0);
     _mm_prefetch((const char*)(tile + (k + 16) * kCols + 16), _MM_HINT_T0);
+    if (ahead) {
+      const float* line = ahead + (ahead_pos >> 32) * kCols;
+      _mm_prefetch((const char*)line, _MM_HINT_T1);
+      _mm_prefetch((const char*)(line + 16), _MM_HINT_T1);
+      ahead_pos += ahead_step;
+    }
     const __m512 w0 = _mm512_loadu_ps(tile + k * kCols), w1 = _mm512_loadu_ps(tile + k * kCols + 16);
     for (int r = 0; r < Rows; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
@@ -56,7 +70,7 @@ void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, in
 #else
 template <int Rows>
 void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
-                const float* bias) {
+                const float* bias, const float*, int64_t) {
   for (int r = 0; r < Rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       float acc = 0.f;
@@ -66,7 +80,8 @@ void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, in
 }
 #endif
 
-using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*);
+using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*, const float*,
+                         int64_t);
 template <int... R>
 constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
   return {tile_block<R + 1>...};
@@ -91,10 +106,14 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
-      for (int64_t m0 = 0; m0 < m_dim; m0 += kMaxRows) {
+      // One row block is bound by the stream of its own tile; prefetching the next one as well slowed it.
+      const float* next = t + 1 < end && m_dim > kMaxRows ? wp + (t + 1) * k_dim * kCols : nullptr;
+      const int64_t blocks = (m_dim + kMaxRows - 1) / kMaxRows, ahead_rows = (k_dim + blocks - 1) / blocks;
+      for (int64_t j = 0, m0 = 0; m0 < m_dim; ++j, m0 += kMaxRows) {
         const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - m0);
+        const int64_t first = j * ahead_rows, count = std::min<int64_t>(ahead_rows, k_dim - first);
         kBlocks[rows - 1](xp + m0 * k_dim, k_dim, wp + t * k_dim * kCols, op + m0 * n_dim + n0, n_dim, cols,
-                          b ? b + n0 : nullptr);
+                          b ? b + n0 : nullptr, next && count > 0 ? next + first * kCols : nullptr, count);
       }
     }
   });
