@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cmath>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -88,12 +90,69 @@ constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<in
 }
 constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kMaxRows>{});
 
-// out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight; bias [N] or undefined.
+// The row blocks of one tile: out[:, n0:n0 + cols] = x @ tile (+ bias), while prefetching `next`.
+void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const float* next, float* out,
+               int64_t ld_out, int64_t cols, const float* bias) {
+  // One row block is bound by the stream of its own tile; prefetching the next one as well slowed it.
+  if (m_dim <= kMaxRows) next = nullptr;
+  const int64_t blocks = (m_dim + kMaxRows - 1) / kMaxRows, ahead_rows = (k_dim + blocks - 1) / blocks;
+  for (int64_t j = 0, m0 = 0; m0 < m_dim; ++j, m0 += kMaxRows) {
+    const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - m0);
+    const int64_t first = j * ahead_rows, count = std::min<int64_t>(ahead_rows, k_dim - first);
+    kBlocks[rows - 1](x + m0 * k_dim, k_dim, tile, out + m0 * ld_out, ld_out, cols, bias,
+                      next && count > 0 ? next + first * kCols : nullptr, count);
+  }
+}
+
+// 4-bit weights (see pack_decode_weight_q4 in cpu_ops/q4.py): per tile and per group of 32 k, the
+// float32 scales d[32] and offsets m[32] of the tile's 32 columns, then 32 rows (one per k) of 16 bytes:
+// byte j holds column j in its low nibble and column j + 16 in its high nibble. The weight is
+// fma(d, q, m), exact (d has at most 11 significant bits, q 4), so it equals the float32 weight the
+// packing started from, and the GEMM below is bit for bit the float32 one.
+constexpr int64_t kGroup = 32;
+constexpr int64_t kQ4GroupBytes = 2 * kCols * 4 + kGroup * kCols / 2;
+
+// Dequantizes one tile into `tile` ([K, 32] float32, the layout of pack_decode_weight).
+void dequantize_q4_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
+  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+    const uint8_t* group = packed + g * kQ4GroupBytes;
+    const float* d = reinterpret_cast<const float*>(group);
+    const float* m = d + kCols;
+    const uint8_t* q = group + 2 * kCols * 4;
+    float* rows = tile + g * kGroup * kCols;
+#if defined(__AVX512F__)
+    _mm_prefetch((const char*)(group + 4 * kQ4GroupBytes), _MM_HINT_T0);
+    const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+    const __m512 m0 = _mm512_loadu_ps(m), m1 = _mm512_loadu_ps(m + 16);
+    const __m512i low = _mm512_set1_epi32(0xF);
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+      _mm512_storeu_ps(rows + k * kCols, _mm512_fmadd_ps(d0, q0, m0));
+      _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
+    }
+#else
+    for (int64_t k = 0; k < kGroup; ++k)
+      for (int64_t c = 0; c < kCols; ++c) {
+        const uint8_t byte = q[k * 16 + c % 16];
+        const float value = static_cast<float>(c < 16 ? byte & 0xF : byte >> 4);
+        rows[k * kCols + c] = std::fma(d[c], value, m[c]);
+      }
+#endif
+  }
+}
+
+// out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight (float32
+// [tiles, K, 32]) or pack_decode_weight_q4 (uint8 [tiles, K / 32, kQ4GroupBytes]); bias [N] or undefined.
 void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == x.size(1) && packed.size(2) == kCols && packed.is_contiguous(),
-              "packed weight does not match x");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = out.size(1), tiles = packed.size(0);
+  const bool q4 = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  (q4 ? k_dim % kGroup == 0 && packed.size(1) == k_dim / kGroup && packed.size(2) == kQ4GroupBytes
+                      : packed.scalar_type() == at::kFloat && packed.size(1) == k_dim && packed.size(2) == kCols),
+              "packed weight does not match x");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == m_dim && (n_dim + kCols - 1) / kCols == tiles, "out: [M, N]");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -101,20 +160,23 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
     b = bias->data_ptr<float>();
   }
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // 64-byte aligned (a row straddling two cache lines costs every load twice), kept between calls.
+    thread_local std::vector<float> scratch_buffer;
+    if (q4 && scratch_buffer.size() < static_cast<size_t>(k_dim * kCols + 16)) scratch_buffer.resize(k_dim * kCols + 16);
+    float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch_buffer.data()) + 63) & ~uintptr_t(63));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
-      // One row block is bound by the stream of its own tile; prefetching the next one as well slowed it.
-      const float* next = t + 1 < end && m_dim > kMaxRows ? wp + (t + 1) * k_dim * kCols : nullptr;
-      const int64_t blocks = (m_dim + kMaxRows - 1) / kMaxRows, ahead_rows = (k_dim + blocks - 1) / blocks;
-      for (int64_t j = 0, m0 = 0; m0 < m_dim; ++j, m0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - m0);
-        const int64_t first = j * ahead_rows, count = std::min<int64_t>(ahead_rows, k_dim - first);
-        kBlocks[rows - 1](xp + m0 * k_dim, k_dim, wp + t * k_dim * kCols, op + m0 * n_dim + n0, n_dim, cols,
-                          b ? b + n0 : nullptr, next && count > 0 ? next + first * kCols : nullptr, count);
+      const float *tile, *next = nullptr;
+      if (q4) {
+        dequantize_q4_tile(packed.data_ptr<uint8_t>() + t * packed.stride(0), k_dim, scratch);
+        tile = scratch;
+      } else {
+        tile = packed.data_ptr<float>() + t * k_dim * kCols;
+        next = t + 1 < end ? tile + k_dim * kCols : nullptr;
       }
+      tile_rows(xp, m_dim, k_dim, tile, next, op + n0, n_dim, cols, b ? b + n0 : nullptr);
     }
   });
 }
