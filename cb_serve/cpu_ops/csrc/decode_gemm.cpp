@@ -104,54 +104,70 @@ void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, 
   }
 }
 
-// 4-bit weights (see pack_decode_weight_q4 in cpu_ops/q4.py): per tile and per group of 32 k, the
-// float32 scales d[32] and offsets m[32] of the tile's 32 columns, then 32 rows (one per k) of 16 bytes:
-// byte j holds column j in its low nibble and column j + 16 in its high nibble. The weight is
-// fma(d, q, m), exact (d has at most 11 significant bits, q 4), so it equals the float32 weight the
-// packing started from, and the GEMM below is bit for bit the float32 one.
+// Exactly-low-bit weights (cpu_ops/exact_quant.py), per tile and group of 32 inputs: the float32
+// scales d[32] (4-bit: and offsets m[32]) of the tile's 32 columns, then one row per input: 4-bit as 16
+// bytes, byte j holding column j in its low nibble and column j + 16 in its high nibble; 8-bit as 32
+// signed bytes. d * q is exact (d has at most 11 significant bits), so fma(d, q, m) is the float32
+// weight the packing started from and the GEMM is bit for bit the float32 one.
 constexpr int64_t kGroup = 32;
 constexpr int64_t kQ4GroupBytes = 2 * kCols * 4 + kGroup * kCols / 2;
+constexpr int64_t kQ8GroupBytes = kCols * 4 + kGroup * kCols;
 
 // Dequantizes one tile into `tile` ([K, 32] float32, the layout of pack_decode_weight).
-void dequantize_q4_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
+template <bool FourBit>
+void dequantize_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
+  constexpr int64_t group_bytes = FourBit ? kQ4GroupBytes : kQ8GroupBytes;
   for (int64_t g = 0; g < k_dim / kGroup; ++g) {
-    const uint8_t* group = packed + g * kQ4GroupBytes;
+    const uint8_t* group = packed + g * group_bytes;
     const float* d = reinterpret_cast<const float*>(group);
-    const float* m = d + kCols;
-    const uint8_t* q = group + 2 * kCols * 4;
+    const float* m = d + kCols;  // 4-bit only
+    const uint8_t* q = group + (FourBit ? 2 : 1) * kCols * 4;
     float* rows = tile + g * kGroup * kCols;
 #if defined(__AVX512F__)
-    _mm_prefetch((const char*)(group + 4 * kQ4GroupBytes), _MM_HINT_T0);
+    _mm_prefetch((const char*)(group + 4 * group_bytes), _MM_HINT_T0);
     const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
-    const __m512 m0 = _mm512_loadu_ps(m), m1 = _mm512_loadu_ps(m + 16);
-    const __m512i low = _mm512_set1_epi32(0xF);
+    const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
+    const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
     for (int64_t k = 0; k < kGroup; ++k) {
-      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
-      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
-      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+      __m512 q0, q1;
+      if constexpr (FourBit) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
+        q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
+        q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+      } else {
+        q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32))));
+        q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32 + 16))));
+      }
       _mm512_storeu_ps(rows + k * kCols, _mm512_fmadd_ps(d0, q0, m0));
       _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
     }
 #else
     for (int64_t k = 0; k < kGroup; ++k)
       for (int64_t c = 0; c < kCols; ++c) {
-        const uint8_t byte = q[k * 16 + c % 16];
-        const float value = static_cast<float>(c < 16 ? byte & 0xF : byte >> 4);
-        rows[k * kCols + c] = std::fma(d[c], value, m[c]);
+        float value;
+        if constexpr (FourBit) {
+          const uint8_t byte = q[k * 16 + c % 16];
+          value = static_cast<float>(c < 16 ? byte & 0xF : byte >> 4);
+        } else {
+          value = static_cast<float>(static_cast<int8_t>(q[k * 32 + c]));
+        }
+        rows[k * kCols + c] = std::fma(d[c], value, FourBit ? m[c] : 0.f);
       }
 #endif
   }
 }
 
 // out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight (float32
-// [tiles, K, 32]) or pack_decode_weight_q4 (uint8 [tiles, K / 32, kQ4GroupBytes]); bias [N] or undefined.
+// [tiles, K, 32]) or pack_decode_weight_quantized (uint8 [tiles, K / 32, kQ4GroupBytes] or int8
+// [tiles, K / 32, kQ8GroupBytes]); bias [N] or undefined.
 void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [M, K]");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = out.size(1), tiles = packed.size(0);
-  const bool q4 = packed.scalar_type() == at::kByte;
+  const bool q4 = packed.scalar_type() == at::kByte, q8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
-                  (q4 ? k_dim % kGroup == 0 && packed.size(1) == k_dim / kGroup && packed.size(2) == kQ4GroupBytes
-                      : packed.scalar_type() == at::kFloat && packed.size(1) == k_dim && packed.size(2) == kCols),
+                  (q4 || q8 ? k_dim % kGroup == 0 && packed.size(1) == k_dim / kGroup &&
+                                  packed.size(2) == (q4 ? kQ4GroupBytes : kQ8GroupBytes)
+                            : packed.scalar_type() == at::kFloat && packed.size(1) == k_dim && packed.size(2) == kCols),
               "packed weight does not match x");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == m_dim && (n_dim + kCols - 1) / kCols == tiles, "out: [M, N]");
   const float* b = nullptr;
@@ -164,13 +180,14 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     // 64-byte aligned (a row straddling two cache lines costs every load twice), kept between calls.
     thread_local std::vector<float> scratch_buffer;
-    if (q4 && scratch_buffer.size() < static_cast<size_t>(k_dim * kCols + 16)) scratch_buffer.resize(k_dim * kCols + 16);
+    if ((q4 || q8) && scratch_buffer.size() < static_cast<size_t>(k_dim * kCols + 16)) scratch_buffer.resize(k_dim * kCols + 16);
     float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch_buffer.data()) + 63) & ~uintptr_t(63));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
       const float *tile, *next = nullptr;
-      if (q4) {
-        dequantize_q4_tile(packed.data_ptr<uint8_t>() + t * packed.stride(0), k_dim, scratch);
+      if (q4 || q8) {
+        const uint8_t* quantized = static_cast<const uint8_t*>(packed.data_ptr()) + t * packed.stride(0);
+        q4 ? dequantize_tile<true>(quantized, k_dim, scratch) : dequantize_tile<false>(quantized, k_dim, scratch);
         tile = scratch;
       } else {
         tile = packed.data_ptr<float>() + t * k_dim * kCols;

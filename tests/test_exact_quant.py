@@ -1,5 +1,5 @@
-"""4-bit packing of exactly-4-bit-affine float32 weights (dequantized GGUF Q4_1): recognized from the
-float32 values alone, and the decode GEMM on the 4-bit copy is bit for bit the float32 one."""
+"""Low-bit packing of float32 weights that are exactly dequantized GGUF Q4_1 / Q8_0: recognized from the
+float32 values alone, and the decode GEMM on the low-bit copy is bit for bit the float32 one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from cb_serve import cpu_ops
-from cb_serve.cpu_ops import q4
+from cb_serve.cpu_ops import exact_quant
 from cb_serve.model_executor.linear import Linear
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
@@ -22,23 +22,30 @@ def gguf_weight(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0) -> t
     return torch.from_numpy(quants.dequantize(quants.quantize(w, qtype), qtype).reshape(n, k).astype(np.float32))
 
 
+Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (64, 1536)])  # (out, in)
-def test_q4_1_weights_are_recognized_exactly(shape):
-    weight = gguf_weight(*shape, GGMLQuantizationType.Q4_1)
-    groups = q4.find_q4_groups(weight)
+def test_gguf_weights_are_recognized_exactly(shape, qtype):
+    weight = gguf_weight(*shape, qtype)
+    groups = exact_quant.find_quant_groups(weight)
     assert groups is not None
-    assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15
+    if qtype == Q4_1:
+        assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15 and groups.m is not None
+    else:
+        assert groups.q.dtype == torch.int8 and int(groups.q.abs().max()) <= 127 and groups.m is None
     assert torch.equal(groups.dequantize(), weight)
     assert torch.equal(groups.d, groups.d.half().float())  # float16 scales: d * q is exact
 
 
-def test_row_permutations_and_constant_groups_are_still_4_bit():
-    weight = gguf_weight(96, 64, GGMLQuantizationType.Q4_1)
-    weight[3, :32] = 0.25  # a constant group
-    weight[5, 32:] = 0.0
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_row_permutations_and_constant_groups_are_still_recognized(qtype):
+    weight = gguf_weight(96, 64, qtype)
+    weight[5, 32:] = 0.0  # a constant group
     permuted = weight.view(3, 16, 2, 64).transpose(1, 2).reshape(96, 64)  # like the Llama Q/K permutation
     for w in (weight, permuted):
-        groups = q4.find_q4_groups(w)
+        groups = exact_quant.find_quant_groups(w)
         assert groups is not None and torch.equal(groups.dequantize(), w)
 
 
@@ -46,29 +53,32 @@ def test_row_permutations_and_constant_groups_are_still_4_bit():
     "weight",
     [
         torch.randn(64, 64),  # plain float32
-        gguf_weight(64, 64, GGMLQuantizationType.Q8_0),  # 8-bit: more than 16 levels per group
-        gguf_weight(64, 64, GGMLQuantizationType.Q4_1)[:, :40],  # K % 32 != 0
-        gguf_weight(64, 64, GGMLQuantizationType.Q4_1).double(),
+        gguf_weight(64, 64, GGMLQuantizationType.Q5_0),  # 5-bit: neither format
+        gguf_weight(64, 64, Q4_1)[:, :40],  # K % 32 != 0
+        gguf_weight(64, 64, Q4_1).double(),
     ],
-    ids=["float32", "q8_0", "k-not-multiple-of-32", "float64"],
+    ids=["float32", "q5_0", "k-not-multiple-of-32", "float64"],
 )
-def test_other_weights_are_not_4_bit(weight):
-    assert q4.find_q4_groups(weight) is None
+def test_other_weights_are_left_alone(weight):
+    assert exact_quant.find_quant_groups(weight) is None
 
 
-def test_one_off_value_rejects_the_whole_weight():
-    weight = gguf_weight(128, 64, GGMLQuantizationType.Q4_1)
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_one_off_value_rejects_the_whole_weight(qtype):
+    weight = gguf_weight(128, 64, qtype)
     weight[100, 7] = torch.nextafter(weight[100, 7], torch.tensor(1.0))
-    assert q4.find_q4_groups(weight) is None
+    assert exact_quant.find_quant_groups(weight) is None
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (576, 1536)])
-def test_decode_gemm_on_4_bits_is_bit_identical_to_float32(shape):
+def test_decode_gemm_on_low_bits_is_bit_identical_to_float32(shape, qtype):
     n, k = shape
-    weight = gguf_weight(n, k, GGMLQuantizationType.Q4_1, seed=n)
-    packed = q4.pack_decode_weight_q4(q4.find_q4_groups(weight))
-    assert packed.dtype == torch.uint8 and packed.shape == (-(-n // 32), k // 32, 768)  # 0.75 bytes per weight
+    weight = gguf_weight(n, k, qtype, seed=n)
+    packed = exact_quant.pack_decode_weight_quantized(exact_quant.find_quant_groups(weight))
+    dtype, group_bytes = (torch.uint8, 768) if qtype == Q4_1 else (torch.int8, 1152)  # 0.75 / 1.125 bytes a weight
+    assert packed.dtype == dtype and packed.shape == (-(-n // 32), k // 32, group_bytes)
     reference = cpu_ops.pack_decode_weight(weight)
     bias = torch.randn(n)
     for rows in (1, 5, 12, 13, 34, 64):
@@ -81,7 +91,7 @@ def test_decode_gemm_on_4_bits_is_bit_identical_to_float32(shape):
 def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
     q4_layer, fp32_layer = Linear(576, 200, bias=True), Linear(576, 200, bias=True)
     with torch.no_grad():
-        q4_layer.weight.copy_(gguf_weight(200, 576, GGMLQuantizationType.Q4_1))
+        q4_layer.weight.copy_(gguf_weight(200, 576, Q4_1))
         fp32_layer.weight.copy_(q4_layer.weight)
         fp32_layer.bias.copy_(q4_layer.bias)
     weight, bias = q4_layer.weight.detach().clone(), q4_layer.bias.detach().clone()
@@ -102,7 +112,7 @@ def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
 
 @needs_kernels
 def test_the_default_model_decodes_from_4_bit_weights(smol_llm):
-    """SmolLM2's GGUF is Q4_1 in every projection (Q8_0 in the tied embedding / LM head)."""
+    """SmolLM2's GGUF is Q4_1 in every projection and Q8_0 in the tied embedding / LM head."""
     model = smol_llm.engine.runner.model
     projections = [
         linear
@@ -111,4 +121,4 @@ def test_the_default_model_decodes_from_4_bit_weights(smol_llm):
     ]
     assert len(projections) == 120
     assert all(linear.decode_weight.dtype == torch.uint8 for linear in projections)
-    assert model.lm_head.decode_weight.dtype == torch.float32
+    assert model.lm_head.decode_weight.dtype == torch.int8

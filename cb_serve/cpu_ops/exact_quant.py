@@ -1,0 +1,114 @@
+"""Float32 weights that are exactly low-bit, kept low-bit for ``decode_gemm``.
+
+GGUF files store weights in groups of 32 inputs per output row; transformers dequantizes them to
+float32 on load. Two formats give values that carry the group structure exactly:
+
+- Q4_1 (the built-in default model's projections): ``d * q + m`` with ``q`` in 0..15, ``d`` and ``m``
+  float16 scalars, the group minimum at ``q = 0`` and the maximum at ``q = 15``;
+- Q8_0 (its embedding / LM head, and whole Q8_0 models): ``d * q`` with ``q`` in -127..127, ``d`` a
+  float16 scalar, the largest magnitude at ``q = ±127``.
+
+``find_quant_groups`` recovers ``(q, d, m)`` from the float32 values alone and accepts them only if they
+give back every weight bit for bit, so any loading path qualifies (GGUF through transformers, a
+re-saved checkpoint, row permutations such as Llama's Q/K one) and any other weight is left alone.
+``d * q`` is exact in float32 (at most 11 + 7 significant bits), so the kernel's ``fma(d, q, m)`` is the
+weight itself: decode reads 0.75 (4-bit) or 1.125 (8-bit) bytes per weight instead of 4 and computes
+exactly what it computes from the float32 copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # inputs per scale, as in GGUF
+TILE_COLS = 32  # output columns per decode_gemm tile
+CANDIDATE_ULPS = (0, -1, 1, -2, 2)  # float16 neighbours of the estimated 4-bit scale that are tried
+PROBE_ROWS = 64  # rows checked first, so that a weight of another kind is rejected cheaply
+
+
+@dataclass(frozen=True)
+class QuantGroups:
+    q: torch.Tensor  # [N, K]: uint8 0..15 (4-bit, with m) or int8 -127..127 (8-bit, m is None)
+    d: torch.Tensor  # float32 [N, K // 32], float16 values
+    m: torch.Tensor | None  # float32 [N, K // 32] (4-bit only)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.d[..., None] * self.q.view(n, k // GROUP, GROUP).float()
+        return (w if self.m is None else w + self.m[..., None]).view(n, k)
+
+
+def _find_q4(w: torch.Tensor) -> QuantGroups | None:
+    """``w``: ``[N, K // 32, 32]``."""
+    m = w.amin(-1)
+    span = w.amax(-1) - m  # = 15 d up to the rounding of 15 d + m
+    estimate = (span.double() / 15).half()
+    if not torch.isfinite(estimate).all():
+        return None
+    bits = estimate.view(torch.int16)
+    q = d = found = None
+    for ulps in CANDIDATE_ULPS:
+        candidate = (bits + ulps).clamp(min=0).view(torch.float16).float()
+        safe = torch.where(candidate > 0, candidate, torch.ones_like(candidate))
+        q_c = torch.round((w - m[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+        exact = ((candidate[..., None] * q_c + m[..., None]) == w).all(-1)
+        if q is None:  # constant groups: q = 0 reproduces them whatever d is
+            q, d, found = q_c, candidate, exact
+        else:
+            take = exact & ~found
+            q = torch.where(take[..., None], q_c, q)
+            d = torch.where(take, candidate, d)
+            found |= exact
+        if found.all():
+            return QuantGroups(q.flatten(1), d, m)
+    return None
+
+
+def _find_q8(w: torch.Tensor) -> QuantGroups | None:
+    d = w.abs().amax(-1) / 127  # exact: the largest magnitude is 127 d
+    if not (torch.isfinite(d).all() and torch.equal(d.half().float(), d)):
+        return None
+    q = w / torch.where(d > 0, d, torch.ones_like(d))[..., None]
+    if not torch.equal(q, q.round()):
+        return None
+    return QuantGroups(q.to(torch.int8).flatten(1), d, None)
+
+
+def find_quant_groups(weight: torch.Tensor) -> QuantGroups | None:
+    """The 4-bit or 8-bit groups that give back ``weight`` (float32 ``[N, K]``) bit for bit, or None."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP or weight.numel() == 0:
+        return None
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    for find in (_find_q4, _find_q8):
+        if find(weight[:PROBE_ROWS].view(-1, k // GROUP, GROUP)) is None:
+            continue
+        groups = find(weight.view(n, k // GROUP, GROUP))
+        if groups is not None and torch.equal(groups.dequantize(), weight):
+            return groups
+    return None
+
+
+def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
+    """The layout ``decode_gemm`` reads, per tile of 32 output columns and group of 32 inputs:
+    ``d[32]`` (and for 4 bits ``m[32]``) as float32, then 32 rows (one per input) of the tile's
+    columns: 4-bit as 16 bytes, byte ``j`` holding column ``j`` in its low nibble and column ``j + 16``
+    in its high nibble (uint8 ``[tiles, K // 32, 768]``); 8-bit as 32 bytes (int8 ``[tiles, K // 32, 1152]``)."""
+    n, k = groups.q.shape
+    tiles, num_groups = -(-n // TILE_COLS), k // GROUP
+    pad = tiles * TILE_COLS - n
+
+    def per_tile(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> zero-padded [tiles, 32 columns, ...]
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+        return x.view(tiles, TILE_COLS, *x.shape[1:])
+
+    q = per_tile(groups.q).view(tiles, TILE_COLS, num_groups, GROUP).permute(0, 2, 3, 1)  # [t, g, k, col]
+    if groups.m is None:
+        rows = q.reshape(tiles, num_groups, GROUP * TILE_COLS)
+    else:
+        rows = (q[..., :16] | (q[..., 16:] << 4)).reshape(tiles, num_groups, GROUP * 16)
+    scales = [groups.d] if groups.m is None else [groups.d, groups.m]
+    scale_bytes = [per_tile(s).transpose(1, 2).contiguous().view(rows.dtype) for s in scales]  # [t, g, 128]
+    return torch.cat([*scale_bytes, rows], dim=-1).contiguous()
