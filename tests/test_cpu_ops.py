@@ -55,7 +55,12 @@ def ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+# AVX-512 kernels: query heads per KV head 1-4 at head_dim 64 and 1-2 at 128 run as groups, more per
+# head (12/2, 8/2 at 128); head_dim 32 takes the generic path.
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (8, 8, 64), (8, 4, 64), (8, 2, 64), (12, 2, 64), (4, 4, 32), (8, 2, 128), (4, 2, 128), (2, 2, 128)],
+)
 @pytest.mark.parametrize("sliding_window", [None, 7])
 def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_window):
     gen = torch.Generator().manual_seed(heads * head_dim + (sliding_window or 0))

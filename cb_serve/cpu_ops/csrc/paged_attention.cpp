@@ -105,6 +105,73 @@ void decode_sequence_avx512(const DecodeProblem<float, cache_t>& p, int64_t n) {
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], inv_sum));
   }
 }
+
+// The same arithmetic (bit for bit) with the G query heads of a KV head together: one pass over
+// the group's K and one over its V, each row loaded once for all G heads. The per-head version
+// above streams each group from memory for its first head only and runs the other heads from
+// L2 while memory sits idle; here every pass carries G heads' arithmetic while it streams.
+template <int NV, int G, typename cache_t>
+void decode_group_avx512(const DecodeProblem<float, cache_t>& p, int64_t n) {
+  constexpr int64_t D = 16 * NV;
+  const std::vector<int64_t> rows = p.row_offsets(n);
+  const int64_t span = static_cast<int64_t>(rows.size());
+  std::vector<float> scores(G * span);
+  for (int64_t kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+    const int64_t head = kv_head * D;
+    __m512 qv[G][NV];
+    float m[G];
+    for (int g = 0; g < G; ++g) {
+      const float* q = p.q + n * p.q_stride_n + (kv_head * G + g) * p.q_stride_h;
+      for (int j = 0; j < NV; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * j), _mm512_set1_ps(p.scale));
+      m[g] = -std::numeric_limits<float>::infinity();
+    }
+    for (int64_t i = 0; i < span; ++i) {
+      if (i + kPrefetch < span)
+        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(p.k_cache + rows[i + kPrefetch] + head + 16 * j), _MM_HINT_T0);
+      const cache_t* key = p.k_cache + rows[i] + head;
+      __m512 kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load16(key + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
+        const float s = _mm512_reduce_add_ps(acc);
+        scores[g * span + i] = s;
+        m[g] = std::max(m[g], s);
+      }
+    }
+    __m512 inv_sum[G];
+    for (int g = 0; g < G; ++g) {
+      float* sg = scores.data() + g * span;
+      const __m512 vm = _mm512_set1_ps(m[g]);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < span; i += 16) {
+        const __mmask16 lanes = span - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (span - i)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sg + i), vm));
+        _mm512_mask_storeu_ps(sg + i, lanes, e);
+        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(lanes, e));
+      }
+      inv_sum[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    }
+    __m512 acc[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < span; ++i) {
+      if (i + kPrefetch < span)
+        for (int j = 0; j < NV; ++j) _mm_prefetch((const char*)(p.v_cache + rows[i + kPrefetch] + head + 16 * j), _MM_HINT_T0);
+      const cache_t* value = p.v_cache + rows[i] + head;
+      __m512 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = load16(value + 16 * j);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * span + i]);
+        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(w, vv[j], acc[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* o = p.out + (n * p.num_heads + kv_head * G + g) * D;
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[g][j], inv_sum[g]));
+    }
+  }
+}
 #endif
 
 // Any dtype and head_dim: token rows outer (every KV head of a token read once), float math.
@@ -159,15 +226,28 @@ void decode_sequence(const DecodeProblem<scalar_t, cache_t>& p, int64_t n) {
 
 template <typename scalar_t, typename cache_t>
 struct KernelPicker {
-  static auto pick(int64_t /*head_dim*/) { return decode_sequence<scalar_t, cache_t>; }
+  static auto pick(int64_t /*head_dim*/, int64_t /*group*/) { return decode_sequence<scalar_t, cache_t>; }
 };
 
 template <typename cache_t>  // float queries over a float or bf16 cache: the AVX-512 paths
 struct AvxKernelPicker {
-  static auto pick(int64_t head_dim) {
+  using Kernel = void (*)(const DecodeProblem<float, cache_t>&, int64_t);
+  static Kernel pick(int64_t head_dim, int64_t group) {
 #if defined(__AVX512F__)
-    if (head_dim == 64) return decode_sequence_avx512<4, cache_t>;
-    if (head_dim == 128) return decode_sequence_avx512<8, cache_t>;
+    if (head_dim == 64) {  // a group's queries and accumulators in registers for up to 4 heads
+      switch (group) {
+        case 1: return decode_group_avx512<4, 1, cache_t>;
+        case 2: return decode_group_avx512<4, 2, cache_t>;
+        case 3: return decode_group_avx512<4, 3, cache_t>;
+        case 4: return decode_group_avx512<4, 4, cache_t>;
+      }
+      return decode_sequence_avx512<4, cache_t>;
+    }
+    if (head_dim == 128) {
+      if (group == 1) return decode_group_avx512<8, 1, cache_t>;
+      if (group == 2) return decode_group_avx512<8, 2, cache_t>;
+      return decode_sequence_avx512<8, cache_t>;
+    }
 #endif
     return decode_sequence<float, cache_t>;
   }
@@ -179,7 +259,7 @@ struct KernelPicker<float, c10::BFloat16> : AvxKernelPicker<c10::BFloat16> {};
 
 template <typename scalar_t, typename cache_t>
 void run_decode(const DecodeProblem<scalar_t, cache_t>& problem, int64_t num_seqs) {
-  const auto kernel = KernelPicker<scalar_t, cache_t>::pick(problem.head_dim);
+  const auto kernel = KernelPicker<scalar_t, cache_t>::pick(problem.head_dim, problem.group());
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
   // Round-robin over sequences: the caller sorts them longest first, so threads get equal work.
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
