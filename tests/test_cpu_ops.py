@@ -55,8 +55,9 @@ def ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# AVX-512 kernels: query heads per KV head 1-4 at head_dim 64 and 1-2 at 128 run as groups, more per
-# head (12/2, 8/2 at 128); head_dim 32 takes the generic path.
+# The AVX-512 kernel takes a KV head's query heads 1-4 at a time at head_dim 64 (groups of 1, 2, 3, 4,
+# and 6 in two passes of 3) and 1-2 at 128 (groups of 1, 2, and 4 in two passes); head_dim 32 takes the
+# generic path.
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
     [(9, 3, 64), (8, 8, 64), (8, 4, 64), (8, 2, 64), (12, 2, 64), (4, 4, 32), (8, 2, 128), (4, 2, 128), (2, 2, 128)],
