@@ -7,9 +7,9 @@ blocking made for large batches. With the C++ kernels, ``Linear.prepare_for_cpu`
 shapes, all 30 layers plus the LM head with weights streamed from memory: 34 rows 52.7 -> 45.4 ms
 (MKL with pre-packed weights) and 56 ms (plain MKL); 8 rows 33.6 -> 24.7 ms; 64 rows even. Prefetching
 the next weight tile while the current one is in use then took 34 rows to 38.9 ms and 64 rows to ~60 ms.
-Weights that are exactly 4- or 8-bit (the default model's Q4_1 / Q8_0 GGUF) are kept so and dequantized
-per tile into the same float32 values: 4 rows 26 -> 16 ms, 8 rows 30 -> 19 ms, 34 rows 40.5 -> 37.4 ms
-(4-bit projections, float32 LM head).
+Weights that are exactly 4- or 8-bit (the default model's Q4_1 projections, Q8_0 LM head) are kept so and
+dequantized per tile into the same float32 values: 4 rows 26 -> 14 ms, 8 rows 30 -> 16 ms, 34 rows 40.5 ->
+37 ms.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class Linear(nn.Linear):
     def prepare_for_cpu(self, pack: bool, transpose: bool = True) -> None:
         """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight
         when the weight is exactly a dequantized GGUF Q4_1 / Q8_0 one (``cpu_ops.exact_quant``), else
-        a second float32 copy. ``transpose``: store the weight transposed
-        (still an ``[out, in]`` parameter) so ``F.linear`` runs an NN GEMM, ~10% faster on CPU; leave
-        it off for a weight shared with an embedding (row lookups want the plain layout)."""
+        a second float32 copy. ``transpose``: store the weight transposed (still an ``[out, in]``
+        parameter) so ``F.linear`` runs an NN GEMM, ~10% faster on CPU; leave it off for a weight
+        shared with an embedding (row lookups want the plain layout)."""
         if transpose:
             self.weight.data = self.weight.data.t().contiguous().t()
         if pack and self.weight.dtype == torch.float32 and cpu_ops.available():

@@ -135,8 +135,9 @@ void dequantize_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
         q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
         q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
       } else {
-        q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32))));
-        q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32 + 16))));
+        const __m128i* bytes = reinterpret_cast<const __m128i*>(q + k * 32);
+        q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+        q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1)));
       }
       _mm512_storeu_ps(rows + k * kCols, _mm512_fmadd_ps(d0, q0, m0));
       _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
@@ -180,8 +181,10 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     // 64-byte aligned (a row straddling two cache lines costs every load twice), kept between calls.
     thread_local std::vector<float> scratch_buffer;
-    if ((q4 || q8) && scratch_buffer.size() < static_cast<size_t>(k_dim * kCols + 16)) scratch_buffer.resize(k_dim * kCols + 16);
-    float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch_buffer.data()) + 63) & ~uintptr_t(63));
+    const size_t scratch_size = static_cast<size_t>(k_dim * kCols + 16);
+    if ((q4 || q8) && scratch_buffer.size() < scratch_size) scratch_buffer.resize(scratch_size);
+    const uintptr_t address = reinterpret_cast<uintptr_t>(scratch_buffer.data());
+    float* scratch = reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
       const float *tile, *next = nullptr;
