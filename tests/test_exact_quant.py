@@ -1,4 +1,4 @@
-"""Low-bit packing of float32 weights that are exactly dequantized GGUF Q4_1 / Q8_0: recognized from the
+"""Low-bit packing of float32 weights that are exactly dequantized GGUF Q4_1 / Q4_0 / Q8_0: recognized from the
 float32 values alone, and the decode GEMM on the low-bit copy is bit for bit the float32 one."""
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ def gguf_weight(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0) -> t
     return torch.from_numpy(quants.dequantize(quants.quantize(w, qtype), qtype).reshape(n, k).astype(np.float32))
 
 
-Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (64, 1536)])  # (out, in)
 def test_gguf_weights_are_recognized_exactly(shape, qtype):
     weight = gguf_weight(*shape, qtype)
     groups = exact_quant.find_quant_groups(weight)
     assert groups is not None
-    if qtype == Q4_1:
+    if qtype != Q8_0:
         assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15 and groups.m is not None
     else:
         assert groups.q.dtype == torch.int8 and int(groups.q.abs().max()) <= 127 and groups.m is None
@@ -39,7 +39,7 @@ def test_gguf_weights_are_recognized_exactly(shape, qtype):
     assert torch.equal(groups.d, groups.d.half().float())  # float16 scales: d * q is exact
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
 def test_row_permutations_and_constant_groups_are_still_recognized(qtype):
     weight = gguf_weight(96, 64, qtype)
     weight[5, 32:] = 0.0  # a constant group
@@ -63,7 +63,7 @@ def test_other_weights_are_left_alone(weight):
     assert exact_quant.find_quant_groups(weight) is None
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
 def test_one_off_value_rejects_the_whole_weight(qtype):
     weight = gguf_weight(128, 64, qtype)
     weight[100, 7] = torch.nextafter(weight[100, 7], torch.tensor(1.0))
@@ -71,13 +71,13 @@ def test_one_off_value_rejects_the_whole_weight(qtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (576, 1536)])
 def test_decode_gemm_on_low_bits_is_bit_identical_to_float32(shape, qtype):
     n, k = shape
     weight = gguf_weight(n, k, qtype, seed=n)
     packed = exact_quant.pack_decode_weight_quantized(exact_quant.find_quant_groups(weight))
-    dtype, group_bytes = (torch.uint8, 768) if qtype == Q4_1 else (torch.int8, 1152)  # 0.75 / 1.125 bytes a weight
+    dtype, group_bytes = (torch.uint8, 768) if qtype != Q8_0 else (torch.int8, 1152)  # 0.75 / 1.125 bytes a weight
     assert packed.dtype == dtype and packed.shape == (-(-n // 32), k // 32, group_bytes)
     reference = cpu_ops.pack_decode_weight(weight)
     bias = torch.randn(n)

@@ -4,7 +4,8 @@ GGUF files store weights in groups of 32 inputs per output row; transformers deq
 float32 on load. Two formats give values that carry the group structure exactly:
 
 - Q4_1 (the built-in default model's projections): ``d * q + m`` with ``q`` in 0..15, ``d`` and ``m``
-  float16 scalars, the group minimum at ``q = 0`` and the maximum at ``q = 15``;
+  float16 scalars, the group minimum at ``q = 0`` and the maximum at ``q = 15``; Q4_0, ``d * (q - 8)``,
+  is the same with ``m = -8 d`` (or ``-7 |d|`` for a negative ``d``, counting ``q`` down);
 - Q8_0 (its embedding / LM head, and whole Q8_0 models): ``d * q`` with ``q`` in -127..127, ``d`` a
   float16 scalar, the largest magnitude at ``q = ±127``.
 
@@ -18,6 +19,7 @@ exactly what it computes from the float32 copy.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,26 +42,34 @@ class QuantGroups:
         return (w if self.m is None else w + self.m[..., None]).view(n, k)
 
 
+def _q4_candidates(w: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(d, m)`` per group to try, for ``w`` ``[N, K // 32, 32]``."""
+    low, high = w.amin(-1), w.amax(-1)
+    # Q4_1: the group's minimum at q = 0 and maximum at q = 15, so 15 d = the range (up to rounding).
+    bits = ((high - low).double() / 15).half().view(torch.int16)
+    for ulps in CANDIDATE_ULPS:
+        yield (bits + ulps).clamp(min=0).view(torch.float16).float(), low
+    # Q4_0: d * (q - 8), the largest magnitude at q = 0, so 8 |d| = it; as d' * q' + m with d' = |d|:
+    # m = -8 d' when that value is negative (d > 0), else -7 d' (d < 0, q' = 15 - q).
+    d = torch.maximum(high, -low) / 8
+    yield d, torch.where(-low > high, -8 * d, -7 * d)
+
+
 def _find_q4(w: torch.Tensor) -> QuantGroups | None:
     """``w``: ``[N, K // 32, 32]``."""
-    m = w.amin(-1)
-    span = w.amax(-1) - m  # = 15 d up to the rounding of 15 d + m
-    estimate = (span.double() / 15).half()
-    if not torch.isfinite(estimate).all():
-        return None
-    bits = estimate.view(torch.int16)
-    q = d = found = None
-    for ulps in CANDIDATE_ULPS:
-        candidate = (bits + ulps).clamp(min=0).view(torch.float16).float()
-        safe = torch.where(candidate > 0, candidate, torch.ones_like(candidate))
-        q_c = torch.round((w - m[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
-        exact = ((candidate[..., None] * q_c + m[..., None]) == w).all(-1)
+    q = d = m = found = None
+    for d_c, m_c in _q4_candidates(w):
+        if not torch.isfinite(d_c).all():
+            return None
+        safe = torch.where(d_c > 0, d_c, torch.ones_like(d_c))
+        q_c = torch.round((w - m_c[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+        exact = ((d_c[..., None] * q_c + m_c[..., None]) == w).all(-1) & (d_c == d_c.half().float())
         if q is None:  # constant groups: q = 0 reproduces them whatever d is
-            q, d, found = q_c, candidate, exact
+            q, d, m, found = q_c, d_c, m_c, exact
         else:
             take = exact & ~found
             q = torch.where(take[..., None], q_c, q)
-            d = torch.where(take, candidate, d)
+            d, m = torch.where(take, d_c, d), torch.where(take, m_c, m)
             found |= exact
         if found.all():
             return QuantGroups(q.flatten(1), d, m)

@@ -36,7 +36,7 @@ class Linear(nn.Linear):
     @torch.no_grad()
     def prepare_for_cpu(self, pack: bool, transpose: bool = True) -> None:
         """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight
-        when the weight is exactly a dequantized GGUF Q4_1 / Q8_0 one (``cpu_ops.exact_quant``), else
+        when the weight is exactly a dequantized GGUF Q4_1 / Q4_0 / Q8_0 one (``cpu_ops.exact_quant``), else
         a second float32 copy. ``transpose``: store the weight transposed (still an ``[out, in]``
         parameter) so ``F.linear`` runs an NN GEMM, ~10% faster on CPU; leave it off for a weight
         shared with an embedding (row lookups want the plain layout)."""
