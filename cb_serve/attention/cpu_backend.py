@@ -1,5 +1,5 @@
-"""The CPU backend: the PyTorch backend with decode rows through a C++ paged-attention kernel
-that reads K/V blocks in place instead of gathering them (``cb_serve/cpu_ops``)."""
+"""The CPU backend: the PyTorch backend with decode rows and prefill chunks through C++ paged-attention
+kernels that read K/V blocks in place instead of gathering them (``cb_serve/cpu_ops``)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cpu_ops.paged_decode_attention(
             out[:n], q[:n], kv_cache[0], kv_cache[1], meta.block_table[:n], meta.seqused_k[:n], scale, sliding_window
         )
+
+    def prefill(
+        self, out, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None
+    ) -> None:
+        args = (meta.cu_seqlens_q, meta.seqused_k, meta.block_table, meta.num_decodes, scale, sliding_window)
+        if not cpu_ops.paged_prefill_attention(out, q, kv_cache[0], kv_cache[1], *args):
+            super().prefill(out, q, k, v, kv_cache, meta, scale, sliding_window)

@@ -88,6 +88,14 @@ class TorchAttentionBackend(AttentionBackend):
         out = q.new_empty(q.shape)
         if meta.num_decodes:
             self.decode(out, q, kv_cache, meta, scale, sliding_window)
+        if meta.num_seqs > meta.num_decodes:
+            self.prefill(out, q, k, v, kv_cache, meta, scale, sliding_window)
+        return out
+
+    def prefill(
+        self, out, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None
+    ) -> None:
+        """Attention of the prefill chunks (the rows after the decodes), written into ``out``."""
         block_size = kv_cache.shape[2]
         start = meta.num_decodes
         for i in range(meta.num_decodes, meta.num_seqs):
@@ -101,7 +109,6 @@ class TorchAttentionBackend(AttentionBackend):
                 vs = gather_blocks(kv_cache[1], block_ids)[:k_len].to(q.dtype)
             out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window)
             start = end
-        return out
 
     def decode(self, out, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
         """Attention of the ``meta.num_decodes`` one-token rows, written into ``out``."""

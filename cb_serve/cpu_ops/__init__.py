@@ -27,6 +27,10 @@ EXTENSIONS = {
         "paged_attention.cpp",
         ["-ffast-math", "-fno-finite-math-only", "-mprefer-vector-width=512"],
     ),
+    "cb_serve_prefill_ops": (
+        "prefill_attention.cpp",
+        ["-ffast-math", "-fno-finite-math-only", "-mprefer-vector-width=512"],
+    ),
     # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
     "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
     "cb_serve_gemm_ops": ("decode_gemm.cpp", ["-mprefer-vector-width=512"]),
@@ -35,6 +39,7 @@ STALE_LOCK_S = 300  # no build takes this long (~25 s here)
 BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
 OPS = (
     "paged_decode_attention",
+    "paged_prefill_attention",
     "write_kv",
     "rms_norm",
     "fused_add_rms_norm",
@@ -107,6 +112,27 @@ def paged_decode_attention(
     blocks ``block_table[i]`` live in ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, KVH, D]``)."""
     torch.ops.cb_serve.paged_decode_attention(
         out, q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window or 0
+    )
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    first_seq: int,
+    scale: float,
+    sliding_window: int | None,
+) -> bool:
+    """Causal attention of sequences ``first_seq..`` (query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``,
+    the last of the ``seq_lens[i]`` keys in the cache) into ``out``; False, with ``out`` untouched,
+    where the kernel does not apply (not float32 queries and cache, head_dim not 64 or 128, no
+    AVX-512)."""
+    return torch.ops.cb_serve.paged_prefill_attention(
+        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, first_seq, scale, sliding_window or 0
     )
 
 
