@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 
 
 def _arg(default: Any, help: str, **kwargs: Any) -> Any:
@@ -27,13 +28,13 @@ class EngineConfig:
     dtype: str = _arg(
         "auto",
         "Weights/activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPES,
     )
     kv_cache_dtype: str = _arg(
         "auto",
         "KV-cache dtype: auto (the model's dtype), or bfloat16 / float16 under float32 weights: half the KV "
         "memory and attention traffic, no longer bit-faithful to float32 attention (cpu and torch backends).",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPES,
     )
     device: str = _arg("auto", "Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int | None = _arg(
@@ -89,10 +90,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs without chunked prefill.")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"Unknown dtype {self.dtype!r}.")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"Unknown kv_cache_dtype {self.kv_cache_dtype!r}.")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"Unknown {name} {getattr(self, name)!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
 

@@ -90,6 +90,33 @@ def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_w
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,head_dim,applies",
+    [
+        (torch.float32, torch.float32, 64, True),
+        (torch.float32, torch.float32, 128, True),
+        (torch.float32, torch.float32, 32, False),  # head_dim the kernel has no tiles for
+        (torch.float32, torch.bfloat16, 64, False),  # a narrower cache: the reference reads unrounded K/V
+        (torch.bfloat16, torch.bfloat16, 64, False),
+    ],
+)
+def test_prefill_kernel_takes_the_cases_it_covers(dtype, cache_dtype, head_dim, applies):
+    """The backend comparisons above pass whether or not the C++ prefill kernel runs, so check
+    which inputs it takes, and that what it declines it leaves untouched."""
+    if applies and "avx512f" not in open("/proc/cpuinfo").read():
+        pytest.skip("the prefill kernel needs AVX-512")
+    gen = torch.Generator().manual_seed(0)
+    meta = ragged_batch([1, 5, 20], [30, 5, 40], 16, 16, gen)
+    q = torch.randn(26, 4, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, 16, 16, 2, head_dim, generator=gen).to(cache_dtype)
+    out = torch.full_like(q, float("nan"))
+    args = (meta.cu_seqlens_q, meta.seqused_k, meta.block_table, meta.num_decodes, head_dim**-0.5, None)
+    assert cpu_ops.paged_prefill_attention(out, q, cache[0], cache[1], *args) is applies
+    assert out[:1].isnan().all(), "the decode row is not the prefill kernel's"
+    written = ~out[1:].isnan()
+    assert written.all() if applies else not written.any()
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 32])  # the AVX-512 path and the generic one
 def test_attention_over_a_narrower_kv_cache(cache_dtype, head_dim):

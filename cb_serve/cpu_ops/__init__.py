@@ -175,8 +175,8 @@ def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:
 def decode_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a small float32 batch ``x`` (``[M, K]``, contiguous), from the
     packed weight (``pack_decode_weight``, or ``exact_quant.pack_decode_weight_quantized``: the same
-    result from 4 or 8 bits):
-    every weight byte read once per call, FMA chains in k order (batch-invariant)."""
+    result from 4 or 8 bits): every weight byte read once per call, FMA chains in k order
+    (batch-invariant)."""
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.cb_serve.decode_gemm(out, x, packed, bias)
     return out
