@@ -26,18 +26,22 @@ DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
 
 class Linear(nn.Linear):
     decode_weight: torch.Tensor | None = None
+    amx_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.decode_weight
-        if packed is not None and x.dim() == 2 and 0 < x.shape[0] <= DECODE_MAX_ROWS:
-            return cpu_ops.decode_gemm(x.contiguous(), packed, self.out_features, self.bias)
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if self.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
+            return cpu_ops.decode_gemm(x.contiguous(), self.decode_weight, self.out_features, self.bias)
+        if self.amx_weight is not None and rows > DECODE_MAX_ROWS:
+            return cpu_ops.amx_gemm(x.contiguous(), self.amx_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @torch.no_grad()
     def prepare_for_cpu(self, pack: bool, transpose: bool = True) -> None:
         """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight
         when the weight is exactly a dequantized GGUF Q4_1 / Q4_0 / Q8_0 one (``cpu_ops.exact_quant``), else
-        a second float32 copy. ``transpose``: store the weight transposed (still an ``[out, in]``
+        a second float32 copy; for such a 4-bit weight on an AMX CPU, also the bf16 pieces that
+        ``amx_gemm`` runs the larger batches from. ``transpose``: store the weight transposed (still an ``[out, in]``
         parameter) so ``F.linear`` runs an NN GEMM, ~10% faster on CPU; leave it off for a weight
         shared with an embedding (row lookups want the plain layout)."""
         if transpose:
@@ -46,5 +50,7 @@ class Linear(nn.Linear):
             groups = exact_quant.find_quant_groups(self.weight)
             if groups is not None:
                 self.decode_weight = exact_quant.pack_decode_weight_quantized(groups)
+                if cpu_ops.amx_available():
+                    self.amx_weight = exact_quant.pack_amx_weight(groups)
             else:
                 self.decode_weight = cpu_ops.pack_decode_weight(self.weight)
