@@ -3,13 +3,15 @@
   gemm       ``cpu_ops.decode_gemm`` over all 30 layers' projections + the LM head, with distinct
              random weights per layer (so they stream from DRAM as in a decode step), per row count;
              ``--weights fp32`` (float32 tiles) or ``--weights exact`` (4-bit projections, 8-bit LM
-             head: the layout the Q4_1 / Q8_0 GGUF default model gets).
+             head: the layout the Q4_1 / Q8_0 GGUF default model gets); ``--weights amx``: the same
+             weights on ``cpu_ops.amx_gemm`` (AMX tiles) instead.
   attention  ``cpu_ops.paged_decode_attention`` over 30 layers' KV caches: ``--seqs`` sequences with
              contexts uniform in [40, 700), blocks shuffled through the cache; ``--hot`` makes every
              sequence read the same 4 blocks (KV hot in cache: the arithmetic floor).
 
 Run from the repository root on an otherwise idle machine:
     .venv/bin/python bench/micro_kernels.py gemm --weights exact --rows 4 8 34 64
+    .venv/bin/python bench/micro_kernels.py gemm --weights amx --rows 16 34 64
     .venv/bin/python bench/micro_kernels.py attention --seqs 34
 """
 
@@ -56,28 +58,39 @@ def exact_weight(n: int, k: int, bits: int, g: torch.Generator) -> torch.Tensor:
     return (d * q).view(n, k)
 
 
-def pack(weight: torch.Tensor, exact: bool) -> torch.Tensor:
-    if not exact:
-        return cpu_ops.pack_decode_weight(weight)
+Gemm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def pack(weight: torch.Tensor, kind: str) -> Gemm:
+    """``x -> x @ weight.T`` on the kernel and layout ``kind`` names."""
+    n = weight.shape[0]
+    if kind == "fp32":
+        packed = cpu_ops.pack_decode_weight(weight)
+        return lambda x: cpu_ops.decode_gemm(x, packed, n, None)
     groups = exact_quant.find_quant_groups(weight)
     assert groups is not None
-    return exact_quant.pack_decode_weight_quantized(groups)
+    if kind == "amx":
+        amx = exact_quant.pack_amx_weight(groups)
+        return lambda x: cpu_ops.amx_gemm(x, amx, n, None)
+    packed = exact_quant.pack_decode_weight_quantized(groups)
+    return lambda x: cpu_ops.decode_gemm(x, packed, n, None)
 
 
-def gemm_step(layers: list[list[torch.Tensor]], head: torch.Tensor, x: torch.Tensor, x_wide: torch.Tensor) -> None:
-    for packed_layer in layers:
-        for (n, k), packed in zip(PROJECTIONS, packed_layer):
-            cpu_ops.decode_gemm(x_wide if k == INTERMEDIATE else x, packed, n, None)
-    cpu_ops.decode_gemm(x, head, VOCAB, None)
+def gemm_step(layers: list[list[Gemm]], head: Gemm, x: torch.Tensor, x_wide: torch.Tensor) -> None:
+    for layer in layers:
+        for (_, k), gemm in zip(PROJECTIONS, layer):
+            gemm(x_wide if k == INTERMEDIATE else x)
+    head(x)
 
 
 def bench_gemm(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
-    exact = args.weights == "exact"
+    if args.weights == "amx" and not cpu_ops.amx_available():
+        raise SystemExit("no AMX here")
 
-    def weight(n: int, k: int, bits: int) -> torch.Tensor:
-        w = exact_weight(n, k, bits, g) if exact else torch.randn(n, k, generator=g) * 0.02
-        return pack(w, exact)
+    def weight(n: int, k: int, bits: int) -> Gemm:
+        w = exact_weight(n, k, bits, g) if args.weights != "fp32" else torch.randn(n, k, generator=g) * 0.02
+        return pack(w, args.weights)
 
     layers = [[weight(n, k, 4) for n, k in PROJECTIONS] for _ in range(LAYERS)]
     head = weight(VOCAB, HIDDEN, 8)
@@ -124,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="kernel", required=True)
     gemm = sub.add_parser("gemm")
-    gemm.add_argument("--weights", choices=["fp32", "exact"], default="fp32")
+    gemm.add_argument("--weights", choices=["fp32", "exact", "amx"], default="fp32")
     gemm.add_argument("--rows", type=int, nargs="+", default=[4, 8, 12, 16, 24, 34, 48, 64])
     attention = sub.add_parser("attention")
     attention.add_argument("--seqs", type=int, default=34)

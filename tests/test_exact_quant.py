@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, quants
 
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
-from cb_serve.model_executor.linear import Linear
+from cb_serve.model_executor.linear import AMX_MIN_ROWS, DECODE_MAX_ROWS, Linear
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
 needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 here (or its kernel did not build)")
@@ -102,10 +102,10 @@ def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
     assert (q4_layer.amx_weight is not None) == cpu_ops.amx_available()
     fp32_layer.decode_weight = cpu_ops.pack_decode_weight(fp32_layer.weight)
     with torch.inference_mode():
-        for rows in (1, 34, 300):  # 300: prefill rows, on AMX where there is one, else MKL on the float32 weight
+        for rows in (1, 34, 300):  # from 13 rows on AMX where there is one; 300 rows else on MKL
             x = torch.randn(rows, 576)
             torch.testing.assert_close(q4_layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-            if rows <= 64:
+            if rows < AMX_MIN_ROWS or (rows <= DECODE_MAX_ROWS and not cpu_ops.amx_available()):
                 assert torch.equal(q4_layer(x), fp32_layer(x))
 
     plain = Linear(64, 32)
@@ -125,41 +125,47 @@ def test_the_default_model_decodes_from_4_bit_weights(smol_llm):
     assert len(projections) == 120
     assert all(linear.decode_weight.dtype == torch.uint8 for linear in projections)
     assert model.lm_head.decode_weight.dtype == torch.int8
-    assert all((linear.amx_weight is not None) == cpu_ops.amx_available() for linear in projections)
+    assert all((linear.amx_weight is not None) == cpu_ops.amx_available() for linear in [*projections, model.lm_head])
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", [Q4_1, Q4_0])
+@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (576, 1536)])
 def test_amx_gemm_is_as_accurate_as_a_float32_gemm(shape, qtype):
-    """Each output is a float32 sum of exact bf16-piece products, smallest first, so it is as accurate as a
-    float32 GEMM: its RMS error against float64 is at most MKL's on the same inputs (measured: 0.3-0.4x),
-    at row and column counts with partial 32 x 32 blocks. Losing the smallest x piece would make it ~100x."""
+    """q on the tiles is exact, x is three exact bf16 pieces, d and m apply per group in float32: the RMS error
+    against float64 is a float32 GEMM's, within 1.25x of MKL's on the same inputs (measured: 8-bit 0.25-0.37x,
+    4-bit 0.6-0.7x at K >= 576 and ~1x at K = 64-96), at row and column counts that leave partial
+    16-row / 32-column blocks, in decode-sized and chunked (> 256-row) batches. Losing the smallest x piece
+    would make it ~100x."""
     n, k = shape
     weight = gguf_weight(n, k, qtype, seed=n)
     packed = exact_quant.pack_amx_weight(exact_quant.find_quant_groups(weight))
-    groups = k // 32
-    steps = (groups,) if qtype == Q4_0 else (groups, groups + -(-groups // 32))  # Q4_1: maybe its minima too
-    assert packed.dtype == torch.bfloat16 and packed.shape[:2] == (2, -(-n // 32) * 2) and packed.shape[2] in steps
-    x = torch.randn(1 + 31 + 65 + 300, k)
-    out = torch.cat([cpu_ops.amx_gemm(rows, packed, n, None) for rows in x.split([1, 31, 65, 300])])
+    dtype, group_bytes = (torch.uint8, 384) if qtype != Q8_0 else (torch.int8, 576)
+    assert packed.dtype == dtype and packed.shape == (-(-n // 32) * 2, k // 32, group_bytes)
+    sizes = [1, 13, 31, 65, 300]
+    x = torch.randn(sum(sizes), k)
+    out = torch.cat([cpu_ops.amx_gemm(rows, packed, n, None) for rows in x.split(sizes)])
     reference = x.double() @ weight.double().T
     rms = [(y.double() - reference).pow(2).mean().sqrt().item() for y in (out, x @ weight.T)]
-    assert rms[0] <= rms[1], rms
+    assert rms[0] <= 1.25 * rms[1], rms
     bias = torch.randn(n)
     torch.testing.assert_close(cpu_ops.amx_gemm(x, packed, n, bias), out + bias)
 
 
 @needs_amx
-def test_amx_gemm_is_exact_where_float32_arithmetic_is():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_gemm_is_exact_where_float32_arithmetic_is(bits):
     """Small integers against weights on a 2^-6 grid: every product and sum is exact in float32, so the
-    result must be the float64 one bit for bit (a misplaced weight or group minimum cannot hide in a tolerance).
-    K = 1536: 48 group minima, two steps of extra inputs."""
+    result must be the float64 one bit for bit (a misplaced weight, scale or group minimum cannot hide in a
+    tolerance)."""
     n, k = 96, 1536
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+    g = torch.Generator().manual_seed(bits)
     d = 2.0 ** torch.randint(-6, -2, (n, k // 32), generator=g).float()
-    groups = exact_quant.QuantGroups(q, d, -torch.randint(0, 9, d.shape, generator=g) * d)
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+        groups = exact_quant.QuantGroups(q, d, -torch.randint(0, 9, d.shape, generator=g) * d)
+    else:
+        groups = exact_quant.QuantGroups(torch.randint(-8, 8, (n, k), generator=g).to(torch.int8), d, None)
     x = torch.randint(-16, 16, (70, k), generator=g).float()
     out = cpu_ops.amx_gemm(x, exact_quant.pack_amx_weight(groups), n, None)
     assert torch.equal(out.double(), x.double() @ groups.dequantize().double().T)
@@ -177,8 +183,6 @@ def test_amx_gemm_keeps_every_bit_of_x():
     assert torch.equal(cpu_ops.amx_gemm(x, exact_quant.pack_amx_weight(groups), n, None), x[:, perm])
 
 
-def test_amx_packing_declines_what_two_bf16_pieces_cannot_hold():
-    q8 = exact_quant.find_quant_groups(gguf_weight(64, 64, Q8_0))  # d * q: up to 11 + 7 significant bits
-    assert exact_quant.pack_amx_weight(q8) is None
+def test_amx_packing_declines_a_k_over_the_kernels_limit():
     wide = exact_quant.QuantGroups(torch.zeros(32, 16416, dtype=torch.uint8), torch.ones(32, 513), torch.zeros(32, 513))
-    assert exact_quant.pack_amx_weight(wide) is None  # K over the kernel's 16384
+    assert exact_quant.pack_amx_weight(wide) is None

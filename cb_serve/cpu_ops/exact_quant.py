@@ -16,9 +16,8 @@ re-saved checkpoint, row permutations such as Llama's Q/K one) and any other wei
 weight itself: decode reads 0.75 (4-bit) or 1.125 (8-bit) bytes per weight instead of 4 and computes
 exactly what it computes from the float32 copy.
 
-``pack_amx_weight`` lays the same groups out for ``amx_gemm`` (AMX bf16 tiles) as two exact bf16 pieces:
-of the weight itself where they hold it, else of ``d * q``, with ``m`` as extra inputs that meet the
-group sums of ``x``.
+``pack_amx_weight`` lays the same groups out for ``amx_gemm``, which multiplies q (exact in bf16) on AMX
+tiles and applies ``d`` and ``m`` per group.
 """
 
 from __future__ import annotations
@@ -128,35 +127,28 @@ def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     return torch.cat([*scale_bytes, rows], dim=-1).contiguous()
 
 
-def _bf16_pieces(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``x`` (float32) as ``hi + lo`` in bf16, or None if two pieces do not hold it exactly."""
-    hi = x.bfloat16()
-    lo = (x - hi.float()).bfloat16()
-    return (hi, lo) if torch.equal(hi.float() + lo.float(), x) else None
-
-
 def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
-    """The layout ``amx_gemm`` reads, bf16 ``[2 pieces, N / 16, Kx / 32, 16, 32]``: per tile of 16 output
-    columns and step of 32 inputs, 16 rows of (column, input pair) VNNI pairs, each value as ``hi + lo``.
-    The values are the weight itself where two bf16 pieces hold it (Q4_0: ``d * (q - 8)``, at most 15
-    significant bits; Kx = K); otherwise (Q4_1) ``d * q`` followed by the group minima ``m`` as extra
-    inputs, padded to whole steps. N is padded to a multiple of 32. None where neither is exact (8-bit
-    ``d * q`` can need three pieces) or K is over the kernel's 16384."""
+    """The layout ``amx_gemm`` reads, per tile of 16 output columns and group of 32 inputs: ``d[16]`` (and
+    for 4 bits ``m[16]``) as float32, then q as 16 VNNI rows of 32 values (input pair, column, pair member):
+    4-bit as 16 bytes, byte ``j`` holding value ``j`` in its low nibble and ``j + 16`` in its high one (uint8
+    ``[N / 16, K / 32, 384]``), 8-bit as 32 int8 (``[N / 16, K / 32, 576]``). N is padded to 32; None for K
+    over the kernel's 16384."""
     n, k = groups.q.shape
     if k > 16384:
         return None
-    n_padded = -(-n // 32) * 32
-    weight = groups.dequantize()
-    pieces = _bf16_pieces(weight)
-    if pieces is None and groups.m is not None:
-        num_groups = k // GROUP
-        minima = torch.nn.functional.pad(groups.m, (0, -(-num_groups // 32) * 32 - num_groups))
-        weight = torch.cat([(groups.d[..., None] * groups.q.view(n, num_groups, GROUP).float()).view(n, k), minima], 1)
-        pieces = _bf16_pieces(weight)
-    if pieces is None:
-        return None
-    steps = weight.shape[1] // 32
-    padded = [torch.nn.functional.pad(piece, (0, 0, 0, n_padded - n)) for piece in pieces]
-    # [piece, N, Kx] -> [piece, tile, column, step, pair, 2] -> [piece, tile, step, pair, column, 2]
-    stacked = torch.stack(padded).view(2, n_padded // 16, 16, steps, 16, 2)
-    return stacked.permute(0, 1, 3, 4, 2, 5).reshape(2, n_padded // 16, steps, 16, 32).contiguous()
+    tiles, num_groups = -(-n // 32) * 2, k // GROUP
+    pad = tiles * 16 - n
+
+    def per_tile(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> zero-padded [tiles, 16 columns, ...]
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+        return x.view(tiles, 16, *x.shape[1:])
+
+    # q [N, K] -> [tile, column, group, pair, member] -> [tile, group, pair, column, member]: 32 values a row
+    q = per_tile(groups.q).view(tiles, 16, num_groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, num_groups, 16, 32)
+    if groups.m is not None:
+        rows = (q[..., :16] | (q[..., 16:] << 4)).reshape(tiles, num_groups, 256)
+    else:
+        rows = q.reshape(tiles, num_groups, 512)
+    scales = [groups.d] if groups.m is None else [groups.d, groups.m]
+    scale_bytes = [per_tile(s).transpose(1, 2).contiguous().view(rows.dtype) for s in scales]  # [t, g, 64]
+    return torch.cat([*scale_bytes, rows], dim=-1).contiguous()

@@ -22,6 +22,7 @@ from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
 
 DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
+AMX_MIN_ROWS = 13  # from here amx_gemm beats decode_gemm (one 12-row register block below)
 
 
 class Linear(nn.Linear):
@@ -30,18 +31,18 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
+        if self.amx_weight is not None and rows >= AMX_MIN_ROWS:
+            return cpu_ops.amx_gemm(x.contiguous(), self.amx_weight, self.out_features, self.bias)
         if self.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
             return cpu_ops.decode_gemm(x.contiguous(), self.decode_weight, self.out_features, self.bias)
-        if self.amx_weight is not None and rows > DECODE_MAX_ROWS:
-            return cpu_ops.amx_gemm(x.contiguous(), self.amx_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     @torch.no_grad()
     def prepare_for_cpu(self, pack: bool, transpose: bool = True) -> None:
         """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight
         when the weight is exactly a dequantized GGUF Q4_1 / Q4_0 / Q8_0 one (``cpu_ops.exact_quant``), else
-        a second float32 copy; for such a 4-bit weight on an AMX CPU, also the bf16 pieces that
-        ``amx_gemm`` runs the larger batches from. ``transpose``: store the weight transposed (still an ``[out, in]``
+        a second float32 copy; for such a low-bit weight on an AMX CPU, also the layout ``amx_gemm`` runs
+        batches of ``AMX_MIN_ROWS`` and more from. ``transpose``: store the weight transposed (still an ``[out, in]``
         parameter) so ``F.linear`` runs an NN GEMM, ~10% faster on CPU; leave it off for a weight
         shared with an embedding (row lookups want the plain layout)."""
         if transpose:

@@ -1,20 +1,20 @@
 // Float32-accurate GEMM on AMX bf16 tiles, for weights that are exactly low-bit (exact_quant.py):
-// out[M, N] = x[M, K] @ w[N, K]^T with w = d * q + m per group of 32 inputs (d, m float16 values).
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias) with w = d * q + m per group of 32 inputs (d, m float16 values;
+// q in 0..15 with m, or -127..127 without).
 //
-// Every operand is split exactly into bf16 pieces, so that each tile product is an exact product:
-//   x = x0 + x1 + x2 (three bf16s hold a float32's 24 significant bits; |x1| <= 2^-8 |x|, |x2| <= 2^-16 |x|)
-//   d * q = D0 + D1 (at most 11 + 4 significant bits: two bf16s)
-//   the m term, sum_g m_g * (sum of x over group g), as extra input columns: the group sums (float32,
-//   split in three) against m (float16, split in two).
-// TDPBF16PS multiplies bf16 pairs exactly and accumulates in float32, so each output is a float32 sum of
-// exact products. Five of the six piece products are summed, smallest first (block_32x32); the one left
-// out, x2 * D1, is below 2^-24 of its term. Measured RMS error against float64: 0.3-0.4x MKL's float32
-// GEMM's. Five bf16 passes at the AMX rate beat one float32 pass at the AVX-512 FMA rate: 2048 rows of
-// the default model's shapes run at 470-610 GFLOP/s against MKL's 340-390 (1.2-1.6x).
+// q is an integer below 256, so exact in bf16, and x splits exactly into three bf16 pieces,
+// x = x0 + x1 + x2 (a float32's 24 significant bits; |x1| <= 2^-8 |x|, |x2| <= 2^-16 |x|). Per group the
+// tiles compute c = x2 q + x1 q + x0 q (TDPBF16PS: exact products, float32 sums over 32 inputs), and
+// AVX-512 adds d * c + m * (the group's sum of x) to float32 accumulators. Each output is then a float32
+// sum of exact terms with one rounding at its scale per group rather than per input: measured RMS error
+// against float64 0.25-0.7x MKL's float32 GEMM's (about equal at K = 64), ~0.3x decode_gemm's.
 //
-// Layout: packed = bf16 [2 pieces, N / 16 tiles, Kx / 32 steps, 16 pairs, 16 columns x 2] (VNNI), Kx = K
-// plus the m columns padded to 32. Each thread takes blocks of 32 columns for a chunk of 128 rows
-// (the chunk's x pieces stay in L2), and a block accumulates 2 x 2 tiles of 16 x 16 over all passes.
+// The weight stays 4 or 8 bits (+ float32 d, m): 0.75 / 1.125 bytes a weight streamed per call. Tiles are
+// 2 x 2 (two 16-row tiles of x by two 16-column tiles of w), so 8 tile loads feed 12 tile products; on this
+// machine a tile load costs about as much as a tile product, so loads are what to save. Per pair of column
+// tiles a thread unpacks q to bf16 VNNI tiles once for a chunk of up to 256 rows whose x pieces stay in L2.
+// Measured, 2 threads: 34 rows of the default model's layers + LM head 35.4 -> 31.0 ms (decode_gemm),
+// 64 rows 59.8 -> 40.9 ms; 2048 rows 440-635 GFLOP/s against MKL's float32 360-380.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -26,17 +26,20 @@
 #define CB_SERVE_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
 namespace {
 
-constexpr int64_t kStep = 32;        // inputs per tile step (16 bf16 pairs)
-constexpr int64_t kTileCols = 16;    // output columns per tile
-constexpr int64_t kTileElems = 512;  // bf16 values per weight tile
-constexpr int64_t kChunkRows = 128;  // rows whose x pieces a thread keeps in L2
-constexpr int64_t kMaxInputs = 16384;  // K: its group sums fit one 2 KB buffer
+constexpr int64_t kGroup = 32;           // inputs per scale, and per tile product
+constexpr int64_t kTileElems = 512;      // bf16 values in a 16 x 32 tile (1 KB)
+constexpr int64_t kTileFloats = 256;     // float32 values in a 16 x 16 tile (1 KB)
+constexpr int64_t kScaleBytes = 16 * sizeof(float);
+constexpr int64_t kMaxInputs = 16384;    // K: a row's group sums fit one 2 KB buffer
+constexpr int64_t kChunkBytes = 1 << 20;  // x pieces a thread keeps in L2 per column tile pair
+constexpr int64_t kMaxChunkTiles = 16;
 
 #if defined(CB_SERVE_AMX)
 // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
@@ -80,130 +83,217 @@ inline void split3(__m512 v, uint16_t* p0, uint16_t* p1, uint16_t* p2) {
   _mm256_storeu_si256((__m256i*)p2, (__m256i)b2);
 }
 
-// x [M, K] -> pieces [3][rows][kx]: x's pieces, then (with_sums) the pieces of its group sums, zeros
-// after them and in rows M..rows-1.
-void split_rows(const float* x, int64_t m, int64_t k, int64_t rows, int64_t kx, bool with_sums, uint16_t* pieces) {
-  const int64_t plane = rows * kx;
+// x [M, K] -> pieces [3][rows / 16][K / 32][16][32] bf16 (one tile of 16 rows x 32 inputs is 1 KB,
+// contiguous; rows M..rows-1 zero) and the group sums [rows][K / 32] float32.
+void split_rows(const float* x, int64_t m, int64_t k, int64_t rows, uint16_t* pieces, float* sums) {
+  const int64_t groups = k / kGroup, plane = rows * k;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* p0 = pieces + r * kx;
-    uint16_t* p1 = p0 + plane;
-    uint16_t* p2 = p1 + plane;
-    if (r >= m) {
-      for (uint16_t* p : {p0, p1, p2}) std::memset(p, 0, kx * sizeof(uint16_t));
-      continue;
-    }
-    alignas(64) float sums[kMaxInputs / kStep] = {};
-    for (int64_t c = 0; c < k; c += kStep) {
-      const __m512 lo = _mm512_loadu_ps(x + r * k + c), hi = _mm512_loadu_ps(x + r * k + c + 16);
-      split3(lo, p0 + c, p1 + c, p2 + c);
-      split3(hi, p0 + c + 16, p1 + c + 16, p2 + c + 16);
-      sums[c / kStep] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    }
-    for (int64_t c = k; c < kx; c += 16) {
-      const __m512 v = with_sums ? _mm512_load_ps(sums + (c - k)) : _mm512_setzero_ps();
-      split3(v, p0 + c, p1 + c, p2 + c);
+    uint16_t* p0 = pieces + (r / 16) * groups * kTileElems + (r % 16) * kGroup;  // + group * kTileElems
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+      if (r < m) {
+        lo = _mm512_loadu_ps(x + r * k + g * kGroup);
+        hi = _mm512_loadu_ps(x + r * k + g * kGroup + 16);
+      }
+      sums[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      uint16_t* p = p0 + g * kTileElems;
+      split3(lo, p, p + plane, p + 2 * plane);
+      split3(hi, p + 16, p + plane + 16, p + 2 * plane + 16);
     }
   }
 }
 
-// One sweep over K: the 2 x 2 output tiles (0..3) += x pieces (tiles 4, 5: row halves) times weight piece
-// `d` (tiles 6, 7: column tiles), for each x piece in `xs`; the weight tiles load once per step for all.
-template <int NumX>
-inline void sweep(const uint16_t* const (&xs)[NumX], int64_t kx, const uint16_t* d, int64_t steps) {
-  const int64_t lda = kx * sizeof(uint16_t), half = 16 * kx, next_tile = steps * kTileElems;
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, d + s * kTileElems, 64);
-    _tile_loadd(7, d + next_tile + s * kTileElems, 64);
-#pragma GCC unroll 3
-    for (int i = 0; i < NumX; ++i) {
-      _tile_loadd(4, xs[i] + s * kStep, lda);
-      _tile_loadd(5, xs[i] + half + s * kStep, lda);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
+// bf16 of 0..15, indexed by vpermw.
+inline __m512i nibble_table() {
+  alignas(64) float v[32];
+  for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(i & 15);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(v + 16), _mm512_load_ps(v));
+}
+
+// One weight tile's q (16 VNNI rows of 32 values) as bf16 into `tile`.
+template <bool FourBit>
+inline void unpack_q(const uint8_t* q, uint16_t* tile, __m512i table) {
+  for (int r = 0; r < 16; ++r) {
+    if constexpr (FourBit) {
+      const __m128i b = _mm_loadu_si128((const __m128i*)(q + r * 16));
+      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+      const __m512i words = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+      _mm512_store_si512(tile + r * 32, _mm512_permutexvar_epi16(words, table));
+    } else {
+      const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + r * 32)));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(words)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
+      _mm512_store_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// One group on the tiles for NR (2, or 1 for an odd last) row tiles and two column tiles: tiles 0..3 take
+// c for (row tile, column tile) 00, 01, 10, 11 from the x piece in 4 (row tile 0) or 5 (row tile 1) and q
+// in 6, 7, smallest piece first; then they are stored to `c` and zeroed.
+template <int NR>
+inline void group_tiles(const uint16_t* a, int64_t a_piece, int64_t a_row_tile, const uint16_t* q0,
+                        const uint16_t* q1, float* c) {
+  _tile_loadd(6, q0, 64);
+  _tile_loadd(7, q1, 64);
+  for (int p = 2; p >= 0; --p) {
+    _tile_loadd(4, a + p * a_piece, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NR == 2) {
+      _tile_loadd(5, a + p * a_piece + a_row_tile, 64);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-}
-
-// 32 x 32 outputs from the x pieces a0..a2 and weight pieces d0, d1. Three sweeps, smallest products
-// first: x0 D1 + x1 D1, then x2 D0 + x1 D0, then x0 D0. While the accumulators are small they round
-// finely, so only the last sweep's additions round at the output's scale, once per input as in an fp32
-// dot product (an order per step instead gives ~2x MKL's RMS error). 16 tile loads per 20 tile products.
-void block_32x32(const uint16_t* a0, const uint16_t* a1, const uint16_t* a2, int64_t kx, const uint16_t* d0,
-                 const uint16_t* d1, int64_t steps, float* out, int64_t ld_out) {
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + kTileFloats, 64);
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  const uint16_t* const small_by_d1[2] = {a0, a1};
-  const uint16_t* const small_by_d0[2] = {a2, a1};
-  const uint16_t* const large[1] = {a0};
-  sweep(small_by_d1, kx, d1, steps);
-  sweep(small_by_d0, kx, d0, steps);
-  sweep(large, kx, d0, steps);
-  const int64_t ldb = ld_out * sizeof(float);
-  _tile_stored(0, out, ldb);
-  _tile_stored(1, out + 16, ldb);
-  _tile_stored(2, out + 16 * ld_out, ldb);
-  _tile_stored(3, out + 16 * ld_out + 16, ldb);
+  if constexpr (NR == 2) {
+    _tile_stored(2, c + 2 * kTileFloats, 64);
+    _tile_stored(3, c + 3 * kTileFloats, 64);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
 }
 
-void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(0) == 2 && packed.size(1) % 2 == 0 && packed.size(3) == 16 && packed.size(4) == 32,
-              "packed: bf16 [2, even N / 16, Kx / 32, 16, 32]");
-  const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(1), steps = packed.size(2), kx = steps * kStep;
-  const int64_t n = out.size(1);
-  TORCH_CHECK(k % kStep == 0 && k <= kMaxInputs && kx >= k && kx - k <= kMaxInputs / kStep,
-              "packed does not match x's K (a multiple of 32, at most 16384)");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == m && n <= tiles * kTileCols &&
-                  n > (tiles - 2) * kTileCols,
-              "out: contiguous float32 [M, N] matching packed");
-  if (m == 0) return;
-  const int64_t rows = (m + 31) / 32 * 32;
-  static thread_local at::Tensor pieces_buffer;  // reused: a fresh 10 MB buffer costs its page faults
-  if (!pieces_buffer.defined() || pieces_buffer.numel() < 3 * rows * kx)
-    pieces_buffer = at::empty({3 * rows * kx}, x.options().dtype(at::kBFloat16));
-  uint16_t* pieces = reinterpret_cast<uint16_t*>(pieces_buffer.data_ptr());
-  split_rows(x.data_ptr<float>(), m, k, rows, kx, kx > k, pieces);
+// acc_ij[r] += d_j * c_ij[r] (+ m_j * sums[row r of row tile i]).
+template <int NR, bool FourBit>
+inline void group_scale(const float* c, const uint8_t* scales0, const uint8_t* scales1, const float* sums,
+                        int64_t sums_stride, float* acc) {
+  const uint8_t* scales[2] = {scales0, scales1};
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j) {
+    const __m512 d = _mm512_load_ps((const float*)scales[j]);
+    const __m512 m = FourBit ? _mm512_load_ps((const float*)(scales[j] + kScaleBytes)) : _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int i = 0; i < NR; ++i) {
+      float* acc_ij = acc + (2 * i + j) * kTileFloats;
+      const float* c_ij = c + (2 * i + j) * kTileFloats;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        __m512 v = _mm512_fmadd_ps(d, _mm512_load_ps(c_ij + 16 * r), _mm512_load_ps(acc_ij + 16 * r));
+        if constexpr (FourBit) v = _mm512_fmadd_ps(_mm512_set1_ps(sums[(16 * i + r) * sums_stride]), m, v);
+        _mm512_store_ps(acc_ij + 16 * r, v);
+      }
+    }
+  }
+}
 
-  const uint16_t* weights = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const int64_t plane = rows * kx, piece_stride = tiles * steps * kTileElems, blocks = tiles / 2;
-  float* o = out.data_ptr<float>();
+// All groups of NR row tiles x two column tiles into acc. Each group's scaling runs one group behind its
+// tile work, from the other of two c buffers: reading a tile store straight away stalls.
+template <int NR, bool FourBit>
+void row_tiles(const uint16_t* a, int64_t a_piece, int64_t a_row_tile, const uint16_t* q0, const uint16_t* q1,
+               const uint8_t* w0, const uint8_t* w1, int64_t group_bytes, const float* sums, int64_t groups, float* c,
+               float* acc) {
+  std::memset(acc, 0, 4 * kTileFloats * sizeof(float));
+  for (int64_t g = 0; g <= groups; ++g) {
+    if (g < groups)
+      group_tiles<NR>(a + g * kTileElems, a_piece, a_row_tile, q0 + g * kTileElems, q1 + g * kTileElems,
+                      c + (g & 1) * 4 * kTileFloats);
+    if (g > 0) {
+      const int64_t h = g - 1;
+      group_scale<NR, FourBit>(c + (h & 1) * 4 * kTileFloats, w0 + h * group_bytes, w1 + h * group_bytes, sums + h,
+                               groups, acc);
+    }
+  }
+}
+
+template <bool FourBit>
+void gemm(float* out, int64_t m, int64_t n, const uint16_t* pieces, const float* sums, int64_t groups,
+          const uint8_t* packed, int64_t group_bytes, int64_t tiles, const float* bias, float* scratch,
+          int64_t scratch_per_thread) {
+  const int64_t row_tile_count = (m + 15) / 16, a_row_tile = groups * kTileElems, a_piece = row_tile_count * a_row_tile;
+  const int64_t q_offset = (FourBit ? 2 : 1) * kScaleBytes;
+  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (3 * a_row_tile * 2) / 2 * 2, 2, kMaxChunkTiles);
+  const __m512i table = nibble_table();
 #pragma omp parallel
   {
     configure_tiles();
-    alignas(64) float edge[32 * 32];  // a block that sticks out of `out`
-    for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
+    float* own = scratch + omp_get_thread_num() * scratch_per_thread;
+    uint16_t* q0 = reinterpret_cast<uint16_t*>(own);  // the pair's q tiles, [2][groups][512]
+    uint16_t* q1 = q0 + groups * kTileElems;
+    float* c = own + groups * kTileElems;  // two buffers of 4 tiles
+    float* acc = c + 8 * kTileFloats;      // 4 tiles
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t first = 0; first < row_tile_count; first += chunk) {
+      const int64_t last = std::min(row_tile_count, first + chunk);
 #pragma omp for schedule(static) nowait
-      for (int64_t nb = 0; nb < blocks; ++nb) {
-        const uint16_t* d0 = weights + 2 * nb * steps * kTileElems;
-        for (int64_t r = m0; r < std::min(rows, m0 + kChunkRows); r += 32) {
-          const bool inside = r + 32 <= m && (nb + 1) * 32 <= n;
-          block_32x32(pieces + r * kx, pieces + plane + r * kx, pieces + 2 * plane + r * kx, kx, d0,
-                      d0 + piece_stride, steps, inside ? o + r * n + nb * 32 : edge, inside ? n : 32);
-          if (!inside)
-            for (int64_t i = 0; i < std::min<int64_t>(32, m - r); ++i)
-              std::memcpy(o + (r + i) * n + nb * 32, edge + i * 32, std::min<int64_t>(32, n - nb * 32) * sizeof(float));
+      for (int64_t pair = 0; pair < tiles / 2; ++pair) {
+        const uint8_t* w0 = packed + 2 * pair * groups * group_bytes;
+        const uint8_t* w1 = w0 + groups * group_bytes;
+        for (int64_t g = 0; g < groups; ++g) {
+          unpack_q<FourBit>(w0 + g * group_bytes + q_offset, q0 + g * kTileElems, table);
+          unpack_q<FourBit>(w1 + g * group_bytes + q_offset, q1 + g * kTileElems, table);
+        }
+        for (int64_t mt = first; mt < last; mt += 2) {
+          const int64_t nr = mt + 1 < last ? 2 : 1;
+          (nr == 2 ? &row_tiles<2, FourBit> : &row_tiles<1, FourBit>)(
+              pieces + mt * a_row_tile, a_piece, a_row_tile, q0, q1, w0, w1, group_bytes, sums + mt * 16 * groups,
+              groups, c, acc);
+          for (int64_t j = 0; j < 2; ++j) {
+            const int64_t col = (2 * pair + j) * 16, cols = std::min<int64_t>(16, n - col);
+            if (cols <= 0) continue;
+            const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+            const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+            for (int64_t i = 0; i < nr; ++i)
+              for (int64_t r = 0; r < std::min<int64_t>(16, m - (mt + i) * 16); ++r)
+                _mm512_mask_storeu_ps(out + ((mt + i) * 16 + r) * n + col, mask,
+                                      _mm512_add_ps(_mm512_load_ps(acc + (2 * i + j) * kTileFloats + 16 * r), b));
+          }
         }
       }
     }
     _tile_release();
   }
 }
+
+// out [M, N] = x [M, K] @ w^T (+ bias); packed from exact_quant.pack_amx_weight: uint8 [N / 16, K / 32,
+// 384] (4-bit) or int8 [N / 16, K / 32, 576] (8-bit), N / 16 even.
+void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const bool four_bit = packed.scalar_type() == at::kByte;
+  const int64_t group_bytes = four_bit ? 2 * kScaleBytes + 256 : kScaleBytes + 512;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (four_bit || packed.scalar_type() == at::kChar) &&
+                  packed.size(0) % 2 == 0 && packed.size(2) == group_bytes,
+              "packed: uint8 [N / 16, K / 32, 384] or int8 [N / 16, K / 32, 576], N / 16 even");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(k == groups * kGroup && k <= kMaxInputs, "packed does not match x's K (at most 16384)");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == m && n <= tiles * 16 &&
+                  n > (tiles - 2) * 16,
+              "out: contiguous float32 [M, N] matching packed");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "bias: float32 [N]");
+  if (m == 0) return;
+  const int64_t rows = (m + 15) / 16 * 16;
+  at::Tensor pieces = at::empty({3 * rows * k}, x.options().dtype(at::kBFloat16));
+  at::Tensor sums = at::empty({rows, groups}, x.options());
+  split_rows(x.data_ptr<float>(), m, k, rows, reinterpret_cast<uint16_t*>(pieces.data_ptr()), sums.data_ptr<float>());
+  const int64_t per_thread = groups * kTileElems + 12 * kTileFloats;  // floats: q tiles, c, acc
+  at::Tensor scratch = at::empty({omp_get_max_threads() * per_thread}, x.options());
+  (four_bit ? &gemm<true> : &gemm<false>)(
+      out.data_ptr<float>(), m, n, reinterpret_cast<const uint16_t*>(pieces.data_ptr()), sums.data_ptr<float>(),
+      groups, reinterpret_cast<const uint8_t*>(packed.data_ptr()), group_bytes, tiles,
+      bias ? bias->data_ptr<float>() : nullptr, scratch.data_ptr<float>(), per_thread);
+}
 #else
 bool amx_init() { return false; }
-void amx_gemm(at::Tensor&, const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "built without AMX"); }
+void amx_gemm(at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "built without AMX");
+}
 #endif
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def("amx_init() -> bool", &amx_init);
-  m.def("amx_gemm(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.def("amx_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) { m.impl("amx_gemm", &amx_gemm); }
