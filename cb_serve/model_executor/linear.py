@@ -9,7 +9,9 @@ shapes, all 30 layers plus the LM head with weights streamed from memory: 34 row
 the next weight tile while the current one is in use then took 34 rows to 38.9 ms and 64 rows to ~60 ms.
 Weights that are exactly 4- or 8-bit (the default model's Q4_1 projections, Q8_0 LM head) are kept so and
 dequantized per tile into the same float32 values: 4 rows 26 -> 14 ms, 8 rows 30 -> 16 ms, 34 rows 40.5 ->
-37 ms.
+37 ms. On an AMX CPU those low-bit weights run batches of ``AMX_MIN_ROWS`` or more on ``cpu_ops.amx_gemm``
+(float32-accurate, from the same 4/8 bits): 16 rows 23.6 -> 16.9 ms, 34 rows 35.4 -> 30.0 ms, 64 rows 59.8 ->
+35.8 ms, and prefill-sized batches at 1.2-1.8x MKL's float32 rate.
 """
 
 from __future__ import annotations
