@@ -1,6 +1,6 @@
 """Low-bit packing of float32 weights that are exactly dequantized GGUF Q4_1 / Q4_0 / Q8_0: recognized from the
-float32 values alone, the decode GEMM on the low-bit copy is bit for bit the float32 one, and the AMX GEMM on
-their exact bf16 pieces is as accurate as a float32 GEMM."""
+float32 values alone, the decode GEMM on the low-bit copy is bit for bit the float32 one, and the AMX GEMM on the
+same low bits (q exact in bf16, x in three exact bf16 pieces) is as accurate as a float32 GEMM."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
 
 DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
-AMX_MIN_ROWS = 13  # from here amx_gemm beats decode_gemm (one 12-row register block below)
+AMX_MIN_ROWS = 13  # amx_gemm: 12 rows 16.9 ms vs 19.4, 8 rows 16.8 vs 16.0, 1 row 15.9 vs 12.6 (all layers)
 
 
 class Linear(nn.Linear):
