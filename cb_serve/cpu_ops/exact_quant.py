@@ -104,6 +104,27 @@ def find_quant_groups(weight: torch.Tensor) -> QuantGroups | None:
     return None
 
 
+def _column_tiles(x: torch.Tensor, tiles: int, cols: int) -> torch.Tensor:
+    """``[N, ...]`` -> zero-padded ``[tiles, cols, ...]``."""
+    pad = tiles * cols - x.shape[0]
+    x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+    return x.view(tiles, cols, *x.shape[1:])
+
+
+def _with_scales(groups: QuantGroups, q_rows: torch.Tensor, cols: int) -> torch.Tensor:
+    """``q_rows`` (``[tiles, K // 32, R, 32]``: rows of 32 values per tile of ``cols`` output columns and
+    group) -> per tile and group: ``d[cols]`` (and for 4 bits ``m[cols]``) as float32, then the R rows, 4-bit
+    as 16 bytes (byte ``j``: value ``j`` in the low nibble, ``j + 16`` in the high one), 8-bit as 32."""
+    tiles, num_groups = q_rows.shape[:2]
+    if groups.m is None:
+        rows = q_rows.reshape(tiles, num_groups, -1)
+    else:
+        rows = (q_rows[..., :16] | (q_rows[..., 16:] << 4)).reshape(tiles, num_groups, -1)
+    scales = [groups.d] if groups.m is None else [groups.d, groups.m]
+    scale_bytes = [_column_tiles(s, tiles, cols).transpose(1, 2).contiguous().view(rows.dtype) for s in scales]
+    return torch.cat([*scale_bytes, rows], dim=-1).contiguous()
+
+
 def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     """The layout ``decode_gemm`` reads, per tile of 32 output columns and group of 32 inputs:
     ``d[32]`` (and for 4 bits ``m[32]``) as float32, then 32 rows (one per input) of the tile's
@@ -111,20 +132,8 @@ def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     in its high nibble (uint8 ``[tiles, K // 32, 768]``); 8-bit as 32 bytes (int8 ``[tiles, K // 32, 1152]``)."""
     n, k = groups.q.shape
     tiles, num_groups = -(-n // TILE_COLS), k // GROUP
-    pad = tiles * TILE_COLS - n
-
-    def per_tile(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> zero-padded [tiles, 32 columns, ...]
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
-        return x.view(tiles, TILE_COLS, *x.shape[1:])
-
-    q = per_tile(groups.q).view(tiles, TILE_COLS, num_groups, GROUP).permute(0, 2, 3, 1)  # [t, g, k, col]
-    if groups.m is None:
-        rows = q.reshape(tiles, num_groups, GROUP * TILE_COLS)
-    else:
-        rows = (q[..., :16] | (q[..., 16:] << 4)).reshape(tiles, num_groups, GROUP * 16)
-    scales = [groups.d] if groups.m is None else [groups.d, groups.m]
-    scale_bytes = [per_tile(s).transpose(1, 2).contiguous().view(rows.dtype) for s in scales]  # [t, g, 128]
-    return torch.cat([*scale_bytes, rows], dim=-1).contiguous()
+    q = _column_tiles(groups.q, tiles, TILE_COLS).view(tiles, TILE_COLS, num_groups, GROUP)
+    return _with_scales(groups, q.permute(0, 2, 3, 1), TILE_COLS)  # rows: [t, g, k, col]
 
 
 def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
@@ -137,18 +146,6 @@ def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
     if k > 16384:
         return None
     tiles, num_groups = -(-n // 32) * 2, k // GROUP
-    pad = tiles * 16 - n
-
-    def per_tile(x: torch.Tensor) -> torch.Tensor:  # [N, ...] -> zero-padded [tiles, 16 columns, ...]
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
-        return x.view(tiles, 16, *x.shape[1:])
-
     # q [N, K] -> [tile, column, group, pair, member] -> [tile, group, pair, column, member]: 32 values a row
-    q = per_tile(groups.q).view(tiles, 16, num_groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(tiles, num_groups, 16, 32)
-    if groups.m is not None:
-        rows = (q[..., :16] | (q[..., 16:] << 4)).reshape(tiles, num_groups, 256)
-    else:
-        rows = q.reshape(tiles, num_groups, 512)
-    scales = [groups.d] if groups.m is None else [groups.d, groups.m]
-    scale_bytes = [per_tile(s).transpose(1, 2).contiguous().view(rows.dtype) for s in scales]  # [t, g, 64]
-    return torch.cat([*scale_bytes, rows], dim=-1).contiguous()
+    q = _column_tiles(groups.q, tiles, 16).view(tiles, 16, num_groups, 16, 2).permute(0, 2, 3, 1, 4)
+    return _with_scales(groups, q.reshape(tiles, num_groups, 16, 32), 16)
