@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from cb_serve.engine.fault_injection import FaultInjector
+
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 
@@ -66,6 +68,15 @@ class EngineConfig:
     enforce_eager: bool = _arg(
         False, "Never use CUDA graphs (by default decode steps on CUDA replay graphs captured at startup)."
     )
+    max_logprobs: int = _arg(20, "Most log-probabilities a request may ask for per token (logprobs / top_logprobs).")
+    max_stop_strings: int = _arg(64, "Most stop strings one request may carry.")
+    max_stop_string_len: int = _arg(512, "Longest stop string, in characters.")
+    max_stop_token_ids: int = _arg(256, "Most stop_token_ids one request may carry.")
+    fault_injection: str | None = _arg(
+        None,
+        "Fault tests only: rules that make requests, steps or the engine fail on purpose "
+        "(see cb_serve/engine/fault_injection.py; default: $CB_SERVE_FAULT_INJECTION).",
+    )
     seed: int = _arg(0, "Seed of the engine's default random generator (requests may bring their own).")
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's choice).")
     trust_remote_code: bool = _arg(False, "Allow custom code from model repositories.")
@@ -82,10 +93,17 @@ class EngineConfig:
             "max_model_len": self.max_model_len,
             "max_waiting_requests": self.max_waiting_requests,
             "num_threads": self.num_threads,
+            "max_stop_strings": self.max_stop_strings,
+            "max_stop_string_len": self.max_stop_string_len,
+            "max_stop_token_ids": self.max_stop_token_ids,
         }
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}.")
+        if self.fault_injection:
+            FaultInjector(self.fault_injection)  # raises on a malformed spec
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:

@@ -8,7 +8,7 @@ import pytest
 
 from cb_serve import EngineConfig, RequestOutputKind, SamplingParams
 from cb_serve.engine.async_llm import AsyncLLM
-from cb_serve.engine.llm_engine import EngineOverloadedError
+from cb_serve.engine.errors import EngineOverloadedError
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,20 @@ import threading
 from collections.abc import AsyncIterator
 
 from cb_serve.config import EngineConfig
-from cb_serve.engine.llm_engine import EngineOverloadedError, LLMEngine, waiting_queue_full
-from cb_serve.engine.processor import InputProcessor, ProcessedRequest, PromptType, apply_chat_template
+from cb_serve.engine.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    RequestFailedError,
+)
+from cb_serve.engine.llm_engine import LLMEngine, waiting_queue_full
+from cb_serve.engine.processor import ProcessedRequest, PromptType, apply_chat_template
 from cb_serve.engine.stats import EngineStats
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped with an error; the engine must be restarted."""
 
 
 class _Stream:
@@ -32,13 +35,18 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            pass
 
 
 class AsyncLLM:
     """Thread-safe, asyncio-friendly engine. ``generate`` validates in the caller (bad input
-    raises ``ValueError`` at once), then streams ``RequestOutput``s; leaving the iteration
-    early (client gone, ``CancelledError``) aborts the request and frees its KV blocks."""
+    raises ``InvalidRequestError``, a ``ValueError``, at once), then streams ``RequestOutput``s;
+    leaving the iteration early (client gone, ``CancelledError``) aborts the request and frees
+    its KV blocks. A request that fails raises its ``EngineError`` from the iteration; the
+    engine goes on unless the error is fatal, after which ``check_health`` raises."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
@@ -47,12 +55,12 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
         self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-        p = self.engine.processor
-        self.processor = InputProcessor(self.tokenizer, p.max_model_len, p.vocab_size, p.eos_token_ids)
+        self.processor = self.engine.processor.with_tokenizer(self.tokenizer)
         self._inbox: queue.SimpleQueue[tuple[str, str, ProcessedRequest | None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
+        self._closing: EngineError | None = None  # set by close_streams(): new requests are refused
         self.error: BaseException | None = None
         self._stats = self.engine.get_stats()
         self._thread = threading.Thread(target=self._loop, name="cb-serve-engine", daemon=True)
@@ -63,6 +71,8 @@ class AsyncLLM:
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         self.check_health()
+        if self._closing is not None:
+            raise self._closing
         processed = self.processor.process(prompt, params)
         if waiting_queue_full(self._stats.num_waiting + self._inbox.qsize(), self._stats.num_running, self.config):
             limit = self.config.max_waiting_requests
@@ -103,6 +113,20 @@ class AsyncLLM:
     def step_history(self):
         return self.engine.step_history
 
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def close_streams(self, error: EngineError) -> int:
+        """Refuses new requests and ends every open stream with ``error`` (its request is
+        aborted). Returns how many streams were open. For shutdown: no stream is left hanging."""
+        self._closing = error
+        streams = list(self._streams.items())
+        for request_id, stream in streams:
+            self.abort(request_id)
+            stream.put(error)
+        return len(streams)
+
     def check_health(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"The engine loop died: {self.error!r}") from self.error
@@ -110,6 +134,8 @@ class AsyncLLM:
             raise EngineDeadError("The engine loop is not running.")
 
     def shutdown(self) -> None:
+        """Ends open streams with ``EngineShutdownError`` and stops the engine thread."""
+        self.close_streams(EngineShutdownError("The server is shutting down; retry the request."))
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
@@ -125,16 +151,20 @@ class AsyncLLM:
                     self._stats = engine.get_stats()
                     self._wake.wait(timeout=1.0)
                     continue
-                for out in engine.step():
+                for out in engine.step():  # contains every failure it can survive
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream.put(out)
+                        stream.put(out.error if out.error is not None else out)
                 self._stats = engine.get_stats()
-        except BaseException as e:  # noqa: BLE001 - any failure kills the engine; callers are told
+        except BaseException as e:  # noqa: BLE001 - the engine cannot go on; callers are told at once
             logger.exception("engine loop died")
             self.error = e
             for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"The engine loop died: {e!r}"))
+                stream.put(EngineDeadError("The engine replica failed; retry the request."))
+            try:
+                engine.abort_request(list(engine.requests))
+            except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
+                logger.exception("freeing the requests of the dead engine failed")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -147,7 +177,10 @@ class AsyncLLM:
                 continue
             try:
                 self.engine.add_processed_request(request_id, processed)
-            except (ValueError, EngineOverloadedError) as e:
+            except Exception as e:  # noqa: BLE001 - one request's failure, never the loop's
+                if not isinstance(e, (ValueError, EngineOverloadedError)):
+                    logger.error("adding request %s failed", request_id, exc_info=e)
+                    e = RequestFailedError("This request failed on the server.")
                 stream = self._streams.get(request_id)
                 if stream is not None:
                     stream.put(e)

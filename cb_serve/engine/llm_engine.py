@@ -12,6 +12,13 @@ import torch
 from cb_serve.attention import get_attention_backend
 from cb_serve.config import EngineConfig
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.errors import (
+    EngineFatalError,
+    EngineOverloadedError,
+    RequestFailedError,
+    StepFailedError,
+)
+from cb_serve.engine.fault_injection import FaultInjector
 from cb_serve.engine.kv_cache_sizing import num_kv_blocks
 from cb_serve.engine.processor import InputProcessor, PromptType
 from cb_serve.engine.request_state import RequestState
@@ -21,16 +28,15 @@ from cb_serve.engine.stats import EngineStats, StepStats
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.model_runner import ModelRunner
-from cb_serve.outputs import RequestOutput
+from cb_serve.outputs import CompletionOutput, RequestOutput
 from cb_serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (``max_waiting_requests``); retry later."""
+# A step failure fails its requests and the engine goes on; this many in a row mean the
+# engine itself is broken (a sticky device error, say), so it stops and the replica is replaced.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 def waiting_queue_full(num_waiting: int, num_running: int, config: EngineConfig) -> bool:
@@ -104,8 +110,11 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.hf_config.vocab_size, self._eos_token_ids()
+            self.tokenizer, self.max_model_len, self.hf_config.vocab_size, self._eos_token_ids(), config
         )
+        self.faults = FaultInjector.from_config(config.fault_injection)
+        self.consecutive_step_failures = 0
+        self.num_failed_steps = self.num_failed_requests = self.max_batch_seqs = 0
         self.requests: dict[str, RequestState] = {}
         self.step_history: deque[StepStats] = deque(maxlen=4096)
         self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
@@ -152,7 +161,10 @@ class LLMEngine:
         if waiting_queue_full(len(self.scheduler.waiting), len(self.scheduler.running), self.config):
             limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
-        state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic())
+        faults = frozenset()
+        if self.faults is not None:
+            faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
+        state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic(), faults)
         self.requests[request_id] = state
         for seq in state.seqs:
             self.scheduler.add(seq)
@@ -171,34 +183,86 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the outputs of the requests it advanced.
+
+        Failures are contained: an exception while one request's output is processed fails
+        that request alone (``RequestFailedError``); any other exception of the step fails the
+        step's requests (``StepFailedError``, retryable) and frees their KV blocks. Only
+        ``EngineFatalError`` escapes, also raised after ``MAX_CONSECUTIVE_STEP_FAILURES``
+        failed steps in a row."""
         start = time.monotonic()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        inp = self.runner.prepare(sched)
-        self.scheduling_seconds += time.monotonic() - start
         num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk)
             n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             for seq, n in zip(sched.seqs, sched.num_scheduled_tokens)
         )
-        sampled = self.runner.execute(inp)
-        self.scheduler.update_after_step(sched)
+        try:
+            if self.faults is not None:
+                kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
+                self.faults.before_step(self.num_steps + self.num_failed_steps + 1, kinds)
+            inp = self.runner.prepare(sched)
+            self.scheduling_seconds += time.monotonic() - start
+            sampled = self.runner.execute(inp)
+            self.scheduler.update_after_step(sched)
+        except EngineFatalError:
+            raise
+        except Exception as e:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
+            return self._fail_step(sched, e)
+        self.consecutive_step_failures = 0
         now = time.monotonic()
         changed: dict[str, set[int]] = {}
+        failed: dict[str, BaseException] = {}
         if sampled is not None:
             for seq, token_id, logprobs in zip(inp.sampling_seqs, sampled.token_ids, sampled.logprobs):
-                self._append_token(seq, token_id, logprobs, now)
+                if seq.request_id in failed:
+                    continue
+                try:
+                    self._append_token(seq, token_id, logprobs, now)
+                except Exception as e:  # noqa: BLE001 - this request's own failure
+                    failed[seq.request_id] = e
                 changed.setdefault(seq.request_id, set()).add(seq.index)
         outputs = []
         for request_id, indices in changed.items():
+            if request_id in failed:
+                continue
             state = self.requests[request_id]
-            out = state.make_output(indices)
+            try:
+                FaultInjector.before_output(state.faults)
+                out = state.make_output(indices)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                failed[request_id] = e
+                continue
             if out is not None:
                 outputs.append(out)
             if state.finished:
                 del self.requests[request_id]
+        for request_id, e in failed.items():
+            logger.error("request %s failed while its output was processed", request_id, exc_info=e)
+            outputs.append(self._fail_request(request_id, RequestFailedError("This request failed on the server.")))
         self._record_step(sched, num_decode_tokens, now - start, outputs)
         return outputs
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        self.num_failed_steps += 1
+        self.consecutive_step_failures += 1
+        request_ids = list(dict.fromkeys(seq.request_id for seq in sched.seqs))
+        logger.error("engine step failed; failing its %d request(s) %s", len(request_ids), request_ids, exc_info=error)
+        if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineFatalError(f"{self.consecutive_step_failures} engine steps failed in a row") from error
+        message = "The engine step running this request failed; retry the request."
+        return [self._fail_request(r, StepFailedError(message)) for r in request_ids if r in self.requests]
+
+    def _fail_request(self, request_id: str, error: RequestFailedError | StepFailedError) -> RequestOutput:
+        """Ends every sequence of the request (freeing its KV blocks); its final output carries ``error``."""
+        self.num_failed_requests += 1
+        state = self.requests.pop(request_id)
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: dict | None, now: float) -> None:
         seq.append_token(token_id, now)
@@ -208,22 +272,12 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token_id]
-        p = seq.params
+        at_limit = seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
         detok = self.requests[seq.request_id].detokenizers[seq.index]
-        stopped_by_token = token_id in p.stop_token_ids or (not p.ignore_eos and token_id in p.eos_token_ids)
-        status = None
-        if seq.num_output_tokens >= p.min_tokens and stopped_by_token:
-            status, seq.stop_reason = (
-                SequenceStatus.FINISHED_STOPPED,
-                (token_id if token_id in p.stop_token_ids else None),
-            )
-        if detok is not None and (status is None or p.include_stop_str_in_output):
-            stop_str = detok.append(token_id)
-            if stop_str is not None and status is None and seq.num_output_tokens >= p.min_tokens:
-                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
-        if status is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
+        decision = seq.stop_checker.update(token_id, seq.num_output_tokens, at_limit, detok)
+        if decision is not None:
+            reason, seq.stop_reason = decision
+            status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self.scheduler.finish(seq, status)
 
     def _record_step(
@@ -241,8 +295,12 @@ class LLMEngine:
             duration_s=duration,
         )
         self.step_history.append(stats)
+        self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
         for listener in self.step_listeners:
-            listener(stats, outputs)
+            try:
+                listener(stats, outputs)
+            except Exception:  # noqa: BLE001 - an observer must not stop the engine
+                logger.exception("step listener %r failed", listener)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler
@@ -263,4 +321,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             step_seconds=self.step_seconds,
             scheduling_seconds=self.scheduling_seconds,
+            num_failed_steps=self.num_failed_steps,
+            num_failed_requests=self.num_failed_requests,
+            max_batch_seqs=self.max_batch_seqs,
         )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
+from cb_serve.config import EngineConfig
+from cb_serve.engine.errors import InvalidRequestError
 from cb_serve.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -18,62 +21,90 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    """Pure function of (prompt, params): safe to call from any thread."""
+    """Pure function of (prompt, params): safe to call from any thread. Everything a request
+    brings is range-checked here, before the engine thread sees it (``InvalidRequestError``,
+    naming the parameter)."""
 
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int], config: EngineConfig
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.config = config
+
+    def with_tokenizer(self, tokenizer) -> InputProcessor:
+        """The same checks with another tokenizer instance (tokenizers are not thread-safe)."""
+        other = copy.copy(self)
+        other.tokenizer = tokenizer
+        return other
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}.")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("The prompt is empty.")
+                raise InvalidRequestError("The prompt is empty.", "prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
             if bad:
-                raise ValueError(f"Prompt token ids must be integers, got {bad[0]!r}.")
+                raise InvalidRequestError(f"Prompt token ids must be integers, got {bad[0]!r}.", "prompt")
             out_of_vocab = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if out_of_vocab:
-                raise ValueError(
-                    f"Prompt token id {out_of_vocab[0]} is out of vocabulary (valid: 0..{self.vocab_size - 1})."
+                raise InvalidRequestError(
+                    f"Prompt token id {out_of_vocab[0]} is out of vocabulary (valid: 0..{self.vocab_size - 1}).",
+                    "prompt",
                 )
         else:
             raise TypeError(f"A prompt is a string or a list of token ids, got {type(prompt).__name__}.")
         if not token_ids:
-            raise ValueError("The prompt is empty.")
+            raise InvalidRequestError("The prompt is empty.", "prompt")
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"The prompt has {n} tokens; this model's maximum context length (max_model_len) is "
-                f"{self.max_model_len}, which must also leave room for at least one generated token."
+                f"{self.max_model_len}, which must also leave room for at least one generated token.",
+                "prompt",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request asks for "
                 f"{n + max_tokens} ({n} in the prompt, {max_tokens} in the completion). Lower max_tokens "
-                f"or shorten the prompt."
+                f"or shorten the prompt.",
+                "max_tokens",
             )
+        self._check_limits(params)
+        top_k = -1 if params.top_k >= self.vocab_size else params.top_k
+        params = replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k)
+        return ProcessedRequest(text, token_ids, params, max_tokens)
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        c = self.config
+        if len(params.stop) > c.max_stop_strings:
+            raise InvalidRequestError(f"At most {c.max_stop_strings} stop strings are allowed.", "stop")
+        if any(len(s) > c.max_stop_string_len for s in params.stop):
+            raise InvalidRequestError(f"Stop strings are limited to {c.max_stop_string_len} characters.", "stop")
+        if len(params.stop_token_ids) > c.max_stop_token_ids:
+            raise InvalidRequestError(f"At most {c.max_stop_token_ids} stop_token_ids are allowed.", "stop_token_ids")
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
-            raise ValueError(f"stop_token_ids {bad_stop} are out of vocabulary.")
-        return ProcessedRequest(text, token_ids, replace(params, eos_token_ids=self.eos_token_ids), max_tokens)
+            raise InvalidRequestError(f"stop_token_ids {bad_stop[:8]} are out of vocabulary.", "stop_token_ids")
+        if params.logprobs is not None and params.logprobs > c.max_logprobs:
+            raise InvalidRequestError(f"logprobs is limited to {c.max_logprobs}, got {params.logprobs}.", "logprobs")
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template."""
     if not messages:
-        raise ValueError("messages is empty.")
+        raise InvalidRequestError("messages is empty.", "messages")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("This model's tokenizer has no chat template.")
+        raise InvalidRequestError("This model's tokenizer has no chat template.", "messages")
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as e:  # template errors (bad roles, order) are the caller's input
-        raise ValueError(f"The chat template rejected the messages: {e}") from e
+        raise InvalidRequestError(f"The chat template rejected the messages: {e}", "messages") from e
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -5,16 +5,26 @@ from __future__ import annotations
 from cb_serve.engine.detokenizer import IncrementalDetokenizer
 from cb_serve.engine.processor import ProcessedRequest
 from cb_serve.engine.sequence import Sequence
+from cb_serve.engine.stop_checker import StopChecker
 from cb_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from cb_serve.sampling_params import RequestOutputKind
 
 
 class RequestState:
-    def __init__(self, request_id: str, req: ProcessedRequest, tokenizer, arrival_time: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        req: ProcessedRequest,
+        tokenizer,
+        arrival_time: float,
+        faults: frozenset[str] = frozenset(),
+    ) -> None:
         self.request_id = request_id
         self.prompt = req.prompt
         self.prompt_token_ids = req.prompt_token_ids
         self.params = req.params
+        self.faults = faults  # fault-injection kinds this request carries (tests)
+        self.stop_checker = StopChecker(req.params)
         n = req.params.n
         self.seqs = [
             Sequence(
@@ -25,17 +35,12 @@ class RequestState:
                 req.params.for_child(i) if n > 1 else req.params,
                 req.max_tokens,
                 arrival_time,
+                self.stop_checker,
             )
             for i in range(n)
         ]
         self.detokenizers = [
-            IncrementalDetokenizer(
-                tokenizer,
-                req.prompt_token_ids,
-                req.params.skip_special_tokens,
-                req.params.stop,
-                req.params.include_stop_str_in_output,
-            )
+            IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
             if tokenizer is not None
             else None
             for _ in range(n)
@@ -75,23 +80,24 @@ class RequestState:
         )
 
     def _completion(self, i: int, delta: bool) -> CompletionOutput | None:
+        """Completion ``i`` so far (or, with ``delta``, what is new since the last one): O(new
+        text) for deltas, whatever the output length."""
         seq, detok = self.seqs[i], self.detokenizers[i]
-        text = detok.visible_text(seq.is_finished) if detok is not None else ""
-        token_ids = seq.output_token_ids
-        logprobs = seq.logprobs if self.params.logprobs is not None else None
+        text_end = 0
+        if detok is not None:
+            text_end = len(detok.text) if seq.is_finished else max(0, len(detok.text) - self.stop_checker.holdback)
+        want_logprobs = self.params.logprobs is not None
+        t0, n0 = (self.sent_text[i], self.sent_tokens[i]) if delta else (0, 0)
         if delta:
-            t0, n0 = self.sent_text[i], self.sent_tokens[i]
-            if len(text) == t0 and len(token_ids) == n0 and not seq.is_finished:
+            if text_end <= t0 and seq.num_output_tokens == n0 and not seq.is_finished:
                 return None
-            self.sent_text[i], self.sent_tokens[i] = len(text), len(token_ids)
-            text, token_ids = text[t0:], token_ids[n0:]
-            logprobs = logprobs[n0:] if logprobs is not None else None
+            self.sent_text[i], self.sent_tokens[i] = max(t0, text_end), seq.num_output_tokens
         return CompletionOutput(
             index=i,
-            text=text,
-            token_ids=list(token_ids),
-            cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
-            logprobs=list(logprobs) if logprobs is not None else None,
+            text=detok.text[t0:text_end] if detok is not None else "",
+            token_ids=seq.output_token_ids_from(n0),
+            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+            logprobs=seq.logprobs[n0:] if want_logprobs else None,
             finish_reason=seq.status.finish_reason,
             stop_reason=seq.stop_reason,
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cb_serve.engine.stop_checker import StopChecker
 from cb_serve.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -31,6 +33,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -60,6 +63,7 @@ class Sequence:
         params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        stop_checker: StopChecker | None = None,
     ) -> None:
         assert prompt_token_ids, "empty prompts are rejected before a Sequence is made"
         self.seq_id = seq_id
@@ -69,6 +73,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens
+        self.stop_checker = stop_checker or StopChecker(params)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the first scheduling
@@ -103,6 +108,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def output_token_ids_from(self, start: int) -> list[int]:
+        """Output tokens from index ``start`` on (O(new tokens), for streaming)."""
+        return self.token_ids[self.num_prompt_tokens + start :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

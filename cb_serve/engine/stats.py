@@ -38,6 +38,9 @@ class EngineStats:
     generation_tokens: int
     step_seconds: float = 0.0  # total wall time in step()
     scheduling_seconds: float = 0.0  # of it, scheduling + building the batch (host work before the model)
+    num_failed_steps: int = 0  # steps that raised (their requests failed, the engine went on)
+    num_failed_requests: int = 0  # requests ended with an error (their own, or their step's)
+    max_batch_seqs: int = 0  # most sequences in one step so far
 
     @property
     def kv_cache_usage(self) -> float:

@@ -27,9 +27,9 @@ class SamplingBatch:
         params = [s.params for s in seqs]
         banned = []
         for row, seq in enumerate(seqs):
-            p = seq.params
-            if seq.num_output_tokens < p.min_tokens:
-                banned.append((row, sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else p.eos_token_ids))))
+            token_ids = seq.stop_checker.banned_token_ids(seq.num_output_tokens)
+            if token_ids:
+                banned.append((row, token_ids))
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),

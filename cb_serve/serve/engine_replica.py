@@ -12,6 +12,7 @@ from ray import serve
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.async_llm import AsyncLLM
+from cb_serve.engine.errors import EngineError
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.serve.metrics import EngineMetrics
 
@@ -46,6 +47,7 @@ class EngineReplica:
         """``payload``: request_id, params (SamplingParams), and prompt (str | token ids) or
         messages (chat). Yields one dict per new piece of output, per completion index."""
         params: SamplingParams = payload["params"]
+        request_id = payload["request_id"]
         if "messages" in payload:
             prompt = self.engine.apply_chat_template(payload["messages"], payload.get("add_generation_prompt", True))
         else:
@@ -53,7 +55,7 @@ class EngineReplica:
         tokenizer = self.engine.tokenizer
         self.num_requests += 1
         try:
-            async for out in self.engine.generate(prompt, params, payload["request_id"]):
+            async for out in self.engine.generate(prompt, params, request_id):
                 for c in out.outputs:
                     yield {
                         "index": c.index,
@@ -66,6 +68,11 @@ class EngineReplica:
                         "cached_tokens": out.num_cached_tokens,
                         "replica": self.replica_id,
                     }
+        except (ValueError, EngineError):
+            raise  # typed: the router tells the client; the engine logged any failure of its own
+        except Exception:
+            logger.exception("request %s failed in the engine replica", request_id)
+            raise
         finally:
             self.num_requests -= 1
 
@@ -81,17 +88,22 @@ class EngineReplica:
             "num_requests": max(self.num_requests, s.num_running + s.num_waiting),
             "token_budget": self.engine.config.max_num_batched_tokens,
             "max_num_seqs": self.engine.config.max_num_seqs,
+            "alive": self.engine.is_alive,  # False: the router skips this replica at once
             "time": time.time(),
         }
 
     def check_health(self) -> None:
+        """Ray Serve's health check: raises once the engine loop died, so Serve replaces the replica."""
         self.engine.check_health()
+
+    async def is_alive(self) -> bool:
+        return self.engine.is_alive
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters (tests, debugging)."""
         s = self.engine.get_stats()
         return {**s.__dict__, "kv_cache_usage": s.kv_cache_usage, "replica": self.replica_id,
-                "max_batch_seqs": max((st.num_seqs for st in self.engine.step_history), default=0)}  # fmt: skip
+                "alive": self.engine.is_alive}  # fmt: skip
 
     async def model_info(self) -> dict[str, Any]:
         return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len}

@@ -1,16 +1,34 @@
-"""OpenAI-compatible request bodies (pydantic) and their translation to SamplingParams."""
+"""OpenAI-compatible request bodies (pydantic), their ranges, and their translation to
+SamplingParams.
+
+Ranges are checked here (pydantic: a 400 ``invalid_request_error`` naming the field) and by
+the engine's input processor (engine-configured caps: stop strings, stop token ids,
+logprobs). OpenAI fields that would change the result but are not implemented are declared
+so that ``unsupported()`` can name them (a 400 ``unsupported``) instead of silently ignoring
+them; unknown fields are ignored, as vLLM does.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cb_serve.sampling_params import RequestOutputKind, SamplingParams
+from cb_serve.engine.errors import InvalidRequestError
+from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+def _set(value: Any) -> bool:
+    """Whether an optional field was given a value that asks for something (not null/empty/false)."""
+    return value is not None and value != [] and value != {} and value is not False and value != ""
 
 
 class _SamplingRequest(BaseModel):
@@ -20,24 +38,62 @@ class _SamplingRequest(BaseModel):
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[int, Field(ge=1, le=16)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Literal[0, 0.0] = 0.0  # accepted for compatibility; only 0 is supported
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM-style extras
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    top_k: Annotated[int, Field(ge=-1)] = -1  # at least the vocabulary size: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Declared only to refuse them (see unsupported()).
+    repetition_penalty: float | None = None
+    use_beam_search: bool = False
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    prompt_logprobs: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for each field that asks for something not implemented."""
+        out = []
+        if self.presence_penalty or self.frequency_penalty:
+            out.append(("presence_penalty" if self.presence_penalty else "frequency_penalty", "penalties"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias"))
+        if self.repetition_penalty not in (None, 1.0):
+            out.append(("repetition_penalty", "repetition_penalty"))
+        for name in ("use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if _set(getattr(self, name)):
+                out.append((name, "beam search and guided decoding"))
+        if self.prompt_logprobs is not None:
+            out.append(("prompt_logprobs", "prompt logprobs"))
+        return out
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -46,22 +102,37 @@ class _SamplingRequest(BaseModel):
         return None
 
     def to_sampling_params(self, default_max_tokens: int | None, max_tokens_cap: int | None) -> SamplingParams:
+        """Raises ``InvalidRequestError`` (a ValueError naming the parameter) when out of range."""
         max_tokens = self.requested_max_tokens() or default_max_tokens
         if max_tokens_cap is not None and max_tokens is not None and max_tokens > max_tokens_cap:
-            raise ValueError(f"max_tokens ({max_tokens}) exceeds this server's limit of {max_tokens_cap}.")
+            raise InvalidRequestError(
+                f"max_tokens ({max_tokens}) exceeds this server's limit of {max_tokens_cap}.", "max_tokens"
+            )
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=self.requested_logprobs(),
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,
-        )  # fmt: skip
+        )
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[Annotated[int, Field(ge=0)]]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: Literal[False] = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -70,24 +141,66 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return v
 
+    @model_validator(mode="after")
+    def _best_of_at_least_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be at least n")
+        return self
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo"))
+        if self.suffix:
+            out.append(("suffix", "suffix (insertion)"))
+        if self.best_of is not None and self.best_of > self.n:
+            out.append(("best_of", "best_of greater than n"))
+        return out
+
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_parts_have_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text content part needs text")
+        return self
 
 
 class ChatMessage(BaseModel):
+    """OpenAI's message schema: ``content`` is required except for an assistant message that
+    carries ``tool_calls`` (which, like tool messages, we refuse as unsupported)."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
+            raise ValueError(f"content is required in a {self.role} message")
+        return self
+
+    def unsupported(self) -> str | None:
+        if self.role in ("tool", "function") or self.tool_calls or self.function_call:
+            return "tool and function calling"
+        if isinstance(self.content, list) and any(p.type != "text" for p in self.content):
+            return "content parts other than text"
+        return None
 
     def to_template(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or [])
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
@@ -95,8 +208,42 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            out.append(("response_format", "response formats other than text"))
+        if self.tools and self.tool_choice != "none":
+            out.append(("tools", "tool calling (only tool_choice 'none' is accepted)"))
+        if self.functions and self.function_call != "none":
+            out.append(("functions", "function calling"))
+        if self.modalities is not None and self.modalities != ["text"]:
+            out.append(("modalities", "output modalities other than text"))
+        for name in ("audio", "prediction", "web_search_options"):
+            if _set(getattr(self, name)):
+                out.append((name, name.replace("_", " ")))
+        for i, message in enumerate(self.messages):
+            why = message.unsupported()
+            if why:
+                out.append((f"messages.{i}", why))
+        return out
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

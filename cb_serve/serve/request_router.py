@@ -16,9 +16,11 @@ Replicas are tried lowest load first; loads within ``TIE`` of each other are shu
 equally loaded replicas share the work at random. A replica without a report, or whose
 report is older than ``stale_after_s`` (its ``record_routing_stats`` is failing or timing
 out), is tried only after every replica with a fresh report; among those Ray Serve picks
-the one with the fewest requests in flight. Replicas at ``max_ongoing_requests`` are skipped
-by Ray Serve, which then tries the next one (or queues the request, up to
-``max_queued_requests``, beyond which the caller gets ``BackPressureError``).
+the one with the fewest requests in flight. A replica whose report says its engine is dead
+(``alive: False``) is skipped from that report on; only when every replica is dead is one
+tried anyway, so the client gets a fast, retryable 503 instead of waiting. Replicas at
+``max_ongoing_requests`` are skipped by Ray Serve, which then tries the next one (or queues
+the request, up to ``max_queued_requests``, beyond which the caller gets ``BackPressureError``).
 """
 
 from __future__ import annotations
@@ -101,10 +103,13 @@ class KVCacheAwareRouter(RequestRouter):
         now = time.time()
         fresh: dict[RunningReplica, float] = {}
         stale: list[RunningReplica] = []
+        dead: list[RunningReplica] = []
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
             reported = stats.get("time")
-            if reported is not None and now - reported <= self.stale_after_s:
+            if stats.get("alive") is False:
+                dead.append(replica)
+            elif reported is not None and now - reported <= self.stale_after_s:
                 fresh[replica] = replica_load(stats, self._sent_since(replica.replica_id, reported))
             else:
                 self._sent_since(replica.replica_id, now - self.stale_after_s)
@@ -113,6 +118,8 @@ class KVCacheAwareRouter(RequestRouter):
         key = _request_key(pending_request)
         if ranks and key is not None:  # count the pick now; on_request_routed corrects it if Ray took another
             self._record_send(key, ranks[0][0].replica_id, now)
+        if not ranks and not stale:
+            return [dead] if dead else []
         return ranks + ([stale] if stale else [])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -1,27 +1,47 @@
-"""HTTP ingress: OpenAI-compatible API in front of the engine replicas."""
+"""HTTP ingress: OpenAI-compatible API in front of the engine replicas.
 
+The validation boundary for HTTP: the body is read under a byte limit (chunked bodies too),
+must be ``application/json``, UTF-8, valid JSON without NaN/Infinity and at most
+``MAX_JSON_DEPTH`` deep, and must fit the request schema (``protocol.py``); the engine's input
+processor then checks its own caps before the engine thread sees anything. Every error is an
+OpenAI error object; internals (tracebacks, paths, actor ids) are logged under the request id
+and never sent.
+"""
+
+import asyncio
 import json
+import logging
 import os
+import re
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from ray import serve
+from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cb_serve.engine.async_llm import EngineDeadError
-from cb_serve.engine.llm_engine import EngineOverloadedError
+from cb_serve.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    InvalidRequestError,
+    RequestFailedError,
+    StepFailedError,
+)
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
+logger = logging.getLogger(__name__)
 app = FastAPI(title="cb-serve", description="OpenAI-compatible API over continuous-batching engines.")
 
 
@@ -34,6 +54,10 @@ class RouterSettings(BaseModel):
 
 RETRY_AFTER_S = 1  # Retry-After of overload answers (the openai client honours it when it retries)
 REPLICA_HEADER = "x-cb-replica"  # which engine replica served the request (operators, tests)
+MAX_JSON_DEPTH = 64  # nesting of [ and { in a request body
+MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut
+HEALTH_TIMEOUT_S = 5.0
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 class APIError(Exception):
@@ -61,18 +85,60 @@ def overloaded(message: str) -> APIError:
     return APIError(503, message, "overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def engine_error(e: BaseException) -> APIError:
-    """Maps an exception from the engine replica to the HTTP error the client sees."""
-    if isinstance(e, EngineOverloadedError):
-        return overloaded(str(e))
+def unavailable(message: str) -> APIError:
+    """503 for a request that failed with its replica or its step: retrying it is safe."""
+    return APIError(503, message, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The exception raised in the engine replica, unwrapped from Ray's task error."""
+    while isinstance(e, RayTaskError) and e.cause is not None and e.cause is not e:
+        e = e.cause
+    return e
+
+
+def short(message: str) -> str:
+    first = message.strip().splitlines()[0] if message.strip() else "invalid request"
+    return first[:MAX_MESSAGE_CHARS]
+
+
+def engine_error(e: BaseException, request_id: str) -> APIError:
+    """Maps an exception from the engine replica (or Ray) to what the client sees: a type, a
+    short message and the request id; the details are logged here under that id."""
+    cause = root_cause(e)
+    ref = f" (request id: {request_id})"
+    if isinstance(cause, InvalidRequestError):
+        return APIError(400, short(str(cause)), param=cause.param)
+    if isinstance(cause, EngineOverloadedError):
+        return overloaded(short(str(cause)))
     if isinstance(e, BackPressureError):
         return overloaded("The server is overloaded (all engine replicas and their queues are full); retry later.")
-    if isinstance(e, ValueError):
-        return APIError(400, str(e).splitlines()[-1] if "Traceback" in str(e) else str(e))
-    if isinstance(e, EngineDeadError):
-        return APIError(503, "The engine is restarting; retry later.", "service_unavailable",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
-    return APIError(500, "Internal server error.", "internal_error")
+    if isinstance(cause, ValueError) and not isinstance(cause, RayError):
+        return APIError(400, short(str(cause)))
+    logger.error("request %s failed: %s", request_id, e, exc_info=not isinstance(e, RayError))
+    if isinstance(cause, EngineShutdownError):
+        return unavailable("The engine replica is shutting down; retry the request." + ref)
+    if isinstance(cause, EngineDeadError):
+        return unavailable("The engine replica failed and is being replaced; retry the request." + ref)
+    if isinstance(cause, StepFailedError):
+        return unavailable("The engine step running this request failed; retry the request." + ref)
+    if isinstance(cause, RequestFailedError):
+        return APIError(500, "This request failed on the server." + ref, "internal_error")
+    if isinstance(e, RayError) and not isinstance(e, RayTaskError):  # the replica died, or its node
+        return unavailable("The engine replica serving this request became unavailable; retry the request." + ref)
+    return APIError(500, "Internal server error." + ref, "internal_error")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply ``[`` and ``{`` nest in a JSON text (outside strings); vectorized, so a
+    hostile megabyte costs milliseconds and no recursion."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", body), dtype=np.uint8)
+    steps = np.isin(brackets, (0x5B, 0x7B)).astype(np.int32) - np.isin(brackets, (0x5D, 0x7D))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 @app.exception_handler(APIError)
@@ -84,14 +150,20 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     first = e.errors()[0] if e.errors() else {}
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    message = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-    return APIError(400, message, param=loc or None).response()
+    message = short(str(first.get("msg", "invalid request")))
+    return APIError(400, f"{loc}: {message}" if loc else message, param=loc or None).response()
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
     return APIError(e.status_code, str(e.detail), kind).response()
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
+    return APIError(500, "Internal server error.", "internal_error").response()
 
 
 class _Usage:
@@ -153,31 +225,60 @@ class Router:
         if requested_model is not None and requested_model != await self._model():
             raise APIError(404, f"The model {requested_model!r} does not exist.", "not_found_error", "model")
 
-    async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        if self.api_key is not None:
-            await self._check(request, None)
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > self.settings.max_request_bytes:
-            raise APIError(413, f"Request body exceeds {self.settings.max_request_bytes} bytes.")
-        body = await request.body()
-        if len(body) > self.settings.max_request_bytes:
-            raise APIError(413, f"Request body exceeds {self.settings.max_request_bytes} bytes.")
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object, or an APIError: 415 not JSON, 413 too large (counting the
+        bytes read, chunked bodies included), 400 bad UTF-8 / JSON / nesting."""
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(415, "The request body must be JSON (Content-Type: application/json).")
+        limit = self.settings.max_request_bytes
+        too_large = APIError(413, f"Request body exceeds {limit} bytes.")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        if json_depth(bytes(body)) > MAX_JSON_DEPTH:
+            raise APIError(400, f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = json.loads(bytes(body).decode("utf-8"), parse_constant=_no_constants)
+        except UnicodeDecodeError:
+            raise APIError(400, "The request body is not valid UTF-8.") from None
+        except (ValueError, RecursionError):
             raise APIError(400, "The request body is not valid JSON.") from None
         if not isinstance(data, dict):
             raise APIError(400, "The request body must be a JSON object.")
+        return data
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        if self.api_key is not None:
+            await self._check(request, None)
+        data = await self._read_json(request)
         try:
             parsed = model.model_validate(data)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
+        for param, what in parsed.unsupported():
+            raise APIError(400, f"Unsupported parameter {param!r}: cb-serve does not implement {what}.",
+                           "unsupported", param)  # fmt: skip
         await self._check(request, parsed.model)
         return parsed
 
     @app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(self) -> JSONResponse:
+        """200 while at least one engine replica is alive (the request router prefers live
+        replicas, so one that answers dead means none is alive); 503 otherwise."""
+        try:
+            alive = await asyncio.wait_for(self.engine.is_alive.remote(), timeout=HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - no replica answered: not healthy
+            logger.warning("health check: no engine replica answered: %r", e)
+            alive = False
+        if alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "detail": "no live engine replica"}, status_code=503)
 
     @app.get("/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
@@ -205,11 +306,10 @@ class Router:
         return await self._respond(req, payload, chat=True)
 
     async def _respond(self, req, payload: dict[str, Any], chat: bool):
-        default_max = None if chat else 16
         try:
-            params = req.to_sampling_params(default_max, self.settings.max_tokens_cap)
-        except ValueError as e:
-            raise APIError(400, str(e), param="max_tokens") from None
+            params = req.to_sampling_params(None if chat else 16, self.settings.max_tokens_cap)
+        except InvalidRequestError as e:
+            raise APIError(400, short(str(e)), param=e.param) from None
         if params.max_tokens is None and self.settings.max_tokens_cap is not None:
             params.max_tokens = self.settings.max_tokens_cap
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -220,7 +320,7 @@ class Router:
         except StopAsyncIteration:
             first = None
         except Exception as e:  # noqa: BLE001
-            raise engine_error(e) from None
+            raise engine_error(e, request_id) from None
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
         headers = {REPLICA_HEADER: first["replica"]} if first is not None else None
         if first is not None:
@@ -260,10 +360,10 @@ class Router:
                     choice["text"] = c["text"]
                     choice["logprobs"] = _completion_logprobs(c["logprobs"])
                 yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
-        except Exception as e:  # noqa: BLE001 - mid-stream failure: tell the client in-band
-            err = engine_error(e)
+        except Exception as e:  # noqa: BLE001 - mid-stream failure: tell the client in-band, then [DONE]
+            err = engine_error(e, meta["id"])
             router_metrics().rejected(err.status, err.type)
-            yield f"data: {json.dumps(error_body(err.message, err.type, err.status))}\n\n"
+            yield f"data: {json.dumps(error_body(err.message, err.type, err.status, err.param))}\n\n"
         if include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage.body()})}\n\n"
         yield "data: [DONE]\n\n"
@@ -279,7 +379,7 @@ class Router:
                 logprobs[i] += c["logprobs"] or []
                 finish[i] = c["finish_reason"] or finish[i]
         except Exception as e:  # noqa: BLE001
-            raise engine_error(e) from None
+            raise engine_error(e, meta["id"]) from None
         chat = meta["chat"]
         choices = []
         for i in range(n):

@@ -1,0 +1,56 @@
+"""The engine's typed errors: what the serving layer tells a client depends only on the type.
+
+Every class pickles with its message and ``param`` (they cross Ray's process boundary)."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """The request's own input is out of range (a 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):
+        return type(self), (str(self), self.param)
+
+
+class EngineError(RuntimeError):
+    """Base of the engine's runtime errors."""
+
+    retryable = False
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full (``max_waiting_requests``); retry later."""
+
+    retryable = True
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped; the replica must be replaced. Retry (another replica)."""
+
+    retryable = True
+
+
+class EngineShutdownError(EngineError):
+    """The engine is shutting down; retry (another replica)."""
+
+    retryable = True
+
+
+class RequestFailedError(EngineError):
+    """Processing this one request raised (its detokenization, stop handling, ...); the engine
+    and every other request go on."""
+
+
+class StepFailedError(EngineError):
+    """The engine step holding this request raised for a reason not tied to one request (a
+    kernel error, out of memory); its requests fail, their KV blocks are freed, the engine goes on."""
+
+    retryable = True
+
+
+class EngineFatalError(EngineError):
+    """The engine cannot go on (raised by the step; ends the engine loop)."""
