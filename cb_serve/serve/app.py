@@ -23,6 +23,9 @@ class ReplicaOptions(BaseModel):
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int | None = Field(None, ge=1)
     max_queued_requests: int | None = Field(None, ge=-1)
+    health_check_period_s: float | None = Field(None, gt=0)
+    health_check_timeout_s: float | None = Field(None, gt=0)
+    graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
     ray_actor_options: dict[str, Any] | None = None
 
 
@@ -56,6 +59,8 @@ def build_app(args: dict[str, Any]) -> Application:
             request_router_class="cb_serve.serve.request_router:KVCacheAwareRouter",
             request_routing_stats_period_s=parsed.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 2 * parsed.routing_stats_period_s),
+            # A replica whose reports stop (its process died, its node is gone) ranks last after this.
+            request_router_kwargs={"stale_after_s": max(2.0, 4 * parsed.routing_stats_period_s)},
         ),
     ).bind({"model": parsed.model, **parsed.engine})
     return Router.bind(engine, parsed.router.model_dump())

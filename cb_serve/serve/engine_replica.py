@@ -33,7 +33,9 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, floa
     ]
 
 
-@serve.deployment(max_ongoing_requests=256, health_check_period_s=5, health_check_timeout_s=30)
+@serve.deployment(
+    max_ongoing_requests=256, health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=30
+)
 class EngineReplica:
     """Streams plain-dict chunks (no tensors cross this boundary) and reports its load."""
 

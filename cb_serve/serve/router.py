@@ -149,7 +149,9 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
     first = e.errors()[0] if e.errors() else {}
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    # The field, and the list index under it: pydantic's deeper parts name union members ("str", ...).
+    loc = ".".join(str(p) for p in loc[:1] + [p for p in loc[1:2] if isinstance(p, int)])
     message = short(str(first.get("msg", "invalid request")))
     return APIError(400, f"{loc}: {message}" if loc else message, param=loc or None).response()
 
@@ -199,7 +201,7 @@ def _chat_logprobs(entries: list[dict] | None) -> dict[str, Any] | None:
                                           for t, lp in e["top"]]} for e in entries]}  # fmt: skip
 
 
-@serve.deployment(max_ongoing_requests=1024)
+@serve.deployment(max_ongoing_requests=1024, graceful_shutdown_timeout_s=40)
 @serve.ingress(app)
 class Router:
     """Validates requests, checks the API key and size limits, and streams from the engine
