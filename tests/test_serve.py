@@ -222,6 +222,7 @@ def test_hostile_values_that_are_valid_mean_what_vllm_makes_them_mean(server):
     """top_k beyond the vocabulary is "off" (it used to kill the engine), a temperature below
     1e-5 is greedy (1e-40 used to give NaN probabilities and an empty completion), and the
     extreme seeds are accepted."""
+
     def complete(**fields) -> dict:
         r = httpx.post(f"{server}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
                                                           **fields}, headers=AUTH, timeout=60)  # fmt: skip

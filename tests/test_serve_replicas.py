@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from models import make_random_model
+from serving import REPLICA_HEADER, local_ray_serve, run_app, running_engine_replicas
 
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:D
 
 PORT = 8321  # not 8000, so a `serve run` elsewhere on the machine does not collide
 BASE = f"http://127.0.0.1:{PORT}"
-REPLICA_HEADER = "x-cb-replica"
 MAX_MODEL_LEN = 4096  # long requests must outlast a new replica's start on a busy 2-core machine
 
 
@@ -35,42 +35,8 @@ def long_model_dir(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def ray_serve():
     """A fresh local Ray instance with Serve's HTTP proxy on 127.0.0.1:PORT; shut down after."""
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}},
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        yield serve
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-
-
-def run_app(args: dict[str, Any], name: str) -> None:
-    """Deploys ``build_app(args)`` at ``/`` (replacing any app there) as model "tiny", and waits
-    until it is ready."""
-    from cb_serve.serve.app import build_app
-
-    for other in list(serve.status().applications):
-        serve.delete(other)
-    serve.run(build_app({**args, "router": {"served_model_name": "tiny"}}), name=name, route_prefix="/", blocking=False)
-    deadline = time.monotonic() + 300
-    while serve.status().applications[name].status != "RUNNING":
-        assert time.monotonic() < deadline, f"{name} did not start: {serve.status().applications[name]}"
-        assert serve.status().applications[name].status not in ("DEPLOY_FAILED", "UNHEALTHY")
-        time.sleep(0.5)
-
-
-def running_engine_replicas(name: str) -> int:
-    return serve.status().applications[name].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+    with local_ray_serve(PORT) as s:
+        yield s
 
 
 def client() -> openai.AsyncOpenAI:

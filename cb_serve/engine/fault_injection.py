@@ -10,17 +10,21 @@ request's prompt contains, or ``#N`` for the engine's N-th step (counted from 1)
   like a kernel error: the step's requests fail with a retryable error, the engine goes on.
 - ``fatal``: the same step raises ``EngineFatalError``: the engine loop stops and the
   replica reports itself dead.
+- ``slow``: the step holding a matching request (or step N) takes ``SLOW_STEP_S`` longer,
+  like a slow device: streams that outlast a kill, a node loss or a shutdown.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from cb_serve.engine.errors import EngineFatalError
 
 ENV_VAR = "CB_SERVE_FAULT_INJECTION"
-KINDS = ("request", "step", "fatal")
+KINDS = ("request", "step", "fatal", "slow")
+SLOW_STEP_S = 0.1
 
 
 class InjectedFault(RuntimeError):
@@ -61,8 +65,10 @@ class FaultInjector:
         return frozenset(r.kind for r in self.rules if r.text is not None and r.text in prompt_text)
 
     def before_step(self, step_number: int, kinds_in_step: set[str]) -> None:
-        """Raises the fault this step is due, if any."""
+        """Raises the fault this step is due, if any (or sleeps, for ``slow``)."""
         kinds = set(kinds_in_step) | {r.kind for r in self.rules if r.step == step_number}
+        if "slow" in kinds:
+            time.sleep(SLOW_STEP_S)
         if "fatal" in kinds:
             raise EngineFatalError(f"injected fatal fault (step {step_number})")
         if "step" in kinds:

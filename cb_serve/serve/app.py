@@ -14,8 +14,9 @@ from cb_serve.serve.router import Router, RouterSettings
 
 
 class ReplicaOptions(BaseModel):
-    """Deployment options of the engine replicas for the Python API (``serve.run(build_app(...))``).
-    In a config file the ``deployments:`` entry for ``EngineReplica`` sets these and wins."""
+    """Deployment options of the engine replicas (``engine_replica``) or routers
+    (``router_replica``) for the Python API (``serve.run(build_app(...))``). In a config file
+    the ``deployments:`` entries set these and win."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -39,6 +40,7 @@ class AppArgs(BaseModel):
     router: RouterSettings = Field(default_factory=RouterSettings)
     routing_stats_period_s: float = Field(0.5, gt=0)
     engine_replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
+    router_replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
 
     @field_validator("engine")
     @classmethod
@@ -63,4 +65,5 @@ def build_app(args: dict[str, Any]) -> Application:
             request_router_kwargs={"stale_after_s": max(2.0, 4 * parsed.routing_stats_period_s)},
         ),
     ).bind({"model": parsed.model, **parsed.engine})
-    return Router.bind(engine, parsed.router.model_dump())
+    router = Router.options(**parsed.router_replica.model_dump(exclude_none=True))
+    return router.bind(engine, parsed.router.model_dump())

@@ -1,0 +1,147 @@
+"""Helpers for tests that run the Serve application for real: a local Ray instance with
+Serve's HTTP proxy on a loopback port, deploying ``build_app`` and waiting for it, finding
+engine replica processes through Ray's state API, and reading SSE streams with their ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPLICA_HEADER = "x-cb-replica"
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
+    """Polls ``check()`` until it returns a truthy value (returned) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as e:  # noqa: BLE001 - keep polling; report the last failure
+            last = e
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
+
+
+@contextmanager
+def local_ray_serve(port: int, num_cpus: int = 4) -> Iterator[Any]:
+    """A fresh local Ray instance with Serve's HTTP proxy on 127.0.0.1:``port``; shut down after."""
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": RAY_ENV})  # fmt: skip
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield serve
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def run_app(args: dict[str, Any], name: str, model_name: str = "tiny", timeout_s: float = 300) -> None:
+    """Deploys ``build_app(args)`` at ``/`` (replacing any other app) as ``model_name``; waits until RUNNING."""
+    from ray import serve
+
+    from cb_serve.serve.app import build_app
+
+    for other in list(serve.status().applications):
+        if other != name:
+            serve.delete(other)
+    router = {**args.get("router", {}), "served_model_name": model_name}
+    serve.run(build_app({**args, "router": router}), name=name, route_prefix="/", blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while (status := serve.status().applications[name]).status != "RUNNING":
+        assert time.monotonic() < deadline, f"{name} did not start: {status}"
+        assert status.status not in ("DEPLOY_FAILED", "UNHEALTHY"), status
+        time.sleep(0.5)
+
+
+def running_engine_replicas(app: str) -> int:
+    from ray import serve
+
+    return serve.status().applications[app].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+
+
+def engine_replica_pids(app: str) -> dict[str, int]:
+    """Replica id (as in the ``x-cb-replica`` header) -> pid of its worker process, for the live
+    EngineReplica actors of ``app`` (Ray's actor table in the GCS: no dashboard needed)."""
+    from ray._private.state import actors
+
+    return {
+        a["Name"].rsplit("#", 1)[-1]: a["Pid"]
+        for a in actors().values()
+        if a["ActorClassName"] == f"ServeReplica:{app}:EngineReplica" and a["State"] == "ALIVE"
+    }
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class SSEStream:
+    """One streaming request read to its end: what came, how it ended, and when."""
+
+    status: int = 0
+    replica: str = ""
+    chunks: int = 0
+    error: dict[str, Any] | None = None  # an in-band error event
+    done: bool = False  # [DONE] arrived
+    cut: str = ""  # the connection broke without [DONE]
+    finish_reasons: list[str] = field(default_factory=list)
+    ended_at: float = 0.0  # time.monotonic()
+    first_chunk: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self, client: httpx.AsyncClient, url: str, body: dict[str, Any], stop_after: int = 0) -> SSEStream:
+        """Streams ``body``; ``stop_after``: disconnect after that many chunks (0: read to the end)."""
+        try:
+            async with client.stream("POST", url, json={**body, "stream": True}) as r:
+                self.status, self.replica = r.status_code, r.headers.get(REPLICA_HEADER, "")
+                if r.status_code != 200:
+                    self.error = (json.loads(await r.aread()) or {}).get("error")
+                    return self
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done = True
+                        break
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = event["error"]
+                        continue
+                    self.chunks += 1
+                    self.first_chunk.set()
+                    self.finish_reasons += [c["finish_reason"] for c in event["choices"] if c.get("finish_reason")]
+                    if stop_after and self.chunks >= stop_after:
+                        break
+        except httpx.HTTPError as e:
+            self.cut = f"{type(e).__name__}: {e}"
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+        return self
