@@ -13,6 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: never wait on the network
+# Every Ray cluster of the tests is local (loopback): no token authentication, the same for the
+# test process and every node it starts (a process keeps the mode it first read).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -30,9 +30,7 @@ APP = "nodes"
 # Two loopback addresses Ray does not rewrite to the machine's address (it does so for 127.0.0.1).
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 # The GCS declares a node dead after 3 missed health checks 1 s apart (defaults: 5 x 3 s).
-# Token authentication off: every node and the driver are local, on loopback addresses.
-ENV = {**os.environ, **RAY_ENV, "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
-       "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+ENV = {**os.environ, **RAY_ENV, "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 
 
 def descendants(pid: int) -> list[int]:
@@ -93,9 +91,6 @@ def replica_nodes() -> dict[str, str]:
 def cluster(tmp_path_factory, tokenizer):
     import ray
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RAY_AUTH_MODE", "disabled")  # the driver, like the nodes
-
     tmp = tmp_path_factory.mktemp("nodes")
     model_dir = make_random_model(tmp / "model", "llama", tokenizer)
     port = free_port()
@@ -126,7 +121,6 @@ def cluster(tmp_path_factory, tokenizer):
             pass
         ray.shutdown()
         subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
-        mp.undo()
 
 
 class Load:
