@@ -5,14 +5,16 @@ Measures a normal stream's inter-token latency (ITL) four ways on the same serve
 ``--repeats`` times, alternating:
 
 - ``alone``;
+- beside ``control_n1``: one more sequence, no stop strings;
 - beside ``flood_n1``: one sequence carrying ``--stop-strings`` strings of ``--stop-len``
   characters that never match (the engine's caps: 64 strings of 512 characters);
 - beside ``control_nmax``: ``n`` = the cap (16), no stop strings: what 16 more sequences in
   the batch cost, stop strings or not;
 - beside ``flood_nmax``: ``n`` = 16 and the maximal stop strings.
 
-Reports the median ITL of each and the ratios ``flood_n1 / alone`` and ``flood_nmax /
-control_nmax`` (the stop strings' own cost), and ``control_nmax / alone`` (the batch's).
+Reports the median ITL of each and the ratios ``flood_n1 / alone`` (the issue's figure),
+``flood_n1 / control_n1`` and ``flood_nmax / control_nmax`` (the stop strings' own cost), and
+``control_nmax / alone`` (what 16 more sequences in the batch cost).
 
     .venv/bin/python bench/stop_flood.py --launch deploy/config.yaml --json bench/results/stop_flood.json
     .venv/bin/python bench/stop_flood.py --base-url http://127.0.0.1:8000/v1   # a running server
@@ -83,6 +85,7 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> dict[s
         "ignore_eos": True,
     }
     beside = {
+        "control_n1": other,
         "flood_n1": {**other, "stop": stops},
         "control_nmax": {**other, "n": MAX_N},
         "flood_nmax": {**other, "n": MAX_N, "stop": stops},
@@ -109,6 +112,7 @@ async def measure(base_url: str, model: str, args: argparse.Namespace) -> dict[s
         "itl_p50_ms": {k: round(1000 * v, 2) for k, v in p50.items()},
         "itl_mean_ms": {k: round(1000 * statistics.fmean(v), 2) for k, v in itl.items()},
         "flood_n1_over_alone": round(p50["flood_n1"] / p50["alone"], 3),
+        "flood_n1_over_control_n1": round(p50["flood_n1"] / p50["control_n1"], 3),
         "flood_nmax_over_control_nmax": round(p50["flood_nmax"] / p50["control_nmax"], 3),
         "control_nmax_over_alone": round(p50["control_nmax"] / p50["alone"], 3),
         "stop_strings": args.stop_strings,
