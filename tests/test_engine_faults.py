@@ -11,7 +11,12 @@ import pytest
 
 from cb_serve import LLM, EngineConfig, RequestOutputKind, SamplingParams
 from cb_serve.engine.async_llm import AsyncLLM
-from cb_serve.engine.errors import EngineDeadError, RequestFailedError, StepFailedError
+from cb_serve.engine.errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+    StepFailedError,
+)
 from cb_serve.engine.fault_injection import FaultInjector
 from cb_serve.engine.stop_checker import StopChecker
 
@@ -89,7 +94,7 @@ def test_a_fatal_fault_stops_the_engine_and_tells_every_caller(engine):
 
     (healthy, fatal), after = asyncio.run(main())
     assert isinstance(fatal, EngineDeadError) and isinstance(healthy, (EngineDeadError, int))
-    assert isinstance(after, EngineDeadError), "a dead engine refuses at once"
+    assert isinstance(after, EngineUnavailableError), "a dead engine refuses new requests at once"
     assert not engine.is_alive
     with pytest.raises(EngineDeadError):
         engine.check_health()

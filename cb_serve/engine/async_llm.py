@@ -16,6 +16,7 @@ from cb_serve.engine.errors import (
     EngineError,
     EngineOverloadedError,
     EngineShutdownError,
+    EngineUnavailableError,
     RequestFailedError,
 )
 from cb_serve.engine.llm_engine import LLMEngine, waiting_queue_full
@@ -70,9 +71,9 @@ class AsyncLLM:
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        self.check_health()
-        if self._closing is not None:
-            raise self._closing
+        if not self.is_alive or self._closing is not None:
+            state = "shutting down" if self._closing is not None else "not running"
+            raise EngineUnavailableError(f"The engine is {state}; retry the request.")
         processed = self.processor.process(prompt, params)
         if waiting_queue_full(self._stats.num_waiting + self._inbox.qsize(), self._stats.num_running, self.config):
             limit = self.config.max_waiting_requests
@@ -118,8 +119,9 @@ class AsyncLLM:
         return self.error is None and self._thread.is_alive()
 
     def close_streams(self, error: EngineError) -> int:
-        """Refuses new requests and ends every open stream with ``error`` (its request is
-        aborted). Returns how many streams were open. For shutdown: no stream is left hanging."""
+        """Refuses new requests (``EngineUnavailableError``) and ends every open stream with
+        ``error`` (its request is aborted). Returns how many streams were open. For shutdown:
+        no stream is left hanging."""
         self._closing = error
         streams = list(self._streams.items())
         for request_id, stream in streams:

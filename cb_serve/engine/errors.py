@@ -17,9 +17,17 @@ class InvalidRequestError(ValueError):
 
 
 class EngineError(RuntimeError):
-    """Base of the engine's runtime errors."""
+    """Base of the engine's runtime errors. ``replica``: the serving replica that raised it, if any
+    (the router avoids that replica when it retries)."""
 
     retryable = False
+
+    def __init__(self, message: str = "", replica: str | None = None) -> None:
+        super().__init__(message)
+        self.replica = replica
+
+    def __reduce__(self):
+        return type(self), (str(self), self.replica)
 
 
 class EngineOverloadedError(EngineError):
@@ -29,7 +37,14 @@ class EngineOverloadedError(EngineError):
 
 
 class EngineDeadError(EngineError):
-    """The engine loop stopped; the replica must be replaced. Retry (another replica)."""
+    """The engine loop stopped while it held this request; the replica must be replaced."""
+
+    retryable = True
+
+
+class EngineUnavailableError(EngineError):
+    """The engine did not take this request (it is dead or shutting down): safe to send it to
+    another replica at once."""
 
     retryable = True
 

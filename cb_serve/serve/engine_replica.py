@@ -45,9 +45,10 @@ class EngineReplica:
         self.metrics = EngineMetrics(self.engine, self.engine.model_name)  # cb_serve_* metrics (metrics.py)
         self.num_requests = 0  # generate() calls in progress, including those the engine has not taken yet
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         """``payload``: request_id, params (SamplingParams), and prompt (str | token ids) or
-        messages (chat). Yields one dict per new piece of output, per completion index."""
+        messages (chat). Yields, per engine output, a list with one dict per completion index
+        that advanced (one stream item per step, whatever ``n``)."""
         params: SamplingParams = payload["params"]
         request_id = payload["request_id"]
         if "messages" in payload:
@@ -58,8 +59,8 @@ class EngineReplica:
         self.num_requests += 1
         try:
             async for out in self.engine.generate(prompt, params, request_id):
-                for c in out.outputs:
-                    yield {
+                yield [
+                    {
                         "index": c.index,
                         "text": c.text,
                         "num_tokens": len(c.token_ids),
@@ -70,8 +71,13 @@ class EngineReplica:
                         "cached_tokens": out.num_cached_tokens,
                         "replica": self.replica_id,
                     }
-        except (ValueError, EngineError):
-            raise  # typed: the router tells the client; the engine logged any failure of its own
+                    for c in out.outputs
+                ]
+        except EngineError as e:
+            e.replica = self.replica_id  # the router avoids this replica if it retries
+            raise
+        except ValueError:
+            raise  # typed: the router tells the client
         except Exception:
             logger.exception("request %s failed in the engine replica", request_id)
             raise

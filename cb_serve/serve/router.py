@@ -34,12 +34,14 @@ from cb_serve.engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
+    EngineUnavailableError,
     InvalidRequestError,
     RequestFailedError,
     StepFailedError,
 )
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from cb_serve.serve.request_router import mark_unavailable
 
 logger = logging.getLogger(__name__)
 app = FastAPI(title="cb-serve", description="OpenAI-compatible API over continuous-batching engines.")
@@ -57,6 +59,10 @@ REPLICA_HEADER = "x-cb-replica"  # which engine replica served the request (oper
 MAX_JSON_DEPTH = 64  # nesting of [ and { in a request body
 MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut
 HEALTH_TIMEOUT_S = 5.0
+# A request a replica refused (its engine dead or closing) or cut by a shutdown before its first
+# output is sent again, to another replica: nothing of it reached the client. One whose engine
+# died while running it is not (it may be what killed the engine).
+ROUTE_ATTEMPTS = 3
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -116,8 +122,8 @@ def engine_error(e: BaseException, request_id: str) -> APIError:
     if isinstance(cause, ValueError) and not isinstance(cause, RayError):
         return APIError(400, short(str(cause)))
     logger.error("request %s failed: %s", request_id, e, exc_info=not isinstance(e, RayError))
-    if isinstance(cause, EngineShutdownError):
-        return unavailable("The engine replica is shutting down; retry the request." + ref)
+    if isinstance(cause, (EngineShutdownError, EngineUnavailableError)):
+        return unavailable("The engine replica is shutting down or restarting; retry the request." + ref)
     if isinstance(cause, EngineDeadError):
         return unavailable("The engine replica failed and is being replaced; retry the request." + ref)
     if isinstance(cause, StepFailedError):
@@ -316,29 +322,47 @@ class Router:
             params.max_tokens = self.settings.max_tokens_cap
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         payload.update(request_id=request_id, params=params)
-        gen = self.engine.options(stream=True).generate.remote(payload)
-        try:
-            first = await gen.__anext__()  # errors (bad input, overload) surface before any byte is sent
-        except StopAsyncIteration:
-            first = None
-        except Exception as e:  # noqa: BLE001
-            raise engine_error(e, request_id) from None
+        gen, first = await self._start(payload)
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
-        headers = {REPLICA_HEADER: first["replica"]} if first is not None else None
-        if first is not None:
-            router_metrics().routed(meta["model"], first["replica"])
+        replica = first[0]["replica"] if first else None
+        headers = {REPLICA_HEADER: replica} if replica else None
+        if replica:
+            router_metrics().routed(meta["model"], replica)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._sse(gen, first, meta, req.n, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(await self._collect(gen, first, meta, req.n), headers=headers)
 
+    async def _start(self, payload: dict[str, Any]) -> tuple[Any, list[dict[str, Any]] | None]:
+        """Sends the request to an engine replica and waits for its first output, so errors (bad
+        input, overload) surface before any byte is sent; retries elsewhere when the replica
+        could not take it (``ROUTE_ATTEMPTS``)."""
+        for attempt in range(1, ROUTE_ATTEMPTS + 1):
+            gen = self.engine.options(stream=True).generate.remote(payload)
+            try:
+                return gen, await gen.__anext__()
+            except StopAsyncIteration:
+                return gen, None
+            except Exception as e:  # noqa: BLE001
+                cause = root_cause(e)
+                replica = getattr(cause, "replica", None)
+                if replica and isinstance(cause, (EngineDeadError, EngineUnavailableError, EngineShutdownError)):
+                    mark_unavailable(replica)
+                retry = isinstance(cause, (EngineUnavailableError, EngineShutdownError))
+                if not retry or attempt == ROUTE_ATTEMPTS:
+                    raise engine_error(e, payload["request_id"]) from None
+                logger.warning("request %s: replica %s unavailable; retrying", payload["request_id"], replica)
+        raise AssertionError("unreachable")
+
     async def _chunks(self, gen, first) -> AsyncIterator[dict[str, Any]]:
+        """The engine replica's chunks one by one (it sends them a step's worth at a time)."""
         try:
-            if first is not None:
-                yield first
-            async for chunk in gen:
+            for chunk in first or []:
                 yield chunk
+            async for step in gen:
+                for chunk in step:
+                    yield chunk
         finally:
             gen.cancel()  # a client that went away aborts the engine request (no-op once finished)
 
