@@ -47,8 +47,13 @@ def local_ray_serve(port: int, num_cpus: int = 4) -> Iterator[Any]:
     import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": RAY_ENV})  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": RAY_ENV},
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield serve

@@ -244,10 +244,15 @@ def test_sampler_draws_from_the_filtered_softmax():
 
     def frequencies(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> torch.Tensor:
         batch = SamplingBatch(
-            temperature=torch.full((rows,), temperature), top_k=torch.full((rows,), top_k, dtype=torch.int64),
-            top_p=torch.full((rows,), top_p), min_p=torch.full((rows,), min_p), generators=[None] * rows,
-            num_logprobs=[None] * rows, banned=[], all_greedy=False,
-        )  # fmt: skip
+            temperature=torch.full((rows,), temperature),
+            top_k=torch.full((rows,), top_k, dtype=torch.int64),
+            top_p=torch.full((rows,), top_p),
+            min_p=torch.full((rows,), min_p),
+            generators=[None] * rows,
+            num_logprobs=[None] * rows,
+            banned=[],
+            all_greedy=False,
+        )
         torch.manual_seed(0)
         ids = Sampler()(logits.repeat(rows, 1), batch).token_ids
         return torch.bincount(torch.tensor(ids), minlength=5) / rows

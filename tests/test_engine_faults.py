@@ -48,11 +48,14 @@ async def settled(engine: AsyncLLM) -> None:
 
 @pytest.fixture()
 def engine(random_model_dir):
-    e = AsyncLLM(
-        EngineConfig(model=str(random_model_dir("llama")), max_model_len=256, num_gpu_blocks=64, fault_injection=FAULTS)
-    )
+    e = faulty_engine(random_model_dir, FAULTS)
     yield e
     e.shutdown()
+
+
+def faulty_engine(random_model_dir, faults: str) -> AsyncLLM:
+    model = str(random_model_dir("llama"))
+    return AsyncLLM(EngineConfig(model=model, max_model_len=256, num_gpu_blocks=64, fault_injection=faults))
 
 
 def test_a_request_fault_fails_that_request_alone(engine):
@@ -101,14 +104,7 @@ def test_a_fatal_fault_stops_the_engine_and_tells_every_caller(engine):
 
 
 def test_three_failed_steps_in_a_row_are_fatal(random_model_dir):
-    engine = AsyncLLM(
-        EngineConfig(
-            model=str(random_model_dir("llama")),
-            max_model_len=256,
-            num_gpu_blocks=64,
-            fault_injection="step:#1,step:#2,step:#3",
-        )
-    )
+    engine = faulty_engine(random_model_dir, "step:#1,step:#2,step:#3")
     try:
 
         async def main():

@@ -52,13 +52,23 @@ INTERNALS = ("Traceback", 'File "', ".py", "ActorID", "actor_id", "ray::", "site
 def app_args(model_dir, num_replicas: int = 2) -> dict[str, Any]:
     return {
         "model": str(model_dir),
-        "engine": {"max_model_len": 512, "num_gpu_blocks": 512, "max_num_seqs": 16, "num_threads": 1,
-                   "fault_injection": FAULTS},
+        "engine": {
+            "max_model_len": 512,
+            "num_gpu_blocks": 512,
+            "max_num_seqs": 16,
+            "num_threads": 1,
+            "fault_injection": FAULTS,
+        },
         "router": {"max_tokens_cap": MAX_TOKENS_CAP},
         "routing_stats_period_s": 0.2,
-        "engine_replica": {"num_replicas": num_replicas, "health_check_period_s": 1, "health_check_timeout_s": 10,
-                           "graceful_shutdown_timeout_s": GRACEFUL_S, "ray_actor_options": {"num_cpus": 1}},
-    }  # fmt: skip
+        "engine_replica": {
+            "num_replicas": num_replicas,
+            "health_check_period_s": 1,
+            "health_check_timeout_s": 10,
+            "graceful_shutdown_timeout_s": GRACEFUL_S,
+            "ray_actor_options": {"num_cpus": 1},
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +111,9 @@ def long_body(i: int, max_tokens: int) -> dict[str, Any]:
 
 # ---- 8.4: property-based fuzzing of request bodies ------------------------------------------------------------
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12))
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-                      max_leaves=8)  # fmt: skip
+values = st.recursive(
+    scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=8
+)
 small = st.integers(1, 6)
 COMMON = {
     "max_tokens": st.one_of(small, values),
@@ -133,16 +144,30 @@ COMPLETION = {
     "suffix": st.one_of(st.text(max_size=3), values),
 }
 messages = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "x"])},
-                          optional={"content": st.one_of(st.text(max_size=12), values,
-                                                         st.just([{"type": "text", "text": "hi"}]),
-                                                         st.just([{"type": "image_url", "image_url": {"url": "u"}}])),
-                                    "name": values, "tool_calls": values}),
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "x"])},
+        optional={
+            "content": st.one_of(
+                st.text(max_size=12),
+                values,
+                st.just([{"type": "text", "text": "hi"}]),
+                st.just([{"type": "image_url", "image_url": {"url": "u"}}]),
+            ),
+            "name": values,
+            "tool_calls": values,
+        },
+    ),
     max_size=3,
-)  # fmt: skip
-CHAT = {**COMMON, "messages": st.one_of(messages, values), "logprobs": st.one_of(st.booleans(), values),
-        "top_logprobs": st.one_of(st.integers(-1, 22), values), "tools": values, "tool_choice": values,
-        "max_completion_tokens": st.one_of(small, values)}  # fmt: skip
+)
+CHAT = {
+    **COMMON,
+    "messages": st.one_of(messages, values),
+    "logprobs": st.one_of(st.booleans(), values),
+    "top_logprobs": st.one_of(st.integers(-1, 22), values),
+    "tools": values,
+    "tool_choice": values,
+    "max_completion_tokens": st.one_of(small, values),
+}
 
 
 def mutations(base: dict[str, Any], fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
@@ -173,11 +198,20 @@ def test_fuzzed_bodies_get_2xx_or_4xx_and_the_engine_still_serves(app):
     seen: Counter[int] = Counter()
     with httpx.Client(base_url=BASE, timeout=60) as client:
 
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
-        @given(st.one_of(completion_bodies.map(lambda b: ("/v1/completions", b)),
-                         chat_bodies.map(lambda b: ("/v1/chat/completions", b)),
-                         raw_bodies.map(lambda b: ("/v1/completions", b))))  # fmt: skip
+        @settings(
+            max_examples=FUZZ_EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(
+            st.one_of(
+                completion_bodies.map(lambda b: ("/v1/completions", b)),
+                chat_bodies.map(lambda b: ("/v1/chat/completions", b)),
+                raw_bodies.map(lambda b: ("/v1/completions", b)),
+            )
+        )
         def one(case: tuple[str, Any]) -> None:
             path, body = case
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -197,8 +231,9 @@ def test_a_request_fault_fails_only_that_request(app):
 
     async def scenario():
         async with httpx.AsyncClient(base_url=BASE, timeout=60) as client:
-            healthy = [asyncio.create_task(SSEStream().run(client, "/v1/completions", long_body(i, 40)))
-                       for i in range(4)]  # fmt: skip
+            healthy = [
+                asyncio.create_task(SSEStream().run(client, "/v1/completions", long_body(i, 40))) for i in range(4)
+            ]
             await asyncio.sleep(0.3)
             bad = await client.post("/v1/completions", json={"prompt": "REQUEST_FAULT", "max_tokens": 8})
             return bad, await asyncio.gather(*healthy)
@@ -223,8 +258,12 @@ async def soak_worker(client: httpx.AsyncClient, rng: random.Random, deadline: f
     while time.monotonic() < deadline:
         kind = rng.choice(["complete", "stream", "disconnect", "abort", "chat", "hostile"])
         tokens = rng.randint(1, 48)
-        body = {"prompt": f"soak {rng.random()}", "max_tokens": tokens, "temperature": rng.choice([0, 0.8]),
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "prompt": f"soak {rng.random()}",
+            "max_tokens": tokens,
+            "temperature": rng.choice([0, 0.8]),
+            "ignore_eos": True,
+        }
         try:
             if kind == "complete":
                 r = await asyncio.wait_for(client.post("/v1/completions", json=body), 60)
@@ -236,8 +275,9 @@ async def soak_worker(client: httpx.AsyncClient, rng: random.Random, deadline: f
                 outcomes["ok" if ended and not s.error and not s.cut else f"unexpected {s}"] += 1
             elif kind == "abort":  # the client gives up mid-request: the server must abort it
                 try:
-                    await asyncio.wait_for(client.post("/v1/completions", json={**body, "max_tokens": 100}),
-                                           rng.uniform(0.02, 0.3))  # fmt: skip
+                    await asyncio.wait_for(
+                        client.post("/v1/completions", json={**body, "max_tokens": 100}), rng.uniform(0.02, 0.3)
+                    )
                     outcomes["ok"] += 1
                 except asyncio.TimeoutError:
                     outcomes["aborted"] += 1
@@ -277,17 +317,21 @@ def test_soak_mixed_load_with_disconnects_leaks_nothing(app):
 
     def settled() -> dict[str, dict[str, Any]] | None:
         stats = replica_stats()
-        ok = len(stats) == 2 and all(s["kv_blocks_used"] == s["num_running"] == s["num_waiting"] == 0
-                                     for s in stats.values())  # fmt: skip
+        ok = len(stats) == 2 and all(
+            s["kv_blocks_used"] == s["num_running"] == s["num_waiting"] == 0 for s in stats.values()
+        )
         return stats if ok else None
 
     stats = wait_for("both replicas idle with no KV block in use", settled, 60)
     rss_after = {r: rss_mib(p) for r, p in pids.items()}
-    growth = {r[:8]: f"{rss_before[r]:.0f} -> {rss_after[r]:.0f} MiB ({rss_after[r] - rss_before[r]:+.0f})"
-              for r in pids}  # fmt: skip
+    growth = {
+        r[:8]: f"{rss_before[r]:.0f} -> {rss_after[r]:.0f} MiB ({rss_after[r] - rss_before[r]:+.0f})" for r in pids
+    }
     served = {r[:8]: s["generation_tokens"] for r, s in stats.items()}
-    print(f"\nsoak {SOAK_SECONDS:.0f} s: {sum(outcomes.values())} requests {dict(outcomes)}; KV blocks in use after: "
-          f"{[s['kv_blocks_used'] for s in stats.values()]}; tokens per replica {served}; RSS {growth}")  # fmt: skip
+    print(
+        f"\nsoak {SOAK_SECONDS:.0f} s: {sum(outcomes.values())} requests {dict(outcomes)}; KV blocks in use after: "
+        f"{[s['kv_blocks_used'] for s in stats.values()]}; tokens per replica {served}; RSS {growth}"
+    )
     unexpected = {k: v for k, v in outcomes.items() if k not in ("ok", "aborted", "rejected")}
     assert not unexpected, f"every request got a final answer or its error: {unexpected}"
     assert outcomes["ok"] > 50 and outcomes["aborted"] > 0 and outcomes["rejected"] > 0
@@ -311,8 +355,9 @@ def test_a_killed_replica_fails_only_its_streams_and_is_replaced(app):
             oai = openai.AsyncOpenAI(base_url=f"{BASE}/v1", api_key="none", max_retries=0, timeout=60)
             for i in range(10):  # sent right after the kill, one at a time
                 try:
-                    raw = await oai.completions.with_raw_response.create(model="tiny", prompt=f"after kill {i}",
-                                                                         max_tokens=4)  # fmt: skip
+                    raw = await oai.completions.with_raw_response.create(
+                        model="tiny", prompt=f"after kill {i}", max_tokens=4
+                    )
                     after.append(("ok", raw.headers["x-cb-replica"], time.monotonic() - killed_at))
                 except openai.APIStatusError as e:
                     after.append((e.status_code, e.body, time.monotonic() - killed_at))
@@ -326,14 +371,20 @@ def test_a_killed_replica_fails_only_its_streams_and_is_replaced(app):
     end_s = max(s.ended_at - killed_at for s in dead)
     failed_after = [a for a in r["after"] if a[0] != "ok"]
     # Ray Serve replaces the killed replica: a request is served by a replica that did not exist before.
-    new = wait_for("a replacement replica serving", lambda: (rep := complete().headers.get("x-cb-replica"))
-                   not in pids and rep, 240, interval=1)  # fmt: skip
+    new = wait_for(
+        "a replacement replica serving",
+        lambda: (rep := complete().headers.get("x-cb-replica")) not in pids and rep,
+        240,
+        interval=1,
+    )
     back_s = time.monotonic() - killed_at
-    print(f"\nkill: {len(dead)} streams on the killed replica ended within {end_s:.2f} s (error events: "
-          f"{sum(s.error is not None for s in dead)}, [DONE]: {sum(s.done for s in dead)}); {len(alive)} on the other "
-          f"finished: {sum(s.finish_reasons == ['length'] for s in alive)}; requests after the kill: 10 sent, "
-          f"{len(failed_after)} failed {[a[0] for a in failed_after]}; replacement {new[:8]} serving after "
-          f"{back_s:.1f} s")  # fmt: skip
+    print(
+        f"\nkill: {len(dead)} streams on the killed replica ended within {end_s:.2f} s (error events: "
+        f"{sum(s.error is not None for s in dead)}, [DONE]: {sum(s.done for s in dead)}); {len(alive)} on the other "
+        f"finished: {sum(s.finish_reasons == ['length'] for s in alive)}; requests after the kill: 10 sent, "
+        f"{len(failed_after)} failed {[a[0] for a in failed_after]}; replacement {new[:8]} serving after "
+        f"{back_s:.1f} s"
+    )
     assert dead and end_s < 30, "the killed replica's streams end with an error within 30 s"
     for s in dead:
         assert s.done and s.error is not None and s.error["code"] == 503, s
@@ -356,8 +407,12 @@ def test_a_fatal_engine_fault_makes_the_replica_skipped_unhealthy_and_replaced(a
     assert [r.status_code for r in later] == [200] * 10, "the router stops sending to the dead replica"
     assert len({r.headers["x-cb-replica"] for r in later}) == 1
     assert httpx.get(f"{BASE}/health", timeout=30).status_code == 200, "one live replica: healthy"
-    replaced = wait_for("the dead replica replaced", lambda: len(set(engine_replica_pids(APP)) - before) == 1 and
-                        running_engine_replicas(APP) == 2, 240, interval=1)  # fmt: skip
+    replaced = wait_for(
+        "the dead replica replaced",
+        lambda: len(set(engine_replica_pids(APP)) - before) == 1 and running_engine_replicas(APP) == 2,
+        240,
+        interval=1,
+    )
     print(
         f"\nfatal: dead replica skipped at once (10/10 later requests served), replaced after "
         f"{time.monotonic() - started:.1f} s"
@@ -380,10 +435,13 @@ def test_redeploy_drains_old_replicas_and_ends_open_streams_with_an_error_event(
         async with httpx.AsyncClient(base_url=BASE, timeout=120) as client:
             longs = [SSEStream() for _ in range(4)]
             shorts = [SSEStream() for _ in range(4)]
-            tasks = [asyncio.create_task(s.run(client, "/v1/completions", long_body(i, 256)))
-                     for i, s in enumerate(longs)]  # fmt: skip
-            tasks += [asyncio.create_task(s.run(client, "/v1/completions", long_body(10 + i, 12)))
-                      for i, s in enumerate(shorts)]  # fmt: skip
+            tasks = [
+                asyncio.create_task(s.run(client, "/v1/completions", long_body(i, 256))) for i, s in enumerate(longs)
+            ]
+            tasks += [
+                asyncio.create_task(s.run(client, "/v1/completions", long_body(10 + i, 12)))
+                for i, s in enumerate(shorts)
+            ]
             await asyncio.wait_for(asyncio.gather(*(s.first_chunk.wait() for s in longs + shorts)), 60)
             started = time.monotonic()
             args = app_args(app, num_replicas=1)
@@ -403,14 +461,17 @@ def test_redeploy_drains_old_replicas_and_ends_open_streams_with_an_error_event(
             return {"longs": longs, "shorts": shorts, "started": started, "during": during}
 
     r = asyncio.run(asyncio.wait_for(scenario(), 180))
-    wait_for("the new replica alone", lambda: len(p := engine_replica_pids(APP)) == 1 and set(p).isdisjoint(before),
-             120)  # fmt: skip
+    wait_for(
+        "the new replica alone", lambda: len(p := engine_replica_pids(APP)) == 1 and set(p).isdisjoint(before), 120
+    )
     cut = [s for s in r["longs"] if s.error is not None]
-    print(f"\nredeploy: long streams cut after {[round(s.ended_at - r['started'], 1) for s in cut]} s "
-          f"(graceful_shutdown_timeout_s={GRACEFUL_S}), each with an error event "
-          f"{sorted({s.error['type'] for s in cut})} and [DONE]: {all(s.done for s in cut)}; short streams finished "
-          f"{sum(s.finish_reasons == ['length'] for s in r['shorts'])}/4; {len(r['during'])} requests during the "
-          f"redeploy: {Counter(r['during'])}")  # fmt: skip
+    print(
+        f"\nredeploy: long streams cut after {[round(s.ended_at - r['started'], 1) for s in cut]} s "
+        f"(graceful_shutdown_timeout_s={GRACEFUL_S}), each with an error event "
+        f"{sorted({s.error['type'] for s in cut})} and [DONE]: {all(s.done for s in cut)}; short streams finished "
+        f"{sum(s.finish_reasons == ['length'] for s in r['shorts'])}/4; {len(r['during'])} requests during the "
+        f"redeploy: {Counter(r['during'])}"
+    )
     assert all(s.done and not s.cut for s in r["longs"] + r["shorts"]), "every stream ends with [DONE]: no hang, no cut"
     assert all(s.error is None and s.finish_reasons == ["length"] for s in r["shorts"]), "in-flight streams finish"
     assert cut, "the long streams outlast the old replicas' graceful shutdown"

@@ -55,10 +55,20 @@ class WorkerNode:
     def __init__(self, address: str, log: Path) -> None:
         self.log = log.open("a")
         self.proc = subprocess.Popen(
-            [RAY, "start", f"--address={address}", f"--node-ip-address={WORKER_IP}", "--num-cpus=2",
-             '--resources={"engine_slot": 1}', "--block"],
-            env=ENV, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                RAY,
+                "start",
+                f"--address={address}",
+                f"--node-ip-address={WORKER_IP}",
+                "--num-cpus=2",
+                '--resources={"engine_slot": 1}',
+                "--block",
+            ],
+            env=ENV,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def kill(self) -> None:
         """Node loss: the node's every process at once."""
@@ -155,10 +165,14 @@ def test_losing_a_node_keeps_the_service_up_and_its_replica_comes_back(cluster):
         "model": str(cluster["model"]),
         "engine": {"max_model_len": 256, "num_gpu_blocks": 128, "num_threads": 1},
         "routing_stats_period_s": 0.2,
-        "engine_replica": {"num_replicas": 2, "health_check_period_s": 1, "graceful_shutdown_timeout_s": 2,
-                           "ray_actor_options": {"num_cpus": 1, "resources": {"engine_slot": 1}}},
+        "engine_replica": {
+            "num_replicas": 2,
+            "health_check_period_s": 1,
+            "graceful_shutdown_timeout_s": 2,
+            "ray_actor_options": {"num_cpus": 1, "resources": {"engine_slot": 1}},
+        },
         "router_replica": {"ray_actor_options": {"num_cpus": 0, "resources": {"head_node": 0.01}}},
-    }  # fmt: skip
+    }
     run_app(args, APP)
     nodes = wait_for("one engine replica per node", lambda: len(set((n := replica_nodes()).values())) == 2 and n, 60)
     load = Load()
@@ -176,14 +190,29 @@ def test_losing_a_node_keeps_the_service_up_and_its_replica_comes_back(cluster):
     cluster["worker"] = WorkerNode(cluster["address"], cluster["tmp"] / "worker.log")
     wait_for("two alive Ray nodes again", lambda: alive_nodes() == 2, 120)
     wait_for("two running engine replicas again", lambda: running_engine_replicas(APP) == 2, 240)
-    back = wait_for("requests on two replicas again", lambda: len({httpx.post(
-        f"{BASE}/v1/completions", json={"prompt": "back", "max_tokens": 2}, timeout=30).headers["x-cb-replica"]
-        for _ in range(12)}) == 2, 120, interval=1)  # fmt: skip
+    back = wait_for(
+        "requests on two replicas again",
+        lambda: (
+            len(
+                {
+                    httpx.post(f"{BASE}/v1/completions", json={"prompt": "back", "max_tokens": 2}, timeout=30).headers[
+                        "x-cb-replica"
+                    ]
+                    for _ in range(12)
+                }
+            )
+            == 2
+        ),
+        120,
+        interval=1,
+    )
     back_s = time.monotonic() - restarted_at
-    print(f"\nnode loss: {len(after_kill)} requests in the 20 s after the kill, {len(failed)} failed "
-          f"{sorted({r[1] for r in failed})}, the last {last_failure_s:.1f} s after it; "
-          f"{len(late)} sent 12-20 s after it, all from the head replica: {len({r[2] for r in late}) == 1}; "
-          f"two replicas again {back_s:.1f} s after the node came back")  # fmt: skip
+    print(
+        f"\nnode loss: {len(after_kill)} requests in the 20 s after the kill, {len(failed)} failed "
+        f"{sorted({r[1] for r in failed})}, the last {last_failure_s:.1f} s after it; "
+        f"{len(late)} sent 12-20 s after it, all from the head replica: {len({r[2] for r in late}) == 1}; "
+        f"two replicas again {back_s:.1f} s after the node came back"
+    )
     assert len(set(nodes.values())) == 2
     assert late and all(r[1] == 200 for r in late), "the service keeps answering from the head node"
     assert sum(r[1] == 200 for r in after_kill) >= len(after_kill) - 5, failed

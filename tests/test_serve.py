@@ -224,8 +224,8 @@ def test_hostile_values_that_are_valid_mean_what_vllm_makes_them_mean(server):
     extreme seeds are accepted."""
 
     def complete(**fields) -> dict:
-        r = httpx.post(f"{server}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
-                                                          **fields}, headers=AUTH, timeout=60)  # fmt: skip
+        body = {"prompt": "The capital of France is", "max_tokens": 6, **fields}
+        r = httpx.post(f"{server}/v1/completions", json=body, headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text[:300]
         return r.json()["choices"][0]
 

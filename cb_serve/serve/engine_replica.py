@@ -110,8 +110,8 @@ class EngineReplica:
     async def stats(self) -> dict[str, Any]:
         """Engine counters (tests, debugging)."""
         s = self.engine.get_stats()
-        return {**s.__dict__, "kv_cache_usage": s.kv_cache_usage, "replica": self.replica_id,
-                "alive": self.engine.is_alive}  # fmt: skip
+        extra = {"kv_cache_usage": s.kv_cache_usage, "replica": self.replica_id, "alive": self.engine.is_alive}
+        return {**s.__dict__, **extra}
 
     async def model_info(self) -> dict[str, Any]:
         return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len}

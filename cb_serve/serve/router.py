@@ -270,8 +270,8 @@ class Router:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         for param, what in parsed.unsupported():
-            raise APIError(400, f"Unsupported parameter {param!r}: cb-serve does not implement {what}.",
-                           "unsupported", param)  # fmt: skip
+            message = f"Unsupported parameter {param!r}: cb-serve does not implement {what}."
+            raise APIError(400, message, "unsupported", param)
         await self._check(request, parsed.model)
         return parsed
 
