@@ -404,7 +404,7 @@ def test_a_fatal_engine_fault_makes_the_replica_skipped_unhealthy_and_replaced(a
     # At once, before any routing report: the router marked the replica when its request failed
     # (and a replica that refuses a request for a dead engine makes the router try another).
     later = [complete(f"after fatal {i}") for i in range(10)]
-    assert [r.status_code for r in later] == [200] * 10, "the router stops sending to the dead replica"
+    assert [r.status_code for r in later] == [200] * 10, [r.text[:300] for r in later if r.status_code != 200]
     assert len({r.headers["x-cb-replica"] for r in later}) == 1
     assert httpx.get(f"{BASE}/health", timeout=30).status_code == 200, "one live replica: healthy"
     replaced = wait_for(

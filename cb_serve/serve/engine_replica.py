@@ -19,6 +19,17 @@ from cb_serve.serve.metrics import EngineMetrics
 logger = logging.getLogger(__name__)
 
 
+def log_to_serve() -> None:
+    """Sends cb_serve's log records (tracebacks of failed requests, under their request ids)
+    to the Ray Serve replica's log, where its other records are."""
+    serve_logger, ours = logging.getLogger("ray.serve"), logging.getLogger("cb_serve")
+    if serve_logger.handlers and not ours.handlers:
+        for handler in serve_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]] | None) -> list[dict] | None:
     """Per token: its text, its logprob and the top alternatives (text, logprob), best first."""
     if entries is None:
@@ -40,6 +51,7 @@ class EngineReplica:
     """Streams plain-dict chunks (no tensors cross this boundary) and reports its load."""
 
     def __init__(self, engine_args: dict[str, Any]) -> None:
+        log_to_serve()
         self.engine = AsyncLLM(EngineConfig.from_kwargs(**engine_args))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = EngineMetrics(self.engine, self.engine.model_name)  # cb_serve_* metrics (metrics.py)

@@ -17,11 +17,12 @@ equally loaded replicas share the work at random. A replica without a report, or
 report is older than ``stale_after_s`` (its ``record_routing_stats`` is failing or timing
 out), is tried only after every replica with a fresh report; among those Ray Serve picks
 the one with the fewest requests in flight. A replica whose report says its engine is dead
-(``alive: False``), or that just refused a request of this process for that reason
-(``mark_unavailable``; the ingress then retries elsewhere), is skipped; only when every
-replica is dead is one tried anyway, so the client gets a fast, retryable 503 instead of waiting. Replicas at
-``max_ongoing_requests`` are skipped by Ray Serve, which then tries the next one (or queues
-the request, up to ``max_queued_requests``, beyond which the caller gets ``BackPressureError``).
+(``alive: False``), or that this process found dead or closing since that report
+(``replica_health``; the ingress then retries elsewhere), is skipped; only when every
+replica is dead is one tried anyway, so the client gets a fast, retryable 503 instead of
+waiting. Replicas at ``max_ongoing_requests`` are skipped by Ray Serve, which then tries the
+next one (or queues the request, up to ``max_queued_requests``, beyond which the caller gets
+``BackPressureError``).
 """
 
 from __future__ import annotations
@@ -33,20 +34,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cb_serve.serve import replica_health
+
 TIE = 0.02  # loads closer than this are equal (less than one request when max_num_seqs < 50)
-MARK_TTL_S = 60.0
-# Replica unique id -> when a request in this process found its engine dead or shutting down
-# (``mark_unavailable``): skipped at once, without waiting for its next routing report.
-_unavailable: dict[str, float] = {}
-
-
-def mark_unavailable(replica_unique_id: str) -> None:
-    """Called by the ingress when a replica refused a request because its engine is dead or
-    closing; the next pick in this process skips it until a later report says it is alive."""
-    now = time.time()
-    _unavailable[replica_unique_id] = now
-    for rid in [r for r, t in _unavailable.items() if now - t > MARK_TTL_S]:
-        del _unavailable[rid]
 
 
 def replica_load(stats: dict[str, Any], sent_since_report: int) -> float:
@@ -121,8 +111,7 @@ class KVCacheAwareRouter(RequestRouter):
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
             reported = stats.get("time")
-            marked = _unavailable.get(replica.replica_id.unique_id)
-            if stats.get("alive") is False or (marked is not None and (reported is None or reported <= marked)):
+            if stats.get("alive") is False or replica_health.marked_after(replica.replica_id.unique_id, reported):
                 dead.append(replica)
             elif reported is not None and now - reported <= self.stale_after_s:
                 fresh[replica] = replica_load(stats, self._sent_since(replica.replica_id, reported))

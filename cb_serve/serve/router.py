@@ -39,9 +39,10 @@ from cb_serve.engine.errors import (
     RequestFailedError,
     StepFailedError,
 )
+from cb_serve.serve.engine_replica import log_to_serve
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from cb_serve.serve.request_router import mark_unavailable
+from cb_serve.serve.replica_health import mark_unavailable
 
 logger = logging.getLogger(__name__)
 app = FastAPI(title="cb-serve", description="OpenAI-compatible API over continuous-batching engines.")
@@ -214,6 +215,7 @@ class Router:
     replica the request router picks (see ``request_router.KVCacheAwareRouter``)."""
 
     def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]) -> None:
+        log_to_serve()
         self.engine = engine
         self.settings = RouterSettings(**settings)
         self.api_key = self.settings.api_key or os.environ.get("CB_SERVE_API_KEY") or None
