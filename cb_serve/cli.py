@@ -1,4 +1,4 @@
-"""``cb-serve`` command line: ``generate`` (offline) and ``bench`` (throughput benchmark)."""
+"""``cb-serve`` command line: ``generate`` (offline inference)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cb_serve.engine.errors import EngineError
 
@@ -42,5 +42,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
     error: EngineError | None = None  # set when the request failed (its completions end with "error")

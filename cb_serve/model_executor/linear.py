@@ -1,17 +1,17 @@
-"""``nn.Linear`` with a CPU fast path for decode-sized batches.
+"""``nn.Linear`` with CPU fast paths for the batch sizes the engine runs.
 
-At decode batch sizes (a few to ~64 rows) MKL's fp32 GEMM spends much of its time on packing and
-blocking made for large batches. With the C++ kernels, ``Linear.prepare_for_cpu`` keeps a copy of the weight packed for
-``cpu_ops.decode_gemm`` (tiles of 32 output columns, each one contiguous stream); larger batches
-(prefill) run MKL's NN GEMM on the weight stored transposed. Measured on the default model's
-shapes, all 30 layers plus the LM head with weights streamed from memory: 34 rows 52.7 -> 45.4 ms
-(MKL with pre-packed weights) and 56 ms (plain MKL); 8 rows 33.6 -> 24.7 ms; 64 rows even. Prefetching
-the next weight tile while the current one is in use then took 34 rows to 38.9 ms and 64 rows to ~60 ms.
-Weights that are exactly 4- or 8-bit (the default model's Q4_1 projections, Q8_0 LM head) are kept so and
-dequantized per tile into the same float32 values: 4 rows 26 -> 14 ms, 8 rows 30 -> 16 ms, 34 rows 40.5 ->
-37 ms. On an AMX CPU those low-bit weights run batches of ``AMX_MIN_ROWS`` or more on ``cpu_ops.amx_gemm``
-(float32-accurate, from the same 4/8 bits): 16 rows 23.6 -> 16.9 ms, 34 rows 35.4 -> 30.0 ms, 64 rows 59.8 ->
-35.8 ms, and prefill-sized batches at 1.2-1.8x MKL's float32 rate.
+- **Decode-sized batches** (up to ``DECODE_MAX_ROWS`` rows): MKL's float32 GEMM spends much of its
+  time on packing and blocking made for large batches, so ``Linear.prepare_for_cpu`` keeps a copy
+  of the weight packed for ``cpu_ops.decode_gemm`` (tiles of 32 output columns, each one contiguous
+  stream, the next tile prefetched while the current one computes).
+- **Exactly low-bit weights** (the default model's Q4_1 projections and Q8_0 LM head, recognized
+  by ``cpu_ops.exact_quant``) are kept as 4 or 8 bits and dequantized per tile into the same
+  float32 values: a fraction of the memory traffic, the same results.
+- **AMX CPUs** run such low-bit weights on ``cpu_ops.amx_gemm`` from ``AMX_MIN_ROWS`` rows up
+  (float32-accurate, from the same 4/8 bits), prefill-sized batches included.
+- Anything else (prefill without AMX, GPUs) runs ``F.linear`` on the weight stored transposed.
+
+The measured effect of each path is in ``bench/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
 
 DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
-AMX_MIN_ROWS = 13  # amx_gemm: 12 rows 16.9 ms vs 19.4, 8 rows 16.8 vs 16.0, 1 row 15.9 vs 12.6 (all layers)
+AMX_MIN_ROWS = 13  # below this the tiles' fixed costs outweigh decode_gemm's (bench/micro_kernels.py gemm)
 
 
 class Linear(nn.Linear):

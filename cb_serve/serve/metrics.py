@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "cb_serve_"
 EXPORT_PREFIX = "ray_"  # what Ray prepends when it exports
 
-# Seconds; 1 ms (a GPU decode step) to 20 min (a long generation on a busy CPU replica).
+# Seconds: from a GPU decode step to a long generation on a busy CPU replica.
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]  # fmt: skip
 FILL_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]

@@ -316,12 +316,11 @@ class Router:
         return await self._respond(req, payload, chat=True)
 
     async def _respond(self, req, payload: dict[str, Any], chat: bool):
-        try:
-            params = req.to_sampling_params(None if chat else 16, self.settings.max_tokens_cap)
+        cap = self.settings.max_tokens_cap
+        try:  # without max_tokens: 16 for completions (OpenAI's default), the cap (or the context) for chat
+            params = req.to_sampling_params(cap if chat else 16, cap)
         except InvalidRequestError as e:
             raise APIError(400, short(str(e)), param=e.param) from None
-        if params.max_tokens is None and self.settings.max_tokens_cap is not None:
-            params.max_tokens = self.settings.max_tokens_cap
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         payload.update(request_id=request_id, params=params)
         gen, first = await self._start(payload)

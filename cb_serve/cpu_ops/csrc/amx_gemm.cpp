@@ -6,15 +6,14 @@
 // x = x0 + x1 + x2 (a float32's 24 significant bits; |x1| <= 2^-8 |x|, |x2| <= 2^-16 |x|). Per group the
 // tiles compute c = x2 q + x1 q + x0 q (TDPBF16PS: exact products, float32 sums over 32 inputs), and
 // AVX-512 adds d * c + m * (the group's sum of x) to float32 accumulators. Each output is then a float32
-// sum of exact terms with one rounding at its scale per group rather than per input: measured RMS error
-// against float64 0.25-0.7x MKL's float32 GEMM's (about equal at K = 64), ~0.3x decode_gemm's.
+// sum of exact terms with one rounding at its scale per group rather than per input, so its error
+// against float64 is a float32 GEMM's (tests/test_exact_quant.py bounds it by MKL's on the same inputs).
 //
 // The weight stays 4 or 8 bits (+ float32 d, m): 0.75 / 1.125 bytes a weight streamed per call. Tiles are
 // 2 x 2 (two 16-row tiles of x by two 16-column tiles of w), so 8 tile loads feed 12 tile products; on this
 // machine a tile load costs about as much as a tile product, so loads are what to save. Per pair of column
 // tiles a thread unpacks q to bf16 VNNI tiles once for a chunk of up to 256 rows whose x pieces stay in L2.
-// Measured, 2 threads, the default model's 30 layers + LM head against decode_gemm: 16 rows 23.6 -> 16.9 ms,
-// 34 rows 35.4 -> 30.0 ms, 64 rows 59.8 -> 35.8 ms; 2048 rows 440-635 GFLOP/s against MKL float32's 360-390.
+// Speed against decode_gemm and MKL: bench/RESULTS.md.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -273,7 +272,7 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   if (m == 0) return;
   const int64_t rows = (m + 15) / 16 * 16;
   // x's pieces (6 bytes per x value) and group sums, then per thread the q tiles and c / acc buffers. Kept
-  // from call to call: a fresh buffer of several MB costs its page faults every time (~0.5 ms at 2048 rows).
+  // from call to call: a fresh buffer of several MB would pay its page faults on every call.
   const int64_t per_thread = groups * kTileElems + 12 * kTileFloats;
   const int64_t floats = 3 * rows * k / 2 + (rows * groups + 15) / 16 * 16 + omp_get_max_threads() * per_thread;
   static thread_local at::Tensor buffer;

@@ -3,7 +3,7 @@
 // one contiguous stream; each tile is read once from memory and reused from cache for every
 // block of up to 12 rows, with 12 x 2 register accumulators. With more than one row block, the blocks
 // of a tile also prefetch the next tile into L2, so its memory stream overlaps their arithmetic
-// instead of stalling the next tile's first block (34 rows, all 30 layers + LM head: 47.5 -> 38.9 ms).
+// instead of stalling the next tile's first block.
 // Each output is an FMA chain over k in order, so results do not depend on M (batch invariance) and
 // need no horizontal sums.
 #include <ATen/ATen.h>
