@@ -11,7 +11,7 @@
   (float32-accurate, from the same 4/8 bits), prefill-sized batches included.
 - Anything else (prefill without AMX, GPUs) runs ``F.linear`` on the weight stored transposed.
 
-The measured effect of each path is in ``bench/RESULTS.md``.
+The measured effect of each path is in ``bench/HISTORY.md``.
 """
 
 from __future__ import annotations

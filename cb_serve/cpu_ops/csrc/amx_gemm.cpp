@@ -13,7 +13,7 @@
 // 2 x 2 (two 16-row tiles of x by two 16-column tiles of w), so 8 tile loads feed 12 tile products; on this
 // machine a tile load costs about as much as a tile product, so loads are what to save. Per pair of column
 // tiles a thread unpacks q to bf16 VNNI tiles once for a chunk of up to 256 rows whose x pieces stay in L2.
-// Speed against decode_gemm and MKL: bench/RESULTS.md.
+// Speed against decode_gemm and MKL: bench/HISTORY.md.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
