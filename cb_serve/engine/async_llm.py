@@ -118,16 +118,13 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
-    def close_streams(self, error: EngineError) -> int:
+    def close_streams(self, error: EngineError) -> None:
         """Refuses new requests (``EngineUnavailableError``) and ends every open stream with
-        ``error`` (its request is aborted). Returns how many streams were open. For shutdown:
-        no stream is left hanging."""
+        ``error`` (its request is aborted). For shutdown: no stream is left hanging."""
         self._closing = error
-        streams = list(self._streams.items())
-        for request_id, stream in streams:
+        for request_id, stream in list(self._streams.items()):
             self.abort(request_id)
             stream.put(error)
-        return len(streams)
 
     def check_health(self) -> None:
         if self.error is not None:

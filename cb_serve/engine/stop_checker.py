@@ -38,11 +38,8 @@ class StopChecker:
         self.stop_strings = tuple(params.stop)
         self.include_stop_str = params.include_stop_str_in_output
         self._banned = sorted(self.stop_ids)
-
-    @property
-    def holdback(self) -> int:
-        """Characters of a running sequence's text not streamed yet: they may begin a stop string."""
-        return max((len(s) for s in self.stop_strings), default=1) - 1
+        # Characters of a running sequence's text not streamed yet: they may begin a stop string.
+        self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
 
     def banned_token_ids(self, num_output_tokens: int) -> list[int]:
         """Token ids the sampler must not pick yet (stop tokens and EOS before ``min_tokens``)."""
