@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # (installed from the local wheel cache on our CI machines in seconds). Override: make install TORCH=...
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test-deps serve test lint format bench generate clean
+.PHONY: install test-deps serve test lint format bench generate mutation clean
 
 install: $(VENV)/.installed
 
@@ -49,5 +49,14 @@ bench: install
 generate: install
 	$(VENV)/bin/cb-serve generate --chat --prompt "What is continuous batching?"
 
+# Mutation testing of the sampler, scheduler, block manager and stop checker ([tool.mutmut] in
+# pyproject.toml): not part of CI. Prints the surviving mutants and the score.
+MUTMUT := mutmut==3.8.1
+mutation: install
+	$(PY) -m pip install -q "$(MUTMUT)"
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children 2 || true
+	$(PY) bench/mutation_score.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis mutants

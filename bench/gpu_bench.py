@@ -28,10 +28,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import Timer, cb_serve_source, log, write_json  # noqa: E402
+from cb_offline import greedy, recording_steps  # noqa: E402
+from cpu_accounting import Timer  # noqa: E402
+from report import agreement, cb_serve_source, log, write_json  # noqa: E402
+from roofline import copy_bandwidth, sync  # noqa: E402
 
-from cb_serve import LLM, SamplingParams  # noqa: E402
-from cb_serve.engine.stats import StepStats  # noqa: E402
+from cb_serve import LLM  # noqa: E402
 
 LLAMA_1B = dict(
     hidden_size=2048,
@@ -71,25 +73,6 @@ def make_model(directory: Path, shape: dict[str, int], dtype: torch.dtype, devic
     return directory
 
 
-def copy_bandwidth(device: torch.device, num_bytes: int = 1 << 30, reps: int = 10) -> float:
-    """GB/s of (read + write) bytes of a large device-to-device copy."""
-    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 2):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * num_bytes / statistics.median(times[2:]) / 1e9
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def weight_bytes(llm: LLM) -> int:
     """Bytes a decode step reads: every parameter except the embedding table (only rows are read)."""
     model = llm.engine.runner.model
@@ -120,15 +103,11 @@ def graph_replay_ms(llm: LLM, rows: int, device: torch.device, reps: int = 50) -
 
 
 def run_cb_serve(llm: LLM, prompts: list[list[int]], output_len: int, device: torch.device) -> dict[str, Any]:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    steps: list[StepStats] = []
-    llm.engine.step_listeners.append(lambda stats, _outputs: steps.append(stats))
+    llm.generate([prompts[0][:8]], greedy(4), use_tqdm=False)
     sync(device)
-    with Timer() as timer:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+    with recording_steps(llm) as steps, Timer() as timer:
+        outputs = llm.generate(prompts, greedy(output_len), use_tqdm=False)
         sync(device)
-    llm.engine.step_listeners.pop()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     full_decode = [s for s in steps if not s.num_prefill_tokens and s.num_seqs == len(prompts)]
     return {
@@ -168,11 +147,7 @@ def run_hf_static(model_dir: Path, prompts: list[list[int]], output_len: int, ba
     }
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for x, y in zip(a, b)) / len(a)
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny model (smoke test of the script)")
@@ -184,8 +159,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def load_engine(model_dir: Path, dtype: torch.dtype, device: torch.device, args: argparse.Namespace) -> LLM:
+    return LLM(
+        str(model_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        device=args.device,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        max_num_seqs=max(args.batch_size, 8),
+        max_num_batched_tokens=max(2048, args.batch_size),
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        num_gpu_blocks=None if device.type == "cuda" else 2048,
+    )
+
+
+def decode_roofline(
+    llm: LLM, cb: dict[str, Any], bandwidth: float, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The decode step's bandwidth bound against the engine's median full-batch decode step (printed)."""
+    weights = weight_bytes(llm)
+    mean_context = args.prompt_len + args.output_len / 2
+    kv = kv_bytes_per_token(llm) * mean_context * args.batch_size
+    roofline_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
+    replay_ms = graph_replay_ms(llm, args.batch_size, device)
+    engine_ms = cb["decode_step_ms_median"]
+    log(
+        f"decode step, {args.batch_size} rows at ~{mean_context:.0f} tokens of context: roofline "
+        f"{roofline_ms:.2f} ms ({weights / 1e9:.2f} GB weights + {kv / 1e9:.2f} GB KV), engine step "
+        f"{engine_ms} ms, graph replay {replay_ms} ms"
+    )
+    return {
+        "weight_bytes": weights,
+        "kv_bytes_at_mean_context": kv,
+        "roofline_step_ms": roofline_ms,
+        "engine_step_ms": engine_ms,
+        "graph_replay_ms": replay_ms,  # at the final cache content: KV of every row ends near full context
+        "engine_fraction_of_roofline": roofline_ms / engine_ms if engine_ms else None,
+    }
+
+
+def compare_hf(out: dict[str, Any], cb: dict[str, Any], hf: dict[str, Any], batch_size: int) -> None:
+    """Adds HF static's results, cb-serve's speedup and their greedy agreement to ``out`` (printed)."""
+    out["hf_static"] = {k: v for k, v in hf.items() if k != "token_ids"}
+    out["speedup_vs_hf_static"] = cb["generated_tok_s"] / hf["generated_tok_s"]
+    out["greedy_agreement_vs_hf"] = agreement(cb["token_ids"], hf["token_ids"])["identical_requests"]
+    log(
+        f"HF static (batch {batch_size}): {hf['generated_tok_s']:.1f} generated tok/s; cb-serve is "
+        f"{out['speedup_vs_hf_static']:.2f}x; identical outputs {out['greedy_agreement_vs_hf']:.0%}"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = TINY if args.tiny else LLAMA_1B
@@ -196,54 +224,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out["device_name"] = torch.cuda.get_device_name(device)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp), shape, dtype, device)
-        out["hbm_copy_gb_s"] = bandwidth = copy_bandwidth(device)
+        bandwidth = copy_bandwidth(1 << 30, reps=10, device=device, dtype=torch.bfloat16, warmup=2)
+        out["hbm_copy_gb_s"] = bandwidth
         log(f"device {out.get('device_name', device)}: copy bandwidth {bandwidth:.0f} GB/s")
-        llm = LLM(
-            str(model_dir),
-            dtype=str(dtype).removeprefix("torch."),
-            device=args.device,
-            max_model_len=args.prompt_len + args.output_len + 16,
-            max_num_seqs=max(args.batch_size, 8),
-            max_num_batched_tokens=max(2048, args.batch_size),
-            attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
-            num_gpu_blocks=None if device.type == "cuda" else 2048,
-        )
+        llm = load_engine(model_dir, dtype, device, args)
         out["backend"] = llm.engine.backend.name
         out["cuda_graphs"] = llm.engine.runner.graph_runner is not None
         cb = run_cb_serve(llm, prompts, args.output_len, device)
-        weights = weight_bytes(llm)
-        mean_context = args.prompt_len + args.output_len / 2
-        kv = kv_bytes_per_token(llm) * mean_context * args.batch_size
-        roofline_ms = (weights + kv) / (bandwidth * 1e9) * 1e3
-        replay_ms = graph_replay_ms(llm, args.batch_size, device)
-        out["decode"] = {
-            "weight_bytes": weights,
-            "kv_bytes_at_mean_context": kv,
-            "roofline_step_ms": roofline_ms,
-            "engine_step_ms": cb["decode_step_ms_median"],
-            "graph_replay_ms": replay_ms,  # at the final cache content: KV of every row ends near full context
-            "engine_fraction_of_roofline": roofline_ms / cb["decode_step_ms_median"]
-            if cb["decode_step_ms_median"]
-            else None,
-        }
-        log(
-            f"decode step, {args.batch_size} rows at ~{mean_context:.0f} tokens of context: roofline "
-            f"{roofline_ms:.2f} ms ({weights / 1e9:.2f} GB weights + {kv / 1e9:.2f} GB KV), engine step "
-            f"{cb['decode_step_ms_median']} ms, graph replay {replay_ms} ms"
-        )
+        out["decode"] = decode_roofline(llm, cb, bandwidth, device, args)
         out["cb_serve"] = {k: v for k, v in cb.items() if k != "token_ids"}
         log(f"cb-serve: {cb['generated_tok_s']:.1f} generated tok/s ({cb['wall_s']:.2f} s)")
         del llm
         if not args.skip_hf:
             hf = run_hf_static(model_dir, prompts, args.output_len, args.hf_batch_size, dtype, device)
-            out["hf_static"] = {k: v for k, v in hf.items() if k != "token_ids"}
-            out["speedup_vs_hf_static"] = cb["generated_tok_s"] / hf["generated_tok_s"]
-            out["greedy_agreement_vs_hf"] = agreement(cb["token_ids"], hf["token_ids"])
-            log(
-                f"HF static (batch {args.hf_batch_size}): {hf['generated_tok_s']:.1f} generated tok/s; cb-serve is "
-                f"{out['speedup_vs_hf_static']:.2f}x; identical outputs {out['greedy_agreement_vs_hf']:.0%}"
-            )
+            compare_hf(out, cb, hf, args.hf_batch_size)
     write_json(args.json, out)
     return out
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serve_bench import launch, log, stop, wait_until_ready
+from report import log
+from server_control import launch, stop, wait_until_ready
 
 from cb_serve.config import EngineConfig
 from cb_serve.serve.protocol import MAX_N

@@ -1,9 +1,48 @@
-"""cb-serve: continuous-batching LLM serving with a paged KV cache."""
+"""cb-serve: continuous-batching LLM serving with a paged KV cache.
+
+The public API: what ``cb_serve.serve`` and users import (``from cb_serve import ...``)."""
 
 from cb_serve.config import EngineConfig
+from cb_serve.engine.async_llm import AsyncLLM
+from cb_serve.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineFatalError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    RequestFailedError,
+    StepFailedError,
+)
 from cb_serve.llm import LLM
-from cb_serve.outputs import CompletionOutput, RequestOutput
-from cb_serve.sampling_params import RequestOutputKind, SamplingParams
+from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+from cb_serve.stats import EngineStats, StepPhases, StepStats
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutputKind",
+    "SEED_MIN",
+    "SEED_MAX",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "EngineStats",
+    "StepStats",
+    "StepPhases",
+    "EngineError",
+    "InvalidRequestError",
+    "EngineOverloadedError",
+    "EngineDeadError",
+    "EngineUnavailableError",
+    "EngineShutdownError",
+    "RequestFailedError",
+    "StepFailedError",
+    "EngineFatalError",
+]
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from cb_serve.engine.fault_injection import FaultInjector
+from cb_serve.fault_injection import FaultInjector
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
@@ -75,7 +75,7 @@ class EngineConfig:
     fault_injection: str | None = _arg(
         None,
         "Fault tests only: rules that make requests, steps or the engine fail on purpose "
-        "(see cb_serve/engine/fault_injection.py; default: $CB_SERVE_FAULT_INJECTION).",
+        "(see cb_serve/fault_injection.py; default: $CB_SERVE_FAULT_INJECTION).",
     )
     seed: int = _arg(0, "Seed of the engine's default random generator (requests may bring their own).")
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's choice).")

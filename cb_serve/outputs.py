@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cb_serve.engine.errors import EngineError
+from cb_serve.errors import EngineError
 
 
 @dataclass
@@ -14,8 +14,16 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0
     num_preemptions: int = 0
+
+
+@dataclass
+class Logprob:
+    """One token's log probability, its rank in the vocabulary (1 = most likely) and its text (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -24,7 +32,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: top-k token -> logprob
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the top-k tokens and the sampled one
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
@@ -41,5 +49,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     error: EngineError | None = None  # set when the request failed (its completions end with "error")

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
-from cb_serve.engine.errors import InvalidRequestError
+from cb_serve.errors import InvalidRequestError
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1

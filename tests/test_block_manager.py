@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cb_serve.engine.block_manager import BlockManager
-from cb_serve.engine.sequence import Sequence
 from cb_serve.sampling_params import SamplingParams
+from cb_serve.sequence import Sequence
 
 ALPHABET = 3
 PARAMS = SamplingParams(max_tokens=None)

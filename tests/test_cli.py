@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
-from cb_serve import EngineConfig
+from cb_serve import EngineConfig, SamplingParams
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -48,3 +49,29 @@ def test_bad_input_is_a_clean_error(random_model_dir):
     assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr and "Traceback" not in out.stderr
     out = run_cli("generate", "--model", "/no/such/model", "--prompt", "x")
     assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def generated(out: subprocess.CompletedProcess) -> list[list[int]]:
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line)["token_ids"] for line in out.stdout.splitlines()]
+
+
+def test_chat_flag_applies_the_chat_template(random_model_dir, tiny_llm):
+    """``--chat`` wraps each prompt as a user message: the same tokens as ``LLM.chat``."""
+    model = str(random_model_dir("llama"))
+    out = run_cli("generate", "--model", model, "--prompt", "Hi there", "--chat", "--max-tokens", "6", "--json")
+    expected = tiny_llm.chat([{"role": "user", "content": "Hi there"}], SamplingParams(temperature=0, max_tokens=6))
+    assert generated(out) == [expected[0].outputs[0].token_ids]
+    plain = run_cli("generate", "--model", model, "--prompt", "Hi there", "--max-tokens", "6", "--json")
+    assert generated(plain) != generated(out), "--chat made no difference"
+
+
+def test_cpu_ops_can_be_turned_off(random_model_dir):
+    """``CB_SERVE_CPU_OPS=0``: a warning, the PyTorch path, and the same greedy tokens."""
+    args = ("generate", "--model", str(random_model_dir("llama")), "--prompt", "Hello", "--max-tokens", "8", "--json")
+    env = {**os.environ, "CB_SERVE_CPU_OPS": "0"}
+    off = subprocess.run(
+        [sys.executable, "-m", "cb_serve.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert "CPU kernels disabled (CB_SERVE_CPU_OPS=0); using the PyTorch path" in off.stderr, off.stderr
+    assert generated(off) == generated(run_cli(*args))

@@ -185,8 +185,14 @@ def test_kernels_reject_bad_layouts():
     cache = torch.randn(4, 16, 2, 8)
     with pytest.raises(RuntimeError, match="head shapes"):
         cpu_ops.paged_decode_attention(
-            torch.empty(2, 4, 8), q, cache[..., :4].contiguous(), cache[..., :4].contiguous(),
-            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 1.0, None,
-        )  # fmt: skip
+            torch.empty(2, 4, 8),
+            q,
+            cache[..., :4].contiguous(),
+            cache[..., :4].contiguous(),
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32),
+            1.0,
+            None,
+        )
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu_ops.rotary_embedding(q, torch.tensor([0, 99]), torch.randn(10, 8), torch.randn(10, 8))

@@ -11,14 +11,13 @@ import pytest
 
 from cb_serve import LLM, EngineConfig, RequestOutputKind, SamplingParams
 from cb_serve.engine.async_llm import AsyncLLM
-from cb_serve.engine.errors import (
+from cb_serve.errors import (
     EngineDeadError,
     EngineUnavailableError,
     RequestFailedError,
     StepFailedError,
 )
-from cb_serve.engine.fault_injection import FaultInjector
-from cb_serve.engine.stop_checker import StopChecker
+from cb_serve.fault_injection import FaultInjector
 
 FAULTS = "request:REQUEST_FAULT,step:STEP_FAULT,fatal:FATAL_FAULT"
 
@@ -131,60 +130,3 @@ def test_fault_specs_are_validated():
             FaultInjector(bad)
     with pytest.raises(ValueError, match="fault_injection"):
         EngineConfig(fault_injection="nope:x")
-
-
-class _Text:
-    """A detokenizer stand-in that appends given text pieces and counts characters searched."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.pieces: list[str] = []
-
-    def append(self, token_id: int) -> int:
-        self.text += self.pieces[token_id]
-        return len(self.pieces[token_id])
-
-    def truncate(self, length: int) -> None:
-        self.text = self.text[:length]
-
-
-def test_stop_strings_are_found_across_tokens_and_cut_where_they_start():
-    checker = StopChecker(SamplingParams(stop=["END", "xyz"], max_tokens=100))
-    detok = _Text()
-    detok.pieces = ["hello ", "wor", "ld E", "N", "D tail"]
-    decisions = [checker.update(i, i + 1, False, detok) for i in range(5)]
-    assert decisions[:4] == [None] * 4 and decisions[4] == ("stop", "END")
-    assert detok.text == "hello world "
-    assert checker.holdback == 2
-
-
-def test_stop_string_search_looks_only_at_the_new_text(monkeypatch):
-    """The per-token search covers the new characters plus the longest stop string - 1,
-    whatever the output length: every ``str.find`` starts that close to the end."""
-    stops = [f"stop-{i:03d}" for i in range(64)]
-    checker = StopChecker(SamplingParams(stop=stops, max_tokens=10_000))
-    starts: list[int] = []
-
-    class Spy(str):
-        def find(self, sub, start=0, *args):  # noqa: D102
-            starts.append(len(self) - start)
-            return str.find(self, sub, start, *args)
-
-    detok = _Text()
-    detok.pieces = ["word "]
-    for _ in range(2000):
-        detok.text = Spy(detok.text + "word ")
-        assert checker._find_stop_string(detok, 5) is None
-    assert max(starts) <= 5 + max(map(len, stops)) - 1
-    assert len(starts) == 2000 * 64
-
-
-def test_min_tokens_bans_stop_tokens_then_lets_them_stop():
-    p = SamplingParams(min_tokens=3, stop_token_ids=[7], max_tokens=10)
-    p.eos_token_ids = frozenset({2})
-    checker = StopChecker(p)
-    assert checker.banned_token_ids(0) == [2, 7] and checker.banned_token_ids(3) == []
-    assert checker.update(7, 2, False, None) is None
-    assert checker.update(7, 3, False, None) == ("stop", 7)
-    assert checker.update(2, 3, False, None) == ("stop", None)
-    assert checker.update(5, 10, True, None) == ("length", None)

@@ -479,3 +479,17 @@ def test_redeploy_drains_old_replicas_and_ends_open_streams_with_an_error_event(
         assert s.error["code"] == 503 and s.error["type"] == "service_unavailable", s.error
         assert not any(x in json.dumps(s.error) for x in INTERNALS), s.error
     assert set(r["during"]) == {200}, "requests during the redeploy go to live replicas"
+
+
+# ---- README: GET /health is 503 when no engine replica is alive ------------------------------------------------
+def test_health_is_503_when_the_only_replica_is_dead(app):
+    """One replica whose health checks are far apart (so Ray Serve does not replace it during
+    the test): a fatal fault kills its engine, and ``/health`` answers 503 until it is replaced."""
+    args = app_args(app, num_replicas=1)
+    args["engine_replica"] |= {"health_check_period_s": 60, "health_check_timeout_s": 30}
+    run_app(args, APP)
+    wait_for("/health", lambda: httpx.get(f"{BASE}/health", timeout=10).status_code == 200, 120)
+    assert_clean_error(complete("FATAL_FAULT", 8), 503, "service_unavailable")
+    r = httpx.get(f"{BASE}/health", timeout=30)
+    assert r.status_code == 503 and r.json()["status"] == "unavailable", r.text
+    assert_clean_error(complete("after the only replica died"), 503, "service_unavailable")

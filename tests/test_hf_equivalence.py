@@ -12,6 +12,7 @@ import random
 import pytest
 from conftest import STRESS_ENGINE_ARGS
 from models import assert_greedy_match, hf_greedy
+from observe import counter_deltas
 
 from cb_serve import LLM, SamplingParams, cpu_ops
 
@@ -34,30 +35,33 @@ def make_prompts(token_pool: list[int], seed: int) -> tuple[list[list[int]], lis
     return prompts, max_tokens
 
 
-def check_engine_exercised(llm: LLM, prompts: list[list[int]]) -> None:
-    stats = llm.engine.get_stats()
+def check_engine_exercised(llm: LLM, prompts: list[list[int]], deltas: dict[str, int]) -> None:
+    """This run (not an earlier test on the same session engine) chunked, preempted and hit the cache."""
     bs = STRESS_ENGINE_ARGS["block_size"]
-    assert stats.num_partial_prefills > 0, "no prompt was chunked"
-    assert stats.num_preemptions > 0, "no sequence was preempted"
-    assert stats.prefix_cache_hits > 0, "no prefix-cache hit"
+    assert deltas["num_partial_prefills"] > 0, "no prompt was chunked"
+    assert deltas["num_preemptions"] > 0, "no sequence was preempted"
+    assert deltas["prefix_cache_hits"] > 0, "no prefix-cache hit"
     assert any(len(p) % bs for p in prompts) and any(len(p) > bs for p in prompts)
     assert max(len(p) for p in prompts) > STRESS_ENGINE_ARGS["max_num_batched_tokens"]
-    assert stats.kv_blocks_used == 0, "blocks leaked"
 
 
 def run_and_compare(
-    llm: LLM, hf_model, prompts: list[list[int]], max_tokens: list[int], label: str, stop_at_eos: bool
-) -> None:
+    llm: LLM, hf_model, prompts: list[list[int]], max_tokens: list[int], label: str, stop_at_eos: bool, ref=None
+) -> dict[str, int]:
+    """Greedy outputs against HF's (``ref``: HF's outputs when already computed); returns how the
+    engine's counters moved during the run."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=not stop_at_eos) for m in max_tokens]
-    ours = llm.generate(prompts, params, use_tqdm=False)
-    ref = hf_greedy(hf_model, prompts, max_tokens, stop_at_eos=stop_at_eos)
+    with counter_deltas(llm.engine) as deltas:
+        ours = llm.generate(prompts, params, use_tqdm=False)
+    ref = ref or hf_greedy(hf_model, prompts, max_tokens, stop_at_eos=stop_at_eos)
     identical = [
         assert_greedy_match(o.outputs[0].token_ids, r_tokens, r_logits, f"{label} prompt {i} (len {len(p)})")
         for i, (o, p, (r_tokens, r_logits)) in enumerate(zip(ours, prompts, ref))
     ]
     print(f"{label}: {sum(identical)}/{len(identical)} identical, the rest diverged at a rounding tie")
     assert sum(identical) >= len(identical) - 2, f"{label}: too many tie divergences: {identical}"
-    check_engine_exercised(llm, prompts)
+    assert llm.engine.get_stats().kv_blocks_used == 0, "blocks leaked"
+    return deltas
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])  # the PyTorch reference and the C++ kernels
@@ -69,13 +73,37 @@ def test_random_models_match_hf(arch, backend, random_model_dir):
     llm = LLM(str(model_dir), attention_backend=backend, **STRESS_ENGINE_ARGS)
     assert llm.engine.backend.name == backend
     prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=["llama", "qwen2", "mistral"].index(arch))
-    run_and_compare(llm, model_dir, prompts, max_tokens, arch, stop_at_eos=False)
+    deltas = run_and_compare(llm, model_dir, prompts, max_tokens, arch, stop_at_eos=False)
+    check_engine_exercised(llm, prompts, deltas)
 
 
-def test_smollm2_matches_hf(smol_llm, smol_hf, tokenizer):
+@pytest.fixture(scope="module")
+def smol_workload(smol_hf, tokenizer):
+    """Prompts of real text, their lengths, and HF's greedy outputs (computed once)."""
     import pathlib
 
     text = pathlib.Path(__file__).read_text() + pathlib.Path(random.__file__).read_text()[:60000]
-    pool = tokenizer.encode(text)
-    prompts, max_tokens = make_prompts(pool, seed=1)
-    run_and_compare(smol_llm, smol_hf, prompts, max_tokens, "smollm2", stop_at_eos=True)
+    prompts, max_tokens = make_prompts(tokenizer.encode(text), seed=1)
+    return prompts, max_tokens, hf_greedy(smol_hf, prompts, max_tokens, stop_at_eos=True)
+
+
+def test_smollm2_matches_hf(smol_llm, smol_hf, smol_workload):
+    prompts, max_tokens, ref = smol_workload
+    deltas = run_and_compare(smol_llm, smol_hf, prompts, max_tokens, "smollm2", stop_at_eos=True, ref=ref)
+    check_engine_exercised(smol_llm, prompts, deltas)
+
+
+@pytest.mark.parametrize("feature", ["enable_prefix_caching", "enable_chunked_prefill"])
+def test_smollm2_matches_hf_with_a_feature_off(feature, smol_hf, smol_workload):
+    """README: prefix caching and chunked prefill can each be turned off; outputs stay HF's."""
+    args = {**STRESS_ENGINE_ARGS, feature: False}
+    if feature == "enable_chunked_prefill":  # without chunks a whole (re)computed sequence must fit one step
+        args["max_num_batched_tokens"] = args["max_model_len"]
+    llm = LLM(**args)
+    prompts, max_tokens, ref = smol_workload
+    deltas = run_and_compare(llm, smol_hf, prompts, max_tokens, f"smollm2 without {feature}", True, ref=ref)
+    if feature == "enable_prefix_caching":  # recomputation after preemption finds nothing cached either
+        assert deltas["prefix_cache_hits"] == 0 and deltas["num_partial_prefills"] > 0
+        assert deltas["num_preemptions"] > 0, "no sequence was preempted"
+    else:
+        assert deltas["num_partial_prefills"] == 0 and deltas["prefix_cache_hits"] > 0

@@ -25,8 +25,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "cb-serve-dashboard.json"
 # Forces chunked prefill (budget < prompt), preemption (few blocks) and prefix-cache hits.
-ENGINE_ARGS = dict(block_size=16, max_num_batched_tokens=64, num_gpu_blocks=40, max_model_len=400, max_num_seqs=8,
-                   attention_backend="torch")  # fmt: skip
+ENGINE_ARGS = dict(
+    block_size=16,
+    max_num_batched_tokens=64,
+    num_gpu_blocks=40,
+    max_model_len=400,
+    max_num_seqs=8,
+    attention_backend="torch",
+)
 
 
 class _Fake:
@@ -99,6 +105,39 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     assert metrics._last_token == {}  # finished requests are forgotten
 
 
+def test_an_aborted_request_is_forgotten(random_model_dir):
+    """A request aborted after its first tokens sends no finished output; the engine names it in
+    the next step's ``StepStats.aborted_request_ids``, and the metrics drop its state."""
+    from cb_serve import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
+    from cb_serve.serve.metrics import EngineMetrics
+
+    engine = AsyncLLM(EngineConfig.from_kwargs(model=str(random_model_dir("llama")), **ENGINE_ARGS))
+    metrics = EngineMetrics(engine, "tiny", interval_s=0.05, api=FAKE_API)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main() -> None:
+        async def leave_early() -> None:
+            outputs = 0
+            async for _ in engine.generate([5] * 20, params, "leaves"):
+                outputs += 1
+                if outputs == 3:
+                    break  # aborts the request
+
+        async def finish() -> None:
+            async for _ in engine.generate([6] * 20, params, "stays"):
+                pass
+
+        await asyncio.gather(leave_early(), finish())
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    metrics.close()
+    assert metrics._last_token == {}
+    assert len(metrics.m["e2e_request_latency_seconds"].all()) == 1  # only the finished one
+
+
 def test_dashboard_is_importable_with_a_datasource_variable():
     from cb_serve.serve.metrics import ENGINE_METRICS, ROUTER_METRICS, exported_name
 
@@ -161,17 +200,29 @@ class Prometheus:
     def __init__(self, binary: str, workdir: Path, targets: list[str]) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         config = workdir / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "15s"},
-            "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}],
-        }))  # fmt: skip
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "15s"},
+                    "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}],
+                }
+            )
+        )
         self.log = (workdir / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}", "--storage.tsdb.retention.time=1h",
-             "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         wait_for("Prometheus to be ready", lambda: self.proc.poll() is None and self._ready(), timeout=60)
 
     def _ready(self) -> bool:
@@ -244,8 +295,7 @@ def stack(prometheus_binary, random_model_dir, tmp_path_factory):
             "engine_replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
         }
         serve.run(build_app(args), name="cb-serve", route_prefix="/")
-        prometheus = Prometheus(prometheus_binary, tmp_path_factory.mktemp("prometheus"),
-                                [f"127.0.0.1:{metrics_port}"])  # fmt: skip
+        prometheus = Prometheus(prometheus_binary, tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{metrics_port}"])
         wait_for("Prometheus to scrape Ray", lambda: prometheus.query('up{job="ray"} == 1'), timeout=60)
         yield f"http://127.0.0.1:{http_port}", prometheus
     finally:
@@ -318,8 +368,15 @@ def dashboard_queries() -> list[tuple[str, str]]:
 def substitute(expr: str, rate_interval: str) -> str:
     """Grafana's variables, as the dashboard would expand them with "All" selected; rate
     windows span ``rate_interval`` (the whole workload, so no panel looks at an idle minute)."""
-    for var, value in {"$__rate_interval": rate_interval, "$__interval": "15s", "$__range": rate_interval,
-                       "${model}": ".*", "$model": ".*", "${replica}": ".*", "$replica": ".*"}.items():  # fmt: skip
+    for var, value in {
+        "$__rate_interval": rate_interval,
+        "$__interval": "15s",
+        "$__range": rate_interval,
+        "${model}": ".*",
+        "$model": ".*",
+        "${replica}": ".*",
+        "$replica": ".*",
+    }.items():
         expr = expr.replace(var, value)
     assert "$" not in expr, expr
     return expr
@@ -332,10 +389,12 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     base_url, prom = stack
 
     def counted(tokens: int, n: int) -> bool:
-        return (prom.scalar("sum(ray_cb_serve_generation_tokens_total)") == tokens
-                and prom.scalar("sum(ray_cb_serve_time_to_first_token_seconds_count)") == n
-                and prom.scalar("sum(ray_cb_serve_e2e_request_latency_seconds_count)") == n
-                and prom.scalar("sum(ray_cb_serve_router_requests_total)") == n)  # fmt: skip
+        return (
+            prom.scalar("sum(ray_cb_serve_generation_tokens_total)") == tokens
+            and prom.scalar("sum(ray_cb_serve_time_to_first_token_seconds_count)") == n
+            and prom.scalar("sum(ray_cb_serve_e2e_request_latency_seconds_count)") == n
+            and prom.scalar("sum(ray_cb_serve_router_requests_total)") == n
+        )
 
     # Series appear at their first sample and rate() counts only increases after it: a warm-up
     # (and the rejections) first, so the main workload shows up in every rate() of the dashboard.

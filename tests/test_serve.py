@@ -31,8 +31,14 @@ def server(tmp_path_factory):
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "CB_SERVE_API_KEY": API_KEY}
     log_path = tmp_path_factory.mktemp("serve") / "serve_run.log"
     log = log_path.open("w")
-    proc = subprocess.Popen([serve_bin, "run", "deploy/config.yaml"], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [serve_bin, "run", "deploy/config.yaml"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def log_tail() -> str:
         return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
@@ -71,13 +77,19 @@ def test_openai_client_matches_offline(server, smol_llm):
         resp = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
         assert resp.choices[0].text == off.outputs[0].text
         assert resp.usage.completion_tokens == len(off.outputs[0].token_ids)
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hi."}],
-                                            max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    offline_chat = smol_llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=16),
-                                 use_tqdm=False)[0].outputs[0]  # fmt: skip
+    offline_chat = smol_llm.chat(
+        [{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+    )[0].outputs[0]
     assert text == offline_chat.text
     assert chunks[-1].usage.completion_tokens == len(offline_chat.token_ids)
 
@@ -117,18 +129,46 @@ HOSTILE = [
     ("100k-deep JSON nesting", C, DEEP, 400, "invalid_request_error", None, {}),
     ("80,000 stop strings", C, STOP_FLOOD, 400, "invalid_request_error", "stop", {}),
     ("chat message without content", CHAT, chat({"role": "user"}), 400, "invalid_request_error", "messages.0", {}),
-    ("response_format json_object", CHAT, chat(user(), response_format={"type": "json_object"}), 400, "unsupported",
-     "response_format", {}),
-    ("tools with tool_choice auto", CHAT, chat(user(), tools=[{"type": "function", "function": {"name": "f"}}],
-     tool_choice="auto"), 400, "unsupported", "tools", {}),
+    (
+        "response_format json_object",
+        CHAT,
+        chat(user(), response_format={"type": "json_object"}),
+        400,
+        "unsupported",
+        "response_format",
+        {},
+    ),
+    (
+        "tools with tool_choice auto",
+        CHAT,
+        chat(user(), tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"),
+        400,
+        "unsupported",
+        "tools",
+        {},
+    ),
     ("logit_bias", C, body(prompt="hi", logit_bias={"50": 10}), 400, "unsupported", "logit_bias", {}),
     ("best_of above n", C, body(prompt="hi", best_of=3), 400, "unsupported", "best_of", {}),
     ("suffix", C, body(prompt="hi", suffix="end"), 400, "unsupported", "suffix", {}),
     ("chunked body over the limit", C, "chunked:" + "x", 413, "invalid_request_error", None, {}),
-    ("text/plain POST (cross-site form)", C, body(prompt="hi"), 415, "invalid_request_error", None,
-     {"content-type": "text/plain"}),
-    ("form-encoded POST", C, b"prompt=hi", 415, "invalid_request_error", None,
-     {"content-type": "application/x-www-form-urlencoded"}),
+    (
+        "text/plain POST (cross-site form)",
+        C,
+        body(prompt="hi"),
+        415,
+        "invalid_request_error",
+        None,
+        {"content-type": "text/plain"},
+    ),
+    (
+        "form-encoded POST",
+        C,
+        b"prompt=hi",
+        415,
+        "invalid_request_error",
+        None,
+        {"content-type": "application/x-www-form-urlencoded"},
+    ),
     # Malformed bodies.
     ("not JSON", C, b"{not json", 400, "invalid_request_error", None, {}),
     ("JSON array body", C, b"[1, 2]", 400, "invalid_request_error", None, {}),
@@ -152,27 +192,68 @@ HOSTILE = [
     ("min_p above 1", C, body(prompt="x", min_p=1.5), 400, "invalid_request_error", "min_p", {}),
     ("seed below -2**63", C, body(prompt="x", seed=-(2**63) - 1), 400, "invalid_request_error", "seed", {}),
     ("negative max_tokens", C, body(prompt="x", max_tokens=-1), 400, "invalid_request_error", "max_tokens", {}),
-    ("max_tokens over the cap", C, body(prompt="x", max_tokens=100_000), 400, "invalid_request_error", "max_tokens",
-     {}),
+    (
+        "max_tokens over the cap",
+        C,
+        body(prompt="x", max_tokens=100_000),
+        400,
+        "invalid_request_error",
+        "max_tokens",
+        {},
+    ),
     ("max_tokens 2**70", C, body(prompt="x", max_tokens=2**70), 400, "invalid_request_error", "max_tokens", {}),
-    ("min_tokens above max_tokens", C, body(prompt="x", min_tokens=10, max_tokens=5), 400, "invalid_request_error",
-     "min_tokens", {}),
+    (
+        "min_tokens above max_tokens",
+        C,
+        body(prompt="x", min_tokens=10, max_tokens=5),
+        400,
+        "invalid_request_error",
+        "min_tokens",
+        {},
+    ),
     ("n = 0", C, body(prompt="x", n=0), 400, "invalid_request_error", "n", {}),
     ("n above 16", C, body(prompt="x", n=17), 400, "invalid_request_error", "n", {}),
     ("logprobs above 20", C, body(prompt="x", logprobs=21), 400, "invalid_request_error", "logprobs", {}),
     ("stop is a number", C, body(prompt="x", stop=5), 400, "invalid_request_error", None, {}),
     ("empty stop string", C, body(prompt="x", stop=[""]), 400, "invalid_request_error", "stop", {}),
-    ("65 stop strings", C, body(prompt="x", stop=[f"s{i}" for i in range(65)]), 400, "invalid_request_error",
-     "stop", {}),
-    ("stop string of 513 characters", C, body(prompt="x", stop=["y" * 513]), 400, "invalid_request_error", "stop",
-     {}),
+    (
+        "65 stop strings",
+        C,
+        body(prompt="x", stop=[f"s{i}" for i in range(65)]),
+        400,
+        "invalid_request_error",
+        "stop",
+        {},
+    ),
+    ("stop string of 513 characters", C, body(prompt="x", stop=["y" * 513]), 400, "invalid_request_error", "stop", {}),
     ("negative stop token id", C, body(prompt="x", stop_token_ids=[-1]), 400, "invalid_request_error", None, {}),
-    ("stop token id beyond the vocabulary", C, body(prompt="x", stop_token_ids=[10**9]), 400,
-     "invalid_request_error", "stop_token_ids", {}),
-    ("257 stop token ids", C, body(prompt="x", stop_token_ids=list(range(257))), 400, "invalid_request_error",
-     "stop_token_ids", {}),
-    ("stream_options without stream", C, body(prompt="x", stream_options={"include_usage": True}), 400,
-     "invalid_request_error", None, {}),
+    (
+        "stop token id beyond the vocabulary",
+        C,
+        body(prompt="x", stop_token_ids=[10**9]),
+        400,
+        "invalid_request_error",
+        "stop_token_ids",
+        {},
+    ),
+    (
+        "257 stop token ids",
+        C,
+        body(prompt="x", stop_token_ids=list(range(257))),
+        400,
+        "invalid_request_error",
+        "stop_token_ids",
+        {},
+    ),
+    (
+        "stream_options without stream",
+        C,
+        body(prompt="x", stream_options={"include_usage": True}),
+        400,
+        "invalid_request_error",
+        None,
+        {},
+    ),
     ("presence_penalty", C, body(prompt="x", presence_penalty=0.5), 400, "unsupported", "presence_penalty", {}),
     ("echo", C, body(prompt="x", echo=True), 400, "unsupported", "echo", {}),
     ("unknown model", C, body(prompt="x", model="no-such-model"), 404, "not_found_error", "model", {}),
@@ -180,24 +261,66 @@ HOSTILE = [
     ("no messages", CHAT, chat(), 400, "invalid_request_error", "messages", {}),
     ("messages is a string", CHAT, body(messages="hello"), 400, "invalid_request_error", "messages", {}),
     ("unknown role", CHAT, chat({"role": "wizard", "content": "x"}), 400, "invalid_request_error", None, {}),
-    ("system message with null content", CHAT, chat({"role": "system", "content": None}, user()), 400,
-     "invalid_request_error", "messages.0", {}),
-    ("assistant message without content or tool calls", CHAT, chat(user(), {"role": "assistant"}), 400,
-     "invalid_request_error", "messages.1", {}),
-    ("tool message", CHAT, chat(user(), {"role": "tool", "content": "42", "tool_call_id": "c1"}), 400, "unsupported",
-     "messages.1", {}),
-    ("image content part", CHAT, chat(user([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])), 400,
-     "unsupported", "messages.0", {}),
+    (
+        "system message with null content",
+        CHAT,
+        chat({"role": "system", "content": None}, user()),
+        400,
+        "invalid_request_error",
+        "messages.0",
+        {},
+    ),
+    (
+        "assistant message without content or tool calls",
+        CHAT,
+        chat(user(), {"role": "assistant"}),
+        400,
+        "invalid_request_error",
+        "messages.1",
+        {},
+    ),
+    (
+        "tool message",
+        CHAT,
+        chat(user(), {"role": "tool", "content": "42", "tool_call_id": "c1"}),
+        400,
+        "unsupported",
+        "messages.1",
+        {},
+    ),
+    (
+        "image content part",
+        CHAT,
+        chat(user([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])),
+        400,
+        "unsupported",
+        "messages.0",
+        {},
+    ),
     ("top_logprobs without logprobs", CHAT, chat(user(), top_logprobs=3), 400, "invalid_request_error", None, {}),
-    ("top_logprobs above 20", CHAT, chat(user(), logprobs=True, top_logprobs=21), 400, "invalid_request_error",
-     "top_logprobs", {}),
-    ("max_completion_tokens 0", CHAT, chat(user(), max_completion_tokens=0), 400, "invalid_request_error",
-     "max_completion_tokens", {}),
+    (
+        "top_logprobs above 20",
+        CHAT,
+        chat(user(), logprobs=True, top_logprobs=21),
+        400,
+        "invalid_request_error",
+        "top_logprobs",
+        {},
+    ),
+    (
+        "max_completion_tokens 0",
+        CHAT,
+        chat(user(), max_completion_tokens=0),
+        400,
+        "invalid_request_error",
+        "max_completion_tokens",
+        {},
+    ),
     # Authentication and routes.
     ("no API key", C, body(prompt="x"), 401, "authentication_error", None, {"authorization": ""}),
     ("wrong API key", C, body(prompt="x"), 401, "authentication_error", None, {"authorization": "Bearer wrong"}),
     ("unknown route", "/v1/nothing", b"{}", 404, "not_found_error", None, {}),
-]  # fmt: skip
+]
 INTERNALS = ("Traceback", 'File "', ".py", "pid=", "ActorID", "actor_id", "ray::", "site-packages")
 
 

@@ -107,6 +107,14 @@ def reference(b: Batch, rows: int, scale: float, window: int | None, dtype=None)
     return out, cache
 
 
+# Tests on CPU tensors run the kernels in Triton's interpreter. On a CUDA machine the interpreter is
+# off unless TRITON_INTERPRET=1 was set before triton was imported (it decides per process), so there
+# they skip and the CUDA tests below cover the kernels; TRITON_INTERPRET=1 pytest runs both.
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+)
+
+
 # (id, specs, heads, kv_heads, head_dim, block_size, window, num_splits)
 CASES = [
     ("decode-g1", [(70, 1), (33, 1), (4, 1)], 2, 2, 64, 16, None, 1),
@@ -136,12 +144,14 @@ def check_case(case, dtype: torch.dtype, device: str, tol: dict, ref_dtype=None)
     torch.testing.assert_close(out.to(ref_out.dtype), ref_out, **tol)
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_torch_backend(case, dtype):
     check_case(case, dtype, "cpu", DTYPES[dtype])
 
 
+@interpreted
 @pytest.mark.parametrize("seed", range(4))
 def test_random_ragged_batches(seed):
     rng = np.random.default_rng(seed)
@@ -154,6 +164,7 @@ def test_random_ragged_batches(seed):
     check_case(case, torch.float32, "cpu", DTYPES[torch.float32])
 
 
+@interpreted
 @pytest.mark.parametrize("splits", [1, 3])
 def test_padding_rows_give_zeros_and_write_nothing(splits):
     specs = [(60, 1), (8, 1)]
@@ -166,6 +177,7 @@ def test_padding_rows_give_zeros_and_write_nothing(splits):
     assert torch.equal(cache, ref_cache)  # padding rows wrote nothing
 
 
+@interpreted
 def test_decode_ignores_host_metadata():
     """Decode-only launches read only tensors and shapes (what CUDA-graph replay relies on): stale host
     fields change nothing and no per-step plan is built."""
@@ -179,6 +191,7 @@ def test_decode_ignores_host_metadata():
     assert stale.backend_cache == {}
 
 
+@interpreted
 def test_tile_plan_is_built_once_per_step(monkeypatch):
     import cb_serve.attention.triton_backend as tb
 
@@ -200,6 +213,7 @@ def test_tile_plan_covers_every_query_once():
     assert (np.diff(kv_end) <= 0).all()  # longest tiles first
 
 
+@interpreted
 def test_write_kv_skips_negative_slots():
     gen = torch.Generator().manual_seed(1)
     kv_cache = torch.randn(2, 5, 16, 3, 80, generator=gen)
@@ -213,6 +227,7 @@ def test_write_kv_skips_negative_slots():
     assert torch.equal(kv_cache, expected)
 
 
+@interpreted
 def test_rejects_unsupported_inputs():
     b = make_batch([(3, 1)], 2, 1, 64, 16, torch.float32)
     backend = TritonAttentionBackend()
@@ -246,8 +261,9 @@ def test_cuda_graph_decode_replays_new_batches(splits):
     backend = TritonAttentionBackend(num_splits=splits)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     first = make_batch([(300, 1)] * 6, heads, kv_heads, head_dim, block_size, torch.bfloat16, "cuda", pad_rows=2)
-    second = make_batch([(500, 1), (90, 1), (16, 1)], heads, kv_heads, head_dim, block_size, torch.bfloat16, "cuda",
-                        pad_rows=5, seed=3)  # fmt: skip
+    second = make_batch(
+        [(500, 1), (90, 1), (16, 1)], heads, kv_heads, head_dim, block_size, torch.bfloat16, "cuda", pad_rows=5, seed=3
+    )
     width = max(first.block_table.shape[1], second.block_table.shape[1])
     num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
 

@@ -48,6 +48,8 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     # Attends float32 queries over a bf16/fp16 cache (``kv_cache_dtype`` narrower than the model's).
     supports_narrow_kv_cache: bool = False
+    # The model may run its fused C++ CPU layer ops (RMSNorm, RoPE, SiLU-and-mul, packed GEMMs) beside it.
+    supports_fused_cpu_ops: bool = False
 
     @abstractmethod
     def forward(

@@ -14,6 +14,7 @@ def is_available() -> bool:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    supports_fused_cpu_ops = True
 
     @staticmethod
     def write_kv(k, v, kv_cache, slot_mapping) -> None:

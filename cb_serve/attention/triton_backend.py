@@ -36,9 +36,25 @@ def is_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _write_kv_kernel(k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_cb, stride_ct, stride_ch, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    def _write_kv_kernel(
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        H_PAD: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         """Token ``program_id`` -> cache slot ``slot_mapping[t]`` (all KV heads); negative slots write nothing."""
         t = tl.program_id(0)
         slot = tl.load(slot_mapping + t).to(tl.int64)
@@ -50,10 +66,30 @@ if triton is not None:
         tl.store(v_cache + dst, tl.load(v + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask), mask=mask)
 
     @triton.jit
-    def _attend_tile(acc, l_i, m_i, q, k_cache, v_cache, bt_row, j, seq_len, q_pos, window, qk_scale,
-                     stride_cb, stride_ct, offs_d, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, PAD_D: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    def _attend_tile(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_cache,
+        v_cache,
+        bt_row,
+        j,
+        seq_len,
+        q_pos,
+        window,
+        qk_scale,
+        stride_cb,
+        stride_ct,
+        offs_d,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        MASKED: tl.constexpr,
+        PAD_D: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
         """One online-softmax step over keys ``j * BLOCK_N ...``; ``MASKED`` applies causal/window/length masks."""
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -81,15 +117,46 @@ if triton is not None:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         return acc, l_i, m_new
 
+    # Over 60 lines: one fused program per tile (its 40 parameters alone take 45); more @triton.jit
+    # helpers would only move lines, and each split makes the compiler's inlining harder to check.
     @triton.jit
-    def _paged_attention_kernel(out, q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, plan,
-                                part_m, part_l, part_acc, qk_scale, window, num_splits, num_heads,
-                                stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_ct,
-                                stride_ch, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_SIZE: tl.constexpr, IS_DECODE: tl.constexpr, SPLIT: tl.constexpr,
-                                HAS_WINDOW: tl.constexpr, PAD_D: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr):  # fmt: skip
+    def _paged_attention_kernel(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seqused_k,
+        cu_seqlens_q,
+        plan,
+        part_m,
+        part_l,
+        part_acc,
+        qk_scale,
+        window,
+        num_splits,
+        num_heads,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_bt,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        IS_DECODE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+        PAD_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
         """Grid ``(kv_heads, tiles, splits)``. Decode: tile = row = sequence. Else ``plan[tile]`` holds
         (sequence, query offset) of a tile of up to ``BLOCK_Q`` tokens."""
         kvh = tl.program_id(0)
@@ -116,8 +183,9 @@ if triton is not None:
         row_ok = (r_tok < BLOCK_Q) & (q_off + r_tok < q_len)
         rd_ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
         q_pos = ctx + q_off + r_tok
-        qt = tl.load(q + (tok0 + r_tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                     mask=rd_ok, other=0.0)  # fmt: skip
+        qt = tl.load(
+            q + (tok0 + r_tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_ok, other=0.0
+        )
 
         # Key blocks [j_lo, j_hi) split into masked [j_lo, j_a), unmasked [j_a, j_b), masked [j_b, j_hi).
         p_lo = ctx + q_off
@@ -149,17 +217,80 @@ if triton is not None:
         k_base = k_cache + kvh * stride_ch
         v_base = v_cache + kvh * stride_ch
         for j in range(tl.maximum(j_lo, s_lo), tl.minimum(j_a, s_hi)):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, qt, k_base, v_base, bt_row, j, seq_len, q_pos, window,
-                                         qk_scale, stride_cb, stride_ct, offs_d, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                         True, PAD_D, HAS_WINDOW, DOT_PRECISION)  # fmt: skip
+            acc, l_i, m_i = _attend_tile(
+                acc,
+                l_i,
+                m_i,
+                qt,
+                k_base,
+                v_base,
+                bt_row,
+                j,
+                seq_len,
+                q_pos,
+                window,
+                qk_scale,
+                stride_cb,
+                stride_ct,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_SIZE,
+                True,
+                PAD_D,
+                HAS_WINDOW,
+                DOT_PRECISION,
+            )
         for j in range(tl.maximum(j_a, s_lo), tl.minimum(j_b, s_hi)):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, qt, k_base, v_base, bt_row, j, seq_len, q_pos, window,
-                                         qk_scale, stride_cb, stride_ct, offs_d, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                         False, PAD_D, HAS_WINDOW, DOT_PRECISION)  # fmt: skip
+            acc, l_i, m_i = _attend_tile(
+                acc,
+                l_i,
+                m_i,
+                qt,
+                k_base,
+                v_base,
+                bt_row,
+                j,
+                seq_len,
+                q_pos,
+                window,
+                qk_scale,
+                stride_cb,
+                stride_ct,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_SIZE,
+                False,
+                PAD_D,
+                HAS_WINDOW,
+                DOT_PRECISION,
+            )
         for j in range(tl.maximum(j_b, s_lo), s_hi):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, qt, k_base, v_base, bt_row, j, seq_len, q_pos, window,
-                                         qk_scale, stride_cb, stride_ct, offs_d, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                         True, PAD_D, HAS_WINDOW, DOT_PRECISION)  # fmt: skip
+            acc, l_i, m_i = _attend_tile(
+                acc,
+                l_i,
+                m_i,
+                qt,
+                k_base,
+                v_base,
+                bt_row,
+                j,
+                seq_len,
+                q_pos,
+                window,
+                qk_scale,
+                stride_cb,
+                stride_ct,
+                offs_d,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_SIZE,
+                True,
+                PAD_D,
+                HAS_WINDOW,
+                DOT_PRECISION,
+            )
 
         if SPLIT:  # unnormalized partial state, combined by _combine_splits_kernel
             part = ((tok0 + r_tok) * num_heads + head) * num_splits + split
@@ -172,8 +303,19 @@ if triton is not None:
             tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=rd_ok)
 
     @triton.jit
-    def _combine_splits_kernel(out, part_m, part_l, part_acc, num_splits, num_heads, stride_ot, stride_oh,
-                               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):  # fmt: skip
+    def _combine_splits_kernel(
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        num_splits,
+        num_heads,
+        stride_ot,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        S_PAD: tl.constexpr,
+    ):
         """Grid ``(rows, heads)``: merges the ``num_splits`` partial softmax states of one row and head."""
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -184,8 +326,9 @@ if triton is not None:
         m = tl.load(part_m + part, mask=s_ok, other=float("-inf"))
         l_s = tl.load(part_l + part, mask=s_ok, other=0.0)
         d_ok = offs_d < HEAD_DIM
-        acc = tl.load(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                      other=0.0)  # fmt: skip
+        acc = tl.load(
+            part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+        )
         w = tl.exp2(m - tl.max(m, 0))
         denom = tl.sum(w * l_s, 0)
         o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
@@ -266,11 +409,21 @@ class TritonAttentionBackend(AttentionBackend):
         self._launch(out, q, *args, plan=meta.backend_cache[key], block_m=block_m, first_row=num_decodes)
         return out
 
-    def _launch(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                qk_scale: float, sliding_window: int | None, plan: torch.Tensor | None = None, block_m: int = 16,
-                first_row: int = 0) -> None:  # fmt: skip
+    def _launch(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        qk_scale: float,
+        sliding_window: int | None,
+        plan: torch.Tensor | None = None,
+        block_m: int = 16,
+        first_row: int = 0,
+    ) -> None:
         """Decode rows ``0 .. q.shape[0]`` (``plan`` None: tile = row, nothing read from the host) or the
-        prefill tiles of ``plan`` (rows ``first_row ..``); KV split over ``splits`` programs when that fills the GPU."""
+        prefill tiles of ``plan`` (rows ``first_row ..``); KV split over ``splits`` programs when that fills the GPU.
+        Over 60 lines only because the formatter puts each of the kernel's 40 arguments on its own line."""
         num_heads, head_dim = q.shape[1:]
         num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
         group, d_pad, is_decode = num_heads // num_kv_heads, max(16, _pow2(head_dim)), plan is None
@@ -282,11 +435,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_kv = meta.max_seqlen_k
         small = d_pad <= 128 and q.dtype != torch.float32  # else halve the K/V tiles to fit shared memory
         block_n = 64 if small else 32
-        splits = self.num_splits
-        if splits is None:
-            want = -(-2 * _num_sms(q.device) // max(num_tiles * num_kv_heads, 1))
-            splits = min(_pow2(want), self.max_splits, max_kv // (4 * block_n))
-        splits = max(1, splits)
+        splits = self._num_splits(q.device, num_tiles * num_kv_heads, max_kv // (4 * block_n))
         part_m = part_l = part_acc = out
         if splits > 1:
             part_m = torch.empty((q.shape[0], num_heads, splits), dtype=torch.float32, device=q.device)
@@ -294,22 +443,73 @@ class TritonAttentionBackend(AttentionBackend):
             part_acc = torch.empty((*part_m.shape, head_dim), dtype=torch.float32, device=q.device)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _paged_attention_kernel[(num_kv_heads, num_tiles, splits)](
-            out, q, k_cache, v_cache, meta.block_table, meta.seqused_k, meta.cu_seqlens_q,
-            meta.seqused_k if plan is None else plan, part_m, part_l, part_acc, qk_scale, sliding_window or 0,
-            splits, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_table.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_Q=1 if is_decode else block_m // group,
-            BLOCK_N=block_n, BLOCK_SIZE=block_size, IS_DECODE=is_decode, SPLIT=splits > 1,
-            HAS_WINDOW=sliding_window is not None, PAD_D=d_pad != head_dim,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.seqused_k,
+            meta.cu_seqlens_q,
+            meta.seqused_k if plan is None else plan,
+            part_m,
+            part_l,
+            part_acc,
+            qk_scale,
+            sliding_window or 0,
+            splits,
+            num_heads,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            meta.block_table.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            BLOCK_M=block_m,
+            BLOCK_Q=1 if is_decode else block_m // group,
+            BLOCK_N=block_n,
+            BLOCK_SIZE=block_size,
+            IS_DECODE=is_decode,
+            SPLIT=splits > 1,
+            HAS_WINDOW=sliding_window is not None,
+            PAD_D=d_pad != head_dim,
             DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-            num_warps=8 if block_m >= 128 else 4, num_stages=3 if small else 2,
-        )  # fmt: skip
+            num_warps=8 if block_m >= 128 else 4,
+            num_stages=3 if small else 2,
+        )
         if splits > 1:
-            rows = slice(first_row, None)
-            _combine_splits_kernel[(q.shape[0] - first_row, num_heads)](
-                out[rows], part_m[rows], part_l[rows], part_acc[rows], splits, num_heads, out.stride(0),
-                out.stride(1), HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=_pow2(splits), num_warps=1,
-            )  # fmt: skip
+            self._combine_splits(out, part_m, part_l, part_acc, first_row, d_pad)
+
+    def _num_splits(self, device: torch.device, num_programs: int, most: int) -> int:
+        """KV splits per tile: enough programs for two waves over the SMs, at most ``most``."""
+        if self.num_splits is not None:
+            return max(1, self.num_splits)
+        want = -(-2 * _num_sms(device) // max(num_programs, 1))
+        return max(1, min(_pow2(want), self.max_splits, most))
+
+    @staticmethod
+    def _combine_splits(out, part_m, part_l, part_acc, first_row: int, d_pad: int) -> None:
+        """Merges the per-split partial softmax results of rows ``first_row ..`` into ``out``."""
+        rows = slice(first_row, None)
+        num_heads, splits, head_dim = part_acc.shape[1:]
+        _combine_splits_kernel[(out.shape[0] - first_row, num_heads)](
+            out[rows],
+            part_m[rows],
+            part_l[rows],
+            part_acc[rows],
+            splits,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            S_PAD=_pow2(splits),
+            num_warps=1,
+        )
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -321,8 +521,22 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _write_kv_kernel[(k.shape[0],)](
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=_pow2(num_kv_heads),
-            D_PAD=_pow2(head_dim), BLOCK_SIZE=kv_cache.shape[2], num_warps=1,
-        )  # fmt: skip
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            H_PAD=_pow2(num_kv_heads),
+            D_PAD=_pow2(head_dim),
+            BLOCK_SIZE=kv_cache.shape[2],
+            num_warps=1,
+        )

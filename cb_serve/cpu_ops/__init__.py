@@ -95,6 +95,7 @@ def build(name: str, source: str, flags: list[str]) -> None:
 def available() -> bool:
     """Builds (or loads the cached builds of) the kernels, once per process."""
     if os.environ.get("CB_SERVE_CPU_OPS", "1") == "0":
+        logger.warning("cb_serve CPU kernels disabled (CB_SERVE_CPU_OPS=0); using the PyTorch path.")
         return False
     try:
         for name, (source, flags) in EXTENSIONS.items():

@@ -11,7 +11,9 @@ import threading
 from collections.abc import AsyncIterator
 
 from cb_serve.config import EngineConfig
-from cb_serve.engine.errors import (
+from cb_serve.engine.llm_engine import LLMEngine, StepListener
+from cb_serve.engine.processor import ProcessedRequest, PromptType, apply_chat_template
+from cb_serve.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
@@ -19,11 +21,9 @@ from cb_serve.engine.errors import (
     EngineUnavailableError,
     RequestFailedError,
 )
-from cb_serve.engine.llm_engine import LLMEngine, waiting_queue_full
-from cb_serve.engine.processor import ProcessedRequest, PromptType, apply_chat_template
-from cb_serve.engine.stats import EngineStats
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import SamplingParams
+from cb_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +50,20 @@ class AsyncLLM:
     engine goes on unless the error is fatal, after which ``check_health`` raises."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+        self._engine = LLMEngine(config)
         self.config = config
-        self.model_name = self.engine.model_name
-        self.max_model_len = self.engine.max_model_len
+        self.model_name = self._engine.model_name
+        self.max_model_len = self._engine.max_model_len
         # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
-        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-        self.processor = self.engine.processor.with_tokenizer(self.tokenizer)
+        self.tokenizer = copy.deepcopy(self._engine.tokenizer)
+        self.processor = self._engine.processor.with_tokenizer(self.tokenizer)
         self._inbox: queue.SimpleQueue[tuple[str, str, ProcessedRequest | None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
         self._closing: EngineError | None = None  # set by close_streams(): new requests are refused
         self.error: BaseException | None = None
-        self._stats = self.engine.get_stats()
+        self._stats = self._engine.get_stats()
         self._thread = threading.Thread(target=self._loop, name="cb-serve-engine", daemon=True)
         self._thread.start()
 
@@ -75,7 +75,7 @@ class AsyncLLM:
             state = "shutting down" if self._closing is not None else "not running"
             raise EngineUnavailableError(f"The engine is {state}; retry the request.")
         processed = self.processor.process(prompt, params)
-        if waiting_queue_full(self._stats.num_waiting + self._inbox.qsize(), self._stats.num_running, self.config):
+        if self._is_full():
             limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests); retry later.")
         if request_id in self._streams:
@@ -96,6 +96,13 @@ class AsyncLLM:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
+    def _is_full(self) -> bool:
+        """Whether the requests this engine holds (running, waiting or not yet taken by the engine
+        thread) fill ``max_num_seqs`` running slots plus ``max_waiting_requests``. Counted on the
+        callers' side, where concurrent arrivals see exact counts (the engine's own numbers lag a step)."""
+        limit = self.config.max_waiting_requests
+        return limit is not None and len(self._streams) >= self.config.max_num_seqs + limit
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
@@ -110,9 +117,13 @@ class AsyncLLM:
         """A snapshot taken by the engine thread after its latest step."""
         return self._stats
 
-    @property
-    def step_history(self):
-        return self.engine.step_history
+    def add_step_listener(self, listener: StepListener) -> None:
+        """``listener(stats, outputs)`` runs on the engine thread after every step (see
+        ``LLMEngine.add_step_listener``): queue what you need and return."""
+        self._engine.add_step_listener(listener)
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        self._engine.remove_step_listener(listener)
 
     @property
     def is_alive(self) -> bool:
@@ -141,7 +152,7 @@ class AsyncLLM:
 
     # ---- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
-        engine = self.engine
+        engine = self._engine
         try:
             while not self._stop:
                 self._wake.clear()
@@ -172,10 +183,10 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if op == "abort":
-                self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
                 continue
             try:
-                self.engine.add_processed_request(request_id, processed)
+                self._engine.add_processed_request(request_id, processed)
             except Exception as e:  # noqa: BLE001 - one request's failure, never the loop's
                 if not isinstance(e, (ValueError, EngineOverloadedError)):
                     logger.error("adding request %s failed", request_id, exc_info=e)

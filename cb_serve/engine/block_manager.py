@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from cb_serve.engine.sequence import Sequence
+from cb_serve.sequence import Sequence
 
 
 class Block:
@@ -47,6 +47,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # chained hash -> block id
         self.block_hashes: dict[str, list[bytes]] = {}  # seq id -> hashes of its full blocks
         self.num_registered: dict[str, int] = {}  # seq id -> leading blocks already registered
+        self.num_evictions = 0  # cached blocks whose content was dropped for reuse
 
     @property
     def num_blocks(self) -> int:
@@ -127,6 +128,7 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         if block.hash is not None:  # evict its cached content
+            self.num_evictions += 1
             del self.cached[block.hash]
             block.hash, block.token_ids = None, ()
         block.ref_count = 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -12,24 +11,25 @@ import torch
 from cb_serve.attention import get_attention_backend
 from cb_serve.config import EngineConfig
 from cb_serve.engine.block_manager import BlockManager
-from cb_serve.engine.errors import (
+from cb_serve.engine.kv_cache_sizing import num_kv_blocks
+from cb_serve.engine.processor import InputProcessor, PromptType
+from cb_serve.engine.request_state import RequestState
+from cb_serve.engine.scheduler import Scheduler
+from cb_serve.errors import (
     EngineFatalError,
     EngineOverloadedError,
     RequestFailedError,
     StepFailedError,
 )
-from cb_serve.engine.fault_injection import FaultInjector
-from cb_serve.engine.kv_cache_sizing import num_kv_blocks
-from cb_serve.engine.processor import InputProcessor, PromptType
-from cb_serve.engine.request_state import RequestState
-from cb_serve.engine.scheduler import Scheduler, SchedulerOutput
-from cb_serve.engine.sequence import Sequence, SequenceStatus
-from cb_serve.engine.stats import EngineStats, StepStats
+from cb_serve.fault_injection import FaultInjector
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.model_runner import ModelRunner
+from cb_serve.model_executor.sampler import SamplerOutput
 from cb_serve.outputs import CompletionOutput, RequestOutput
 from cb_serve.sampling_params import SamplingParams
+from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
+from cb_serve.stats import EngineStats, StepPhases, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ MAX_DEFAULT_MODEL_LEN = 8192
 # A step failure fails its requests and the engine goes on; this many in a row mean the
 # engine itself is broken (a sticky device error, say), so it stops and the replica is replaced.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+StepListener = Callable[[StepStats, list[RequestOutput]], None]
 
 
 def waiting_queue_full(num_waiting: int, num_running: int, config: EngineConfig) -> bool:
@@ -51,6 +53,33 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
     if config.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, getattr(torch, config.dtype)
+
+
+def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype):
+    """The attention backend and the KV block size; raises if the backend cannot serve them."""
+    backend = get_attention_backend(config.attention_backend, device)
+    block_size = config.block_size or max(16, backend.block_size_multiple)
+    if block_size % backend.block_size_multiple:
+        raise ValueError(
+            f"The {backend.name} backend needs block_size to be a multiple of "
+            f"{backend.block_size_multiple}, got {block_size}."
+        )
+    if kv_cache_dtype != dtype and not (backend.supports_narrow_kv_cache and dtype == torch.float32):
+        raise ValueError(
+            f"kv_cache_dtype={config.kv_cache_dtype} differs from the model dtype {dtype}: supported only "
+            f"under float32 weights with the cpu or torch attention backend (got {backend.name})."
+        )
+    return backend, block_size
+
+
+def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)
 
 
 class LLMEngine:
@@ -69,38 +98,8 @@ class LLMEngine:
         self.model_name = self.source.name
         max_positions = getattr(self.hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
         self.max_model_len = config.max_model_len or min(max_positions, MAX_DEFAULT_MODEL_LEN)
-
-        self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.block_size = config.block_size or max(16, self.backend.block_size_multiple)
-        if self.block_size % self.backend.block_size_multiple:
-            raise ValueError(
-                f"The {self.backend.name} backend needs block_size to be a multiple of "
-                f"{self.backend.block_size_multiple}, got {self.block_size}."
-            )
-        narrow_ok = self.backend.supports_narrow_kv_cache and self.dtype == torch.float32
-        if self.kv_cache_dtype != self.dtype and not narrow_ok:
-            raise ValueError(
-                f"kv_cache_dtype={config.kv_cache_dtype} differs from the model dtype {self.dtype}: supported only "
-                f"under float32 weights with the cpu or torch attention backend (got {self.backend.name})."
-            )
-        model = loader.load_model(
-            self.source,
-            self.hf_config,
-            self.backend,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            config.trust_remote_code,
-        )
-        self.num_blocks = num_kv_blocks(
-            config, self.hf_config, self.block_size, self.max_model_len, self.kv_cache_dtype, self.dtype, self.device
-        )
-        graph_sizes = None
-        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
-            graph_sizes = capture_sizes(config.max_num_seqs)
-        self.runner = ModelRunner(
-            model, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device, graph_sizes, self.max_model_len
-        )
+        self.backend, self.block_size = choose_backend(config, self.device, self.dtype, self.kv_cache_dtype)
+        self.runner = self._make_runner(self._load_model())
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -109,19 +108,41 @@ class LLMEngine:
             self.max_model_len,
             config.enable_chunked_prefill,
         )
-        self.processor = InputProcessor(
-            self.tokenizer, self.max_model_len, self.hf_config.vocab_size, self._eos_token_ids(), config
-        )
+        eos = eos_token_ids(self.hf_config, self.tokenizer)
+        self.processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size, eos, config)
         self.faults = FaultInjector.from_config(config.fault_injection)
+        self.requests: dict[str, RequestState] = {}
+        self.step_listeners: tuple[StepListener, ...] = ()
+        self.aborted_since_step: list[str] = []
         self.consecutive_step_failures = 0
         self.num_failed_steps = self.num_failed_requests = self.max_batch_seqs = 0
-        self.requests: dict[str, RequestState] = {}
-        self.step_history: deque[StepStats] = deque(maxlen=4096)
-        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
-        self.num_steps = 0
+        self.num_steps = self.prompt_tokens = self.generation_tokens = 0
         self.step_seconds = self.scheduling_seconds = 0.0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+
+    def _load_model(self) -> torch.nn.Module:
+        config = self.config
+        return loader.load_model(
+            self.source,
+            self.hf_config,
+            self.backend,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.trust_remote_code,
+        )
+
+    def _make_runner(self, model: torch.nn.Module) -> ModelRunner:
+        """Sizes the KV cache with the memory the loaded weights left, and captures CUDA graphs."""
+        config = self.config
+        self.num_blocks = num_kv_blocks(
+            config, self.hf_config, self.block_size, self.max_model_len, self.kv_cache_dtype, self.dtype, self.device
+        )
+        graph_sizes = None
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
+            graph_sizes = capture_sizes(config.max_num_seqs)
+        runner = ModelRunner(
+            model, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device, graph_sizes, self.max_model_len
+        )
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv cache %s backend=%s blocks=%d x %d tokens, cuda graphs %s",
             self.model_name,
@@ -133,15 +154,16 @@ class LLMEngine:
             self.block_size,
             graph_sizes and f"{len(graph_sizes)} sizes up to {graph_sizes[-1]}",
         )
+        return runner
 
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(source)
-        return frozenset(ids)
+    def add_step_listener(self, listener: StepListener) -> None:
+        """``listener(stats, outputs)`` runs on the engine's thread after every step, with the
+        step's ``StepStats`` and outputs; it must be quick and must not change them. An exception
+        in it is logged, never raised. Safe to call from any thread."""
+        self.step_listeners = (*self.step_listeners, listener)
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        self.step_listeners = tuple(x for x in self.step_listeners if x is not listener)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
@@ -174,6 +196,8 @@ class LLMEngine:
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
+            if any(seq.times.first_token is not None for seq in state.seqs):
+                self.aborted_since_step.append(request_id)  # observers may hold its state (bounded: it ran)
             for seq in state.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -194,6 +218,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        scheduled = time.monotonic()
         num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk)
             n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             for seq, n in zip(sched.seqs, sched.num_scheduled_tokens)
@@ -203,7 +228,7 @@ class LLMEngine:
                 kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
                 self.faults.before_step(self.num_steps + self.num_failed_steps + 1, kinds)
             inp = self.runner.prepare(sched)
-            self.scheduling_seconds += time.monotonic() - start
+            prepared = time.monotonic()
             sampled = self.runner.execute(inp)
             self.scheduler.update_after_step(sched)
         except EngineFatalError:
@@ -212,17 +237,32 @@ class LLMEngine:
             return self._fail_step(sched, e)
         self.consecutive_step_failures = 0
         now = time.monotonic()
+        changed, failed = self._append_sampled(inp.sampling_seqs, sampled, now)
+        outputs = self._make_outputs(changed, failed)
+        phases = StepPhases(scheduled - start, prepared - scheduled, now - prepared, time.monotonic() - now)
+        self._record_step(sched, num_decode_tokens, phases, outputs)
+        return outputs
+
+    def _append_sampled(
+        self, seqs: list[Sequence], sampled: SamplerOutput | None, now: float
+    ) -> tuple[dict[str, set[int]], dict[str, BaseException]]:
+        """Appends each sampled token: which completions of which requests changed, and which
+        requests failed on the way."""
         changed: dict[str, set[int]] = {}
         failed: dict[str, BaseException] = {}
-        if sampled is not None:
-            for seq, token_id, logprobs in zip(inp.sampling_seqs, sampled.token_ids, sampled.logprobs):
-                if seq.request_id in failed:
-                    continue
-                try:
-                    self._append_token(seq, token_id, logprobs, now)
-                except Exception as e:  # noqa: BLE001 - this request's own failure
-                    failed[seq.request_id] = e
-                changed.setdefault(seq.request_id, set()).add(seq.index)
+        if sampled is None:
+            return changed, failed
+        for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+            if seq.request_id in failed:
+                continue
+            try:
+                self._append_token(seq, token_id, logprobs, now)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                failed[seq.request_id] = e
+            changed.setdefault(seq.request_id, set()).add(seq.index)
+        return changed, failed
+
+    def _make_outputs(self, changed: dict[str, set[int]], failed: dict[str, BaseException]) -> list[RequestOutput]:
         outputs = []
         for request_id, indices in changed.items():
             if request_id in failed:
@@ -241,7 +281,6 @@ class LLMEngine:
         for request_id, e in failed.items():
             logger.error("request %s failed while its output was processed", request_id, exc_info=e)
             outputs.append(self._fail_request(request_id, RequestFailedError("This request failed on the server.")))
-        self._record_step(sched, num_decode_tokens, now - start, outputs)
         return outputs
 
     def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -269,22 +308,23 @@ class LLMEngine:
         self.generation_tokens += 1
         if seq.num_output_tokens == 1:
             self.prompt_tokens += seq.num_prompt_tokens
+        state = self.requests[seq.request_id]
         if logprobs is not None:
-            seq.logprobs.append(logprobs)
-            seq.cumulative_logprob += logprobs[token_id]
+            seq.logprobs.append(state.with_token_text(logprobs))
+            seq.cumulative_logprob += logprobs[token_id].logprob
         at_limit = seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
-        detok = self.requests[seq.request_id].detokenizers[seq.index]
-        decision = seq.stop_checker.update(token_id, seq.num_output_tokens, at_limit, detok)
+        decision = state.stop_checker.update(token_id, seq.num_output_tokens, at_limit, state.detokenizers[seq.index])
         if decision is not None:
             reason, seq.stop_reason = decision
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self.scheduler.finish(seq, status)
 
     def _record_step(
-        self, sched: SchedulerOutput, num_decode_tokens: int, duration: float, outputs: list[RequestOutput]
+        self, sched: SchedulerOutput, num_decode_tokens: int, phases: StepPhases, outputs: list[RequestOutput]
     ) -> None:
         self.num_steps += 1
-        self.step_seconds += duration
+        self.step_seconds += phases.total_s
+        self.scheduling_seconds += phases.schedule_s + phases.prepare_s
         stats = StepStats(
             num_seqs=len(sched.seqs),
             num_decode_tokens=num_decode_tokens,
@@ -292,9 +332,11 @@ class LLMEngine:
             num_scheduled_tokens=sched.total_tokens,
             token_budget=self.scheduler.max_num_batched_tokens,
             num_preempted=len(sched.preempted),
-            duration_s=duration,
+            duration_s=phases.total_s,
+            phases=phases,
+            aborted_request_ids=tuple(self.aborted_since_step),
         )
-        self.step_history.append(stats)
+        self.aborted_since_step.clear()
         self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
         for listener in self.step_listeners:
             try:

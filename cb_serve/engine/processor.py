@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, replace
 
 from cb_serve.config import EngineConfig
-from cb_serve.engine.errors import InvalidRequestError
+from cb_serve.errors import InvalidRequestError
 from cb_serve.sampling_params import SamplingParams
 
 PromptType = str | list[int]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from cb_serve.engine.detokenizer import IncrementalDetokenizer
 from cb_serve.engine.processor import ProcessedRequest
-from cb_serve.engine.sequence import Sequence
 from cb_serve.engine.stop_checker import StopChecker
-from cb_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.sampling_params import RequestOutputKind
+from cb_serve.sequence import Sequence
 
 
 class RequestState:
@@ -24,6 +24,8 @@ class RequestState:
         self.prompt_token_ids = req.prompt_token_ids
         self.params = req.params
         self.faults = faults  # fault-injection kinds this request carries (tests)
+        self.tokenizer = tokenizer
+        self.token_texts: dict[int, str] = {}  # logprob tokens decoded so far
         self.stop_checker = StopChecker(req.params)
         n = req.params.n
         self.seqs = [
@@ -35,7 +37,7 @@ class RequestState:
                 req.params.for_child(i) if n > 1 else req.params,
                 req.max_tokens,
                 arrival_time,
-                self.stop_checker,
+                self.stop_checker.stop_ids,
             )
             for i in range(n)
         ]
@@ -51,6 +53,17 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    def with_token_text(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
+        """Fills in each logprob's ``decoded_token`` (the token decoded alone)."""
+        if self.tokenizer is None:
+            return logprobs
+        for token_id, lp in logprobs.items():
+            text = self.token_texts.get(token_id)
+            if text is None:
+                text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+            lp.decoded_token = text
+        return logprobs
 
     def make_output(self, changed: set[int]) -> RequestOutput | None:
         """The output to report after a step that changed children ``changed``."""
@@ -72,7 +85,6 @@ class RequestState:
             first_token_time=min((s.times.first_token for s in self.seqs if s.times.first_token), default=None),
             last_token_time=max((s.times.last_token for s in self.seqs if s.times.last_token), default=None),
             finished_time=max((s.times.finished or 0.0 for s in self.seqs), default=None) if finished else None,
-            num_cached_tokens=first.num_cached_tokens,
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
         )
         return RequestOutput(

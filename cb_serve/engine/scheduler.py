@@ -4,27 +4,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cb_serve.engine.block_manager import BlockManager
-from cb_serve.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes: ``num_scheduled_tokens[i]`` new tokens of ``seqs[i]``."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
+from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 
 
 @dataclass

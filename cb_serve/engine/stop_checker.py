@@ -1,6 +1,6 @@
 """The one place that decides when a sequence stops: stop token ids, EOS, ``min_tokens``,
-stop strings, ``max_tokens`` and the context length. The sampler asks it which tokens are
-banned before ``min_tokens``; the engine asks it after every token.
+stop strings, ``max_tokens`` and the context length. The engine asks it after every token; its
+``stop_ids`` are what a ``Sequence`` bans from sampling before ``min_tokens``.
 
 Per token the cost is O(new text): a stop string can only end inside the characters the
 token added, so each one is looked for in those characters plus its own length - 1 before
@@ -37,13 +37,8 @@ class StopChecker:
         self.min_tokens = params.min_tokens
         self.stop_strings = tuple(params.stop)
         self.include_stop_str = params.include_stop_str_in_output
-        self._banned = sorted(self.stop_ids)
         # Characters of a running sequence's text not streamed yet: they may begin a stop string.
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
-
-    def banned_token_ids(self, num_output_tokens: int) -> list[int]:
-        """Token ids the sampler must not pick yet (stop tokens and EOS before ``min_tokens``)."""
-        return self._banned if num_output_tokens < self.min_tokens else []
 
     def update(
         self, token_id: int, num_output_tokens: int, at_limit: bool, detok: TextSink | None

@@ -8,11 +8,10 @@ import numpy as np
 import torch
 
 from cb_serve.attention.base import AttentionMetadata
-from cb_serve.engine.scheduler import SchedulerOutput
-from cb_serve.engine.sequence import Sequence
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplerOutput, SamplingBatch
+from cb_serve.sequence import SchedulerOutput, Sequence
 
 
 @dataclass

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cb_serve.engine.sequence import Sequence
+from cb_serve.outputs import Logprob
+from cb_serve.sequence import Sequence
 
 
 @dataclass
@@ -27,7 +28,7 @@ class SamplingBatch:
         params = [s.params for s in seqs]
         banned = []
         for row, seq in enumerate(seqs):
-            token_ids = seq.stop_checker.banned_token_ids(seq.num_output_tokens)
+            token_ids = seq.banned_token_ids()
             if token_ids:
                 banned.append((row, token_ids))
         return cls(
@@ -45,7 +46,7 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # per row: top-k tokens and the sampled one
+    logprobs: list[dict[int, Logprob] | None]  # per row: top-k tokens and the sampled one (no text yet)
 
 
 class Sampler:
@@ -56,7 +57,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         for row, token_ids in batch.banned:
             logits[row, token_ids] = float("-inf")
-        greedy = logits.max(dim=-1).indices  # first maximum, like argmax; 2-3x faster on CPU
+        greedy = logits.max(dim=-1).indices  # the first maximum, like argmax, and faster on CPU
         if batch.all_greedy:
             sampled = greedy
         else:
@@ -66,10 +67,16 @@ class Sampler:
         return SamplerOutput(token_ids, self._logprobs(raw_logprobs, batch, token_ids))
 
     @staticmethod
-    def _random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution each row samples from, filtered in vLLM's order: temperature, then
+        min-p, top-k and top-p (each on what the previous left, renormalized)."""
         device = logits.device
         temperature = batch.temperature.to(device)
         logits = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+        min_p = batch.min_p.to(device)
+        if bool((min_p > 0).any()):
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         vocab = logits.shape[-1]
         top_k = batch.top_k.to(device)
         if bool((top_k > 0).any()):
@@ -79,14 +86,16 @@ class Sampler:
         top_p = batch.top_p.to(device)
         if bool((top_p < 1).any()):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p[:, None]  # keeps at least one
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]  # keeps at least one
             drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        min_p = batch.min_p.to(device)
-        if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return logits.softmax(dim=-1)
+
+    @classmethod
+    def _random(cls, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = cls.probabilities(logits, batch)
+        device, vocab = probs.device, probs.shape[-1]
         # Exponential race (Gumbel-max): argmax(p / q), q ~ Exp(1), drawn from each row's own
         # generator when it has a seed, so a seeded request samples the same whatever its batch.
         # q = -log(u) with u ~ U[0, 1): the same distribution as exponential_(), which is several
@@ -102,6 +111,8 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, batch: SamplingBatch, token_ids: list[int]) -> list[dict | None]:
+        """Per row asking for ``k`` logprobs: the ``k`` most likely tokens and the sampled one,
+        with ranks, from the log-softmax of the logits before any filtering (vLLM's default)."""
         if raw is None:
             return [None] * len(token_ids)
         k_max = max(k or 0 for k in batch.num_logprobs)
@@ -112,7 +123,12 @@ class Sampler:
             if k is None:
                 out.append(None)
                 continue
-            entry = dict(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())) if k else {}
-            entry[token_ids[row]] = chosen[row]
+            entry = {}
+            if k:
+                top = zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())
+                entry = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(top, start=1)}
+            if token_ids[row] not in entry:
+                rank = int((raw[row] > chosen[row]).sum()) + 1
+                entry[token_ids[row]] = Logprob(chosen[row], rank)
             out.append(entry)
         return out

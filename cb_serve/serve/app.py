@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from cb_serve.config import EngineConfig
+from cb_serve import EngineConfig
 from cb_serve.serve.engine_replica import EngineReplica
 from cb_serve.serve.router import Router, RouterSettings
 

@@ -10,10 +10,7 @@ from typing import Any
 
 from ray import serve
 
-from cb_serve.config import EngineConfig
-from cb_serve.engine.async_llm import AsyncLLM
-from cb_serve.engine.errors import EngineError
-from cb_serve.sampling_params import SamplingParams
+from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob, SamplingParams
 from cb_serve.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -30,15 +27,15 @@ def log_to_serve() -> None:
         ours.propagate = False
 
 
-def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]] | None) -> list[dict] | None:
-    """Per token: its text, its logprob and the top alternatives (text, logprob), best first."""
+def token_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> list[dict] | None:
+    """Per token: its text, its logprob and the alternatives (text, logprob), best first."""
     if entries is None:
         return None
     return [
         {
-            "token": tokenizer.decode([tok]),
-            "logprob": entry[tok],
-            "top": [(tokenizer.decode([t]), lp) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])],
+            "token": entry[tok].decoded_token,
+            "logprob": entry[tok].logprob,
+            "top": [(lp.decoded_token, lp.logprob) for lp in sorted(entry.values(), key=lambda lp: -lp.logprob)],
         }
         for tok, entry in zip(token_ids, entries)
     ]
@@ -67,7 +64,6 @@ class EngineReplica:
             prompt = self.engine.apply_chat_template(payload["messages"], payload.get("add_generation_prompt", True))
         else:
             prompt = payload["prompt"]
-        tokenizer = self.engine.tokenizer
         self.num_requests += 1
         try:
             async for out in self.engine.generate(prompt, params, request_id):
@@ -76,7 +72,7 @@ class EngineReplica:
                         "index": c.index,
                         "text": c.text,
                         "num_tokens": len(c.token_ids),
-                        "logprobs": token_logprobs(tokenizer, c.token_ids, c.logprobs),
+                        "logprobs": token_logprobs(c.token_ids, c.logprobs),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                         "prompt_tokens": len(out.prompt_token_ids),

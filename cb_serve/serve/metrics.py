@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from cb_serve.engine.stats import EngineStats, StepStats
-from cb_serve.outputs import RequestOutput
+from cb_serve import AsyncLLM, EngineStats, RequestOutput, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +30,8 @@ PREFIX = "cb_serve_"
 EXPORT_PREFIX = "ray_"  # what Ray prepends when it exports
 
 # Seconds: from a GPU decode step to a long generation on a busy CPU replica.
-LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]  # fmt: skip
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75]
+LATENCY_BUCKETS += [1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
 FILL_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 SEQS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -98,14 +96,13 @@ def _serve_metrics() -> ModuleType:
 
 
 class EngineMetrics:
-    """Records one engine replica's metrics. ``engine``: an ``AsyncLLM`` (``get_stats()``,
-    ``engine.step_listeners``); ``api``: a module with Counter/Gauge/Histogram classes
+    """Records one engine replica's metrics through ``AsyncLLM``'s observer interface (a step
+    listener and ``get_stats()``). ``api``: a module with Counter/Gauge/Histogram classes
     (``ray.serve.metrics`` by default; tests pass fakes)."""
 
     MAX_PENDING_STEPS = 1 << 16  # bounds memory if the flusher ever stalls
-    PRUNE_AFTER_S = 60.0
 
-    def __init__(self, engine: Any, model: str, interval_s: float = 1.0, api: ModuleType | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, model: str, interval_s: float = 1.0, api: ModuleType | None = None) -> None:
         api = api or _serve_metrics()
         tags = {"model": model}
         self.m = {
@@ -117,11 +114,10 @@ class EngineMetrics:
         self._counted = {f: 0 for f in _COUNTER_FIELDS}
         self._steps: deque[tuple[StepStats, list[RequestOutput]]] = deque(maxlen=self.MAX_PENDING_STEPS)
         self._last_token: dict[str, float] = {}  # request id -> its latest token time (monotonic)
-        self._pruned = time.monotonic()
         self._lock = threading.Lock()  # one flush at a time (the thread and close())
         self._stop = threading.Event()
         self.interval_s = interval_s
-        engine.engine.step_listeners.append(self.on_step)
+        engine.add_step_listener(self.on_step)
         self._thread = threading.Thread(target=self._run, name="cb-serve-metrics", daemon=True)
         self._thread.start()
 
@@ -131,9 +127,7 @@ class EngineMetrics:
 
     def close(self) -> None:
         """Stops the flusher after one last flush."""
-        listeners = self._engine.engine.step_listeners
-        if self.on_step in listeners:
-            listeners.remove(self.on_step)
+        self._engine.remove_step_listener(self.on_step)
         self._stop.set()
         self._thread.join(timeout=10)
         self.flush()
@@ -151,22 +145,13 @@ class EngineMetrics:
             while self._steps:
                 self._record_step(*self._steps.popleft())
             self._record_stats(self._get_stats())
-            now = time.monotonic()
-            if now - self._pruned > self.PRUNE_AFTER_S:
-                self._prune(now)
-
-    def _prune(self, now: float) -> None:
-        """Forgets aborted requests (they never send a finished output): those the engine no
-        longer holds and that had no token for a while (a finished output may still be queued)."""
-        live = self._engine.engine.requests
-        horizon = now - self.PRUNE_AFTER_S
-        self._last_token = {k: t for k, t in self._last_token.items() if t > horizon or k in live}
-        self._pruned = now
 
     def _record_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
         m = self.m
         m["batch_token_fill_ratio"].observe(step.budget_fill)
         m["batch_num_seqs"].observe(step.num_seqs)
+        for request_id in step.aborted_request_ids:
+            self._last_token.pop(request_id, None)
         for out in outputs:
             t = out.metrics
             if t is None or t.last_token_time is None:

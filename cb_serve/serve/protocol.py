@@ -14,8 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cb_serve.engine.errors import InvalidRequestError
-from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+from cb_serve import SEED_MAX, SEED_MIN, InvalidRequestError, RequestOutputKind, SamplingParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20

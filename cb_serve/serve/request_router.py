@@ -66,6 +66,27 @@ def order_by_load(loads: dict[Any, float], tie: float = TIE) -> list[Any]:
     return ordered + group
 
 
+def replica_state(stats: dict[str, Any], now: float, stale_after_s: float, marked_unavailable: bool) -> str:
+    """``"dead"`` (it said so, or a router saw it fail after its report), ``"fresh"`` (a report
+    at most ``stale_after_s`` old) or ``"stale"`` (no report yet, or an old one)."""
+    reported = stats.get("time")
+    if stats.get("alive") is False or marked_unavailable:
+        return "dead"
+    if reported is not None and now - reported <= stale_after_s:
+        return "fresh"
+    return "stale"
+
+
+def rank_replicas(fresh: dict[Any, float], stale: list[Any], dead: list[Any]) -> list[list[Any]]:
+    """Ray Serve's ranks (tried in order; a full replica is skipped for the next): fresh replicas
+    one by one, lowest load first; then the stale ones together (Serve picks among them by
+    requests in flight); dead ones only when there is nothing else."""
+    ranks = [[replica] for replica in order_by_load(fresh)]
+    if not ranks and not stale:
+        return [dead] if dead else []
+    return ranks + ([stale] if stale else [])
+
+
 def _request_key(pending_request: PendingRequest | None) -> Any:
     if pending_request is None:
         return None
@@ -110,21 +131,20 @@ class KVCacheAwareRouter(RequestRouter):
         dead: list[RunningReplica] = []
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
-            reported = stats.get("time")
-            if stats.get("alive") is False or replica_health.marked_after(replica.replica_id.unique_id, reported):
+            marked = replica_health.marked_after(replica.replica_id.unique_id, stats.get("time"))
+            state = replica_state(stats, now, self.stale_after_s, marked)
+            if state == "dead":
                 dead.append(replica)
-            elif reported is not None and now - reported <= self.stale_after_s:
-                fresh[replica] = replica_load(stats, self._sent_since(replica.replica_id, reported))
+            elif state == "fresh":
+                fresh[replica] = replica_load(stats, self._sent_since(replica.replica_id, stats["time"]))
             else:
                 self._sent_since(replica.replica_id, now - self.stale_after_s)
                 stale.append(replica)
-        ranks = [[replica] for replica in order_by_load(fresh)]
+        ranks = rank_replicas(fresh, stale, dead)
         key = _request_key(pending_request)
-        if ranks and key is not None:  # count the pick now; on_request_routed corrects it if Ray took another
+        if fresh and key is not None:  # count the pick now; on_request_routed corrects it if Ray took another
             self._record_send(key, ranks[0][0].replica_id, now)
-        if not ranks and not stale:
-            return [dead] if dead else []
-        return ranks + ([stale] if stale else [])
+        return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         key = _request_key(pending_request)

@@ -30,7 +30,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cb_serve.engine.errors import (
+from cb_serve import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
@@ -188,24 +188,39 @@ class _Usage:
 
     def body(self) -> dict[str, Any]:
         total = sum(self.completion)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": total,
-                "total_tokens": self.prompt_tokens + total,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}  # fmt: skip
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": total,
+            "total_tokens": self.prompt_tokens + total,
+            "prompt_tokens_details": {"cached_tokens": self.cached},
+        }
 
 
 def _completion_logprobs(entries: list[dict] | None) -> dict[str, Any] | None:
     if not entries:
         return None
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(e["top"]) for e in entries], "text_offset": []}  # fmt: skip
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [dict(e["top"]) for e in entries],
+        "text_offset": [],
+    }
 
 
 def _chat_logprobs(entries: list[dict] | None) -> dict[str, Any] | None:
     if not entries:
         return None
-    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode()),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                                          for t, lp in e["top"]]} for e in entries]}  # fmt: skip
+    return {
+        "content": [
+            {
+                "token": e["token"],
+                "logprob": e["logprob"],
+                "bytes": list(e["token"].encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e["top"]],
+            }
+            for e in entries
+        ]
+    }
 
 
 @serve.deployment(max_ongoing_requests=1024, graceful_shutdown_timeout_s=40)
@@ -299,8 +314,10 @@ class Router:
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         await self._check(request, None)
-        return {"object": "list", "data": [{"id": await self._model(), "object": "model", "created": 0,
-                                            "owned_by": "cb-serve"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [{"id": await self._model(), "object": "model", "created": 0, "owned_by": "cb-serve"}],
+        }
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -311,8 +328,10 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        payload = {"messages": [m.to_template() for m in req.messages],
-                   "add_generation_prompt": req.add_generation_prompt}  # fmt: skip
+        payload = {
+            "messages": [m.to_template() for m in req.messages],
+            "add_generation_prompt": req.add_generation_prompt,
+        }
         return await self._respond(req, payload, chat=True)
 
     async def _respond(self, req, payload: dict[str, Any], chat: bool):
@@ -419,5 +438,11 @@ class Router:
                 choice["logprobs"] = _completion_logprobs(logprobs[i]) if logprobs[i] else None
             choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
-        return {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"],
-                "choices": choices, "usage": usage.body()}  # fmt: skip
+        return {
+            "id": meta["id"],
+            "object": obj,
+            "created": meta["created"],
+            "model": meta["model"],
+            "choices": choices,
+            "usage": usage.body(),
+        }

@@ -61,7 +61,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
         self.backend = backend
-        self.use_cpu_ops = use_cpu_ops(backend)
+        self.use_cpu_ops = backend.supports_fused_cpu_ops
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
 
@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, Attention(config, backend, windows[i], qkv_bias, o_bias))
             for i in range(config.num_hidden_layers)
         )
-        self.use_cpu_ops = use_cpu_ops(backend)
+        self.use_cpu_ops = backend.supports_fused_cpu_ops
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_cpu_ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
@@ -202,11 +202,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
         return True, False
-
-
-def use_cpu_ops(backend: AttentionBackend) -> bool:
-    """The fused C++ layer ops go with the C++ attention backend (``torch`` stays pure PyTorch)."""
-    return backend.name == "cpu"
 
 
 class Rope:

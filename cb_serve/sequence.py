@@ -1,0 +1,152 @@
+"""A sequence (a prompt and one of its completions) with its scheduling state, and the batch of
+sequences one step computes: the types the engine and the model executor share."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from cb_serve.outputs import Logprob
+from cb_serve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class SequenceTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Sequence:
+    """Token ids so far, how many of them have KV in the cache, and where that KV lives.
+
+    vLLM v1 style: there is no prefill phase. Each step the scheduler hands a sequence
+    ``num_tokens - num_computed_tokens`` new tokens (or fewer, under the budget); a
+    sequence samples when it has caught up (``num_computed_tokens == num_tokens``).
+    """
+
+    def __init__(
+        self,
+        seq_id: str,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float | None = None,
+        min_tokens_banned: Iterable[int] = (),
+    ) -> None:
+        assert prompt_token_ids, "empty prompts are rejected before a Sequence is made"
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.min_tokens_banned = sorted(min_tokens_banned)  # stop token ids and EOS
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at the first scheduling
+        self.block_table: list[int] = []
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.times = SequenceTimes() if arrival_time is None else SequenceTimes(arrival=arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def output_token_ids_from(self, start: int) -> list[int]:
+        """Output tokens from index ``start`` on (O(new tokens), for streaming)."""
+        return self.token_ids[self.num_prompt_tokens + start :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def banned_token_ids(self) -> list[int]:
+        """Token ids the sampler must not pick yet: stop tokens and EOS before ``min_tokens``."""
+        return self.min_tokens_banned if self.num_output_tokens < self.params.min_tokens else []
+
+    def append_token(self, token_id: int, now: float) -> None:
+        assert self.num_computed_tokens == self.num_tokens, "sample only after catching up"
+        self.token_ids.append(token_id)
+        if self.times.first_token is None:
+            self.times.first_token = now
+        self.times.last_token = now
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: ``num_scheduled_tokens[i]`` new tokens of ``seqs[i]``."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs

@@ -1,0 +1,65 @@
+"""Engine statistics the serving layer exports (metrics, routing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """Wall seconds of one step's phases, in order."""
+
+    schedule_s: float = 0.0  # the scheduler's decisions
+    prepare_s: float = 0.0  # building the batch's tensors (input ids, positions, block tables)
+    execute_s: float = 0.0  # the model forward, logits and sampling
+    output_s: float = 0.0  # appending tokens, stop checks, detokenizing, making outputs
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.execute_s + self.output_s
+
+
+@dataclass
+class StepStats:
+    """One engine step: what it computed and how full the token budget was."""
+
+    num_seqs: int
+    num_decode_tokens: int  # output tokens fed back one per sequence (decodes)
+    num_prefill_tokens: int  # tokens of prompt chunks / recomputation
+    num_scheduled_tokens: int
+    token_budget: int
+    num_preempted: int
+    duration_s: float
+    phases: StepPhases = StepPhases()
+    # Requests aborted since the previous step after they had produced a token: an observer
+    # that keeps per-request state forgets them (they send no finished output).
+    aborted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def budget_fill(self) -> float:
+        return self.num_scheduled_tokens / self.token_budget
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_tokens: int  # prompt tokens not yet computed, over waiting and running sequences
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_partial_prefills: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+    prompt_tokens: int
+    generation_tokens: int
+    step_seconds: float = 0.0  # total wall time in step()
+    scheduling_seconds: float = 0.0  # of it, scheduling + building the batch (host work before the model)
+    num_failed_steps: int = 0  # steps that raised (their requests failed, the engine went on)
+    num_failed_requests: int = 0  # requests ended with an error (their own, or their step's)
+    max_batch_seqs: int = 0  # most sequences in one step so far
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total

@@ -1,0 +1,118 @@
+"""The import rules of the package, checked on its source (every import, module level or not):
+
+- shared leaf modules (configs, errors, outputs, sampling params, sequences, stats) import only each other;
+- ``attention/`` and ``cpu_ops/`` sit below ``model_executor/``, which sits below ``engine/``:
+  nothing imports upwards, so ``engine/`` and ``model_executor/`` never import each other in a circle;
+- ``serve/`` uses only the public API (``from cb_serve import <name in __all__>``) and no private
+  attribute of anything but its own objects;
+- there is no import cycle between modules at all.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import cb_serve
+
+PACKAGE = Path(cb_serve.__file__).parent
+LEAVES = {"config", "errors", "fault_injection", "outputs", "sampling_params", "sequence", "stats"}
+# The cb_serve.* groups each group may import (besides itself and the leaves).
+ALLOWED = {
+    "leaf": set(),
+    "cpu_ops": set(),
+    "attention": {"cpu_ops"},
+    "model_executor": {"attention", "cpu_ops"},
+    "engine": {"attention", "cpu_ops", "model_executor"},
+    "llm": {"engine"},
+    "cli": {"engine", "root", "llm"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def group(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    return "leaf" if parts[1] in LEAVES else parts[1]
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports(tree: ast.AST, top_level_only: bool = False) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for every ``cb_serve`` import."""
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.split(".")[0] == "cb_serve"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "cb_serve":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.append((sub, None) if is_module(sub) else (node.module, alias.name))
+    return found
+
+
+SOURCES = {module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if group(m) not in ("root", "serve")))
+def test_layers_import_only_downwards(module):
+    mine = group(module)
+    allowed = ALLOWED[mine] | {mine, "leaf"}
+    bad = sorted({m for m, _ in imports(SOURCES[module]) if group(m) not in allowed})
+    assert not bad, f"{module} ({mine}) imports {bad}; allowed: {sorted(allowed)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if group(m) == "serve"))
+def test_serve_uses_only_the_public_api(module):
+    tree = SOURCES[module]
+    for imported, name in imports(tree):
+        if group(imported) == "serve":
+            continue
+        assert imported == "cb_serve" and name in cb_serve.__all__, (
+            f"{module} imports {imported}{'.' + name if name else ''}: use `from cb_serve import ...` "
+            f"(public names: cb_serve.__all__)"
+        )
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            assert isinstance(owner, ast.Name) and owner.id in ("self", "cls"), (
+                f"{module}:{node.lineno} reads the private attribute .{node.attr} of another object"
+            )
+
+
+def test_no_import_cycles():
+    graph = {m: {i for i, _ in imports(tree, top_level_only=True) if i in SOURCES} for m, tree in SOURCES.items()}
+    for m, tree in SOURCES.items():  # `from cb_serve import Name` runs the package's __init__
+        graph[m] |= {"cb_serve" for i, name in imports(tree, top_level_only=True) if i == "cb_serve" and name}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, "import cycle: " + " -> ".join([*path[path.index(n) :], n])
+            if n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_rules_see_the_imports():
+    """The checker is not vacuous: it finds the engine's imports of the model executor and the
+    leaves, and the serve layer's imports of the public API."""
+    engine = {m for m, _ in imports(SOURCES["cb_serve.engine.llm_engine"])}
+    assert {"cb_serve.model_executor.model_runner", "cb_serve.sequence"} <= engine
+    assert ("cb_serve", "AsyncLLM") in imports(SOURCES["cb_serve.serve.engine_replica"])
