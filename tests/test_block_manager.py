@@ -274,6 +274,25 @@ def test_prefix_hit_reuses_computed_blocks_and_survives_until_evicted() -> None:
     assert bm.num_used_blocks == 0
 
 
+def test_blocks_registered_over_several_steps_all_hit() -> None:
+    """A prompt computed in chunks registers its full blocks step by step; a later identical
+    prompt of ``4 * block + 1`` tokens reuses all 4 (the last token is always computed)."""
+    bm = BlockManager(num_blocks=12, block_size=2)
+    prompt = [0, 1, 2, 0, 1, 2, 2, 1, 0]
+    a = make_seq("a", prompt)
+    assert bm.allocate(a, 3)
+    a.num_computed_tokens = 3
+    bm.commit_computed(a)
+    assert bm.allocate(a, 6)
+    a.num_computed_tokens = 9
+    bm.commit_computed(a)
+    table = list(a.block_table)
+    bm.free(a)
+    bm.forget(a)
+    b = make_seq("b", list(prompt))
+    assert bm.find_cached_prefix(b) == table[:4]
+
+
 def test_prefix_caching_disabled_never_hits() -> None:
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     a = make_seq("a", [0, 1, 2, 0, 1])

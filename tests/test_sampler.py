@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
 
 from cb_serve import SamplingParams
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch
+from cb_serve.sequence import Sequence
 
 VOCAB = 64
 DEFAULTS = dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0)
@@ -29,6 +30,7 @@ SETTINGS = [
     dict(temperature=0.5),
     dict(temperature=1.7),
     dict(top_k=5),
+    dict(top_k=1),
     dict(top_p=0.8),
     dict(min_p=0.05),
     dict(temperature=0.7, top_k=12, top_p=0.9),
@@ -83,6 +85,14 @@ def test_filtered_distribution_equals_hf_warpers(setting):
         assert torch.equal(ours[row] > 0, expected > 0), f"row {row}: a different set of tokens survives"
 
 
+def test_min_p_keeps_tokens_exactly_at_the_threshold():
+    """``min_p=1`` keeps exactly the tokens tied at the maximum probability (HF's ``<`` rule)."""
+    logits = torch.tensor([2.0, 0.0, 2.0, 1.0] + [-1.0] * (VOCAB - 4))
+    ours = Sampler.probabilities(logits[None].clone(), batch_of([dict(min_p=1.0)]))[0]
+    expected = hf_distribution(logits, dict(min_p=1.0))
+    assert torch.allclose(ours, expected, atol=1e-6) and (ours > 0).nonzero().flatten().tolist() == [0, 2]
+
+
 def test_each_row_of_a_mixed_batch_gets_its_own_filters():
     logits = random_logits(len(SETTINGS), seed=1)
     ours = Sampler.probabilities(logits.clone(), batch_of(SETTINGS))
@@ -90,23 +100,54 @@ def test_each_row_of_a_mixed_batch_gets_its_own_filters():
         assert torch.allclose(ours[row], hf_distribution(logits[row], setting), atol=1e-6), setting
 
 
-def test_seeded_draws_follow_the_distribution():
-    """40,000 draws of one row (every filter on), each from its own seeded generator as a seeded
-    request draws. Bound: every token's frequency is within 5 standard deviations of its HF
-    probability (a correct sampler fails one token's check with probability < 6e-7, all 64 with
-    < 4e-5; the seeds are fixed, so the run is deterministic), and filtered-out tokens never appear."""
+def test_seeded_and_unseeded_draws_follow_the_distribution():
+    """40,000 draws of one row (every filter on, at least 5 tokens left), once each from its own
+    seeded generator (as a seeded request draws) and once from the global generator. Bound: every
+    token's frequency is within 5 standard deviations of its HF probability (a correct sampler fails
+    one token's check with probability < 6e-7, all 64 with < 4e-5; the seeds are fixed, so the run is
+    deterministic), and filtered-out tokens never appear."""
     setting = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02)
-    logits = random_logits(1, seed=2)[0]
+    logits = random_logits(1, seed=2)[0] / 3
     expected = hf_distribution(logits, setting)
+    assert int((expected > 0).sum()) >= 5, "too few tokens survive: the check would be weak"
     rows = 40_000
-    generators = [torch.Generator().manual_seed(seed) for seed in range(rows)]
-    ids = Sampler()(logits.repeat(rows, 1), batch_of([setting] * rows, generators)).token_ids
-    freq = torch.bincount(torch.tensor(ids), minlength=VOCAB).double() / rows
-    assert freq[expected == 0].sum() == 0, "a filtered-out token was sampled"
-    for token in torch.nonzero(expected).flatten().tolist():
-        p = expected[token].item()
-        bound = 5 * math.sqrt(p * (1 - p) / rows)
-        assert abs(freq[token].item() - p) <= bound, f"token {token}: {freq[token]:.4f} vs p={p:.4f} (±{bound:.4f})"
+    seeded = [torch.Generator().manual_seed(seed) for seed in range(rows)]
+    torch.manual_seed(0)
+    for generators in (seeded, None):
+        ids = Sampler()(logits.repeat(rows, 1), batch_of([setting] * rows, generators)).token_ids
+        freq = torch.bincount(torch.tensor(ids), minlength=VOCAB).double() / rows
+        assert freq[expected == 0].sum() == 0, "a filtered-out token was sampled"
+        for token in torch.nonzero(expected).flatten().tolist():
+            p = expected[token].item()
+            bound = 5 * math.sqrt(p * (1 - p) / rows)
+            assert abs(freq[token].item() - p) <= bound, f"token {token}: {freq[token]:.4f} vs {p:.4f} (±{bound:.4f})"
+
+
+def test_a_seeded_row_draws_the_same_whatever_its_neighbours():
+    logits = random_logits(4, seed=3) / 3
+    mine = torch.Generator().manual_seed(42)
+    alone = Sampler()(logits[:1].clone(), batch_of([{}], [mine])).token_ids[0]
+    picks = set()
+    for neighbours in range(1, 4):
+        rows = 1 + neighbours
+        gens = [torch.Generator().manual_seed(42)] + [None] * neighbours
+        picks.add(Sampler()(logits[:rows].clone(), batch_of([{}] * rows, gens)).token_ids[0])
+    assert picks == {alone}
+    draws = {
+        Sampler()(logits[:1].clone(), batch_of([{}], [torch.Generator().manual_seed(s)])).token_ids[0]
+        for s in range(40)
+    }
+    assert len(draws) > 1, "different seeds draw differently"
+
+
+def test_greedy_rows_take_the_first_maximum_in_mixed_and_all_greedy_batches():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0]] * 64)
+    assert Sampler()(logits.clone(), batch_of([dict(temperature=0.0)] * 64)).token_ids == [1] * 64
+    mixed = batch_of([dict(temperature=0.0), dict(temperature=1.0)] * 32)
+    torch.manual_seed(0)
+    ids = Sampler()(logits.clone(), mixed).token_ids
+    assert ids[0::2] == [1] * 32, "a greedy row in a sampled batch"
+    assert len(set(ids[1::2])) > 1, "the sampled rows were greedy"
 
 
 def test_logprobs_equal_an_independent_log_softmax(tiny_llm, random_model_dir):
@@ -132,3 +173,43 @@ def test_logprobs_equal_an_independent_log_softmax(tiny_llm, random_model_dir):
         outside_top_k += token not in top
     assert outside_top_k, "every sampled token was in the top-k: the test would not see the extra entry"
     assert out.cumulative_logprob == pytest.approx(ref[range(len(out.token_ids)), out.token_ids].sum().item(), abs=1e-3)
+
+
+def test_sampling_batch_from_sequences():
+    """Each sequence's parameters land in its own row, with the right dtypes; ``min_tokens`` bans
+    name the row; a batch is all-greedy only when every row is."""
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    sampled = SamplingParams(temperature=0.7, top_k=3, top_p=0.9, min_p=0.1, min_tokens=2, max_tokens=5, seed=4)
+    sampled_lp = SamplingParams(temperature=1.0, max_tokens=5, logprobs=2)
+    seqs = [
+        Sequence("g", "g", 0, [1, 2], greedy, 5, min_tokens_banned=[9]),
+        Sequence("s", "s", 0, [1, 2], sampled, 5, min_tokens_banned=[7, 3]),
+        Sequence("l", "l", 0, [1, 2], sampled_lp, 5),
+    ]
+    batch = SamplingBatch.from_seqs(seqs)
+    assert batch.temperature.dtype == torch.float32 and batch.top_p.dtype == torch.float32
+    assert batch.min_p.dtype == torch.float32 and batch.top_k.dtype == torch.int64
+    assert batch.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0])
+    assert batch.top_k.tolist() == [-1, 3, -1]
+    assert batch.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0])
+    assert batch.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0])
+    assert batch.banned == [(1, [3, 7])]  # the greedy row has no min_tokens: nothing banned
+    assert batch.generators[0] is None and batch.generators[1] is seqs[1].generator is not None
+    assert batch.num_logprobs == [None, None, 2]
+    assert batch.all_greedy is False
+    assert SamplingBatch.from_seqs(seqs[:1]).all_greedy is True
+
+
+def test_banned_tokens_are_never_picked_and_logprobs_see_them():
+    """A ``min_tokens`` ban removes the token from greedy and random picks alike, while the
+    logprobs (of the unfiltered distribution) still rank it first."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.5]] * 3)
+    batch = batch_of([dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=1)])
+    batch.banned = [(0, [1]), (1, [1]), (2, [1])]
+    batch.num_logprobs = [1, None, 0]
+    torch.manual_seed(0)
+    out = Sampler()(logits.clone(), batch)
+    assert out.token_ids[0] == 2 and out.token_ids[2] == 2 and out.token_ids[1] != 1
+    assert set(out.logprobs[0]) == {1, 2} and out.logprobs[0][1].rank == 1 and out.logprobs[0][2].rank == 2
+    assert out.logprobs[1] is None
+    assert set(out.logprobs[2]) == {2} and out.logprobs[2][2].rank == 2  # logprobs=0: the sampled token alone

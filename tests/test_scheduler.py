@@ -319,8 +319,31 @@ def test_decode_and_chunked_prefill_share_a_step() -> None:
         assert out.seqs == [a, b]
         chunks.append(out.num_scheduled_tokens[1])
     assert chunks == [7, 7, 7, 7, 2]  # 30 prompt tokens, chunked over five steps under the budget
+    assert sim.scheduler.counters.num_partial_prefills == 4, "4 chunks short of the prompt; decodes are not"
     assert sim.scheduler.counters.num_preemptions == 0
+    first_scheduled = [s.times.first_scheduled for s in sim.seqs]
+    assert None not in first_scheduled
     sim.run()
+    assert [s.times.first_scheduled for s in sim.seqs] == first_scheduled, "set once, at the first scheduling"
+    assert all(s.times.finished is not None and s.times.finished >= s.times.first_scheduled for s in sim.seqs)
+
+
+def test_a_prompt_that_fills_the_budget_exactly_is_not_chunked() -> None:
+    w = Workload(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, extra_blocks=4, requests=[])
+    w.requests = [Request(0, [i % ALPHABET for i in range(8)], 2)]
+    sim = Simulation(w)
+    sim.arrive_and_abort()
+    assert sim.step().num_scheduled_tokens == [8]
+    assert sim.scheduler.counters.num_partial_prefills == 0
+
+
+def test_chunked_prefill_is_the_default() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(bm, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64)
+    seq = Sequence("s", "s", 0, list(range(20)), SamplingParams(max_tokens=4), 4)
+    scheduler.add(seq)
+    assert scheduler.schedule().num_scheduled_tokens == [8]
+    assert scheduler.counters.num_partial_prefills == 1
 
 
 def test_preemption_recomputes_and_everyone_finishes() -> None:
@@ -334,9 +357,11 @@ def test_preemption_recomputes_and_everyone_finishes() -> None:
     )
     sim = Simulation(w)
     sim.run()
-    assert sim.scheduler.counters.num_preemptions > 0
     victim = sim.seqs[1]
-    assert victim.num_preemptions > 0 and sim.seqs[0].num_preemptions == 0, "the newest sequence is preempted"
+    events = sum(out.preempted == [victim] for out in sim.outputs)
+    assert events > 0 and sum(len(out.preempted) for out in sim.outputs) == events
+    assert sim.scheduler.counters.num_preemptions == victim.num_preemptions == events, "one count per preemption"
+    assert sim.seqs[0].num_preemptions == 0, "the newest sequence is preempted"
     assert any(out.preempted == [victim] for out in sim.outputs)
     # re-admitted, its computed full blocks that were not evicted meanwhile come back as a prefix-cache hit
     assert sim.scheduler.counters.prefix_cache_hits > 0

@@ -139,3 +139,20 @@ def test_length_only_at_the_limit_and_after_a_stop():
 @pytest.mark.parametrize("stops, holdback", [([], 0), (["a"], 0), (["abc", "de"], 2)])
 def test_holdback_is_the_longest_stop_string_minus_one(stops, holdback):
     assert StopChecker(SamplingParams(stop=stops, max_tokens=5)).holdback == holdback
+
+
+def test_later_listed_stop_string_that_ends_first_wins_and_ties_keep_list_order():
+    detok = _Text()
+    detok.pieces = ["abcdefg"]
+    assert StopChecker(SamplingParams(stop=["de", "cdef"], max_tokens=9)).update(0, 1, False, detok) == ("stop", "de")
+    assert detok.text == "abc"
+    detok.text = ""
+    assert StopChecker(SamplingParams(stop=["ef", "def"], max_tokens=9)).update(0, 1, False, detok) == ("stop", "ef")
+    assert detok.text == "abcd", "both end at the same character: the first listed wins"
+
+
+def test_a_stop_string_at_the_very_start_of_the_text():
+    detok = _Text()
+    detok.pieces = ["END of it"]
+    assert StopChecker(SamplingParams(stop=["END"], max_tokens=9)).update(0, 1, False, detok) == ("stop", "END")
+    assert detok.text == ""
