@@ -220,7 +220,7 @@ def test_overload_is_refused_fast_and_accepted_requests_finish(ray_serve, long_m
     )
     num_requests, max_tokens = 12, 400
 
-    async def one(c: openai.AsyncOpenAI, i: int) -> dict[str, Any]:
+    async def one(c: openai.AsyncOpenAI, i: int, running: asyncio.Event | None = None) -> dict[str, Any]:
         try:
             stream = await c.completions.create(
                 model="tiny",
@@ -241,11 +241,20 @@ def test_overload_is_refused_fast_and_accepted_requests_finish(ray_serve, long_m
         tokens = 0
         async for chunk in stream:
             tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+            if running is not None:
+                running.set()
         return {"status": 200, "answered_at": time.monotonic(), "tokens": tokens}
 
     async def burst() -> list[dict[str, Any]]:
+        """Two requests first, until both stream (the replica is then full: running, or at
+        max_ongoing_requests), then the other ten at once: exactly two of those fit the queue.
+        (Sent all at once, how many Ray Serve queues depends on how fast it assigns the first two.)"""
         c = client()
-        return await asyncio.gather(*(one(c, i) for i in range(num_requests)))
+        events = [asyncio.Event() for _ in range(2)]
+        first = [asyncio.create_task(one(c, i, e)) for i, e in enumerate(events)]
+        await asyncio.gather(*(e.wait() for e in events))
+        rest = await asyncio.gather(*(one(c, i) for i in range(2, num_requests)))
+        return [*await asyncio.gather(*first), *rest]
 
     sent_at = time.monotonic()
     results = asyncio.run(asyncio.wait_for(burst(), timeout=300))
@@ -253,6 +262,7 @@ def test_overload_is_refused_fast_and_accepted_requests_finish(ray_serve, long_m
     refused = [r for r in results if r["status"] != 200]
     print(case, sorted((r["status"], round(r["answered_at"] - sent_at, 2)) for r in results))
     assert len(accepted) == CAPACITY and len(refused) == num_requests - CAPACITY, results
+    assert [r["status"] for r in results[:2]] == [200, 200]
     assert all(r["tokens"] == max_tokens for r in accepted), accepted
     first_finished = min(r["answered_at"] for r in accepted)
     for r in refused:
