@@ -264,11 +264,11 @@ def test_prefix_hit_reuses_computed_blocks_and_survives_until_evicted() -> None:
     c = make_seq("c", [2, 2, 2, 2, 2, 2, 2])  # needs 4 blocks: only 1 is free
     assert not bm.allocate(c, 7)
     assert bm.allocate(c, 2)  # takes the uncached free block
-    assert len(bm.cached) == 2
+    assert len(bm.cached) == 2 and bm.num_evictions == 0
     bm.free(b)
     bm.forget(b)
     assert bm.allocate(c, 7)  # now the cached blocks must be evicted for c
-    assert bm.cached == {}
+    assert bm.cached == {} and bm.num_evictions == 2
     bm.free(c)
     bm.forget(c)
     assert bm.num_used_blocks == 0

@@ -31,6 +31,7 @@ SETTINGS = [
     dict(temperature=1.7),
     dict(top_k=5),
     dict(top_k=1),
+    dict(top_k=0),  # off, like -1
     dict(top_p=0.8),
     dict(min_p=0.05),
     dict(temperature=0.7, top_k=12, top_p=0.9),
@@ -142,7 +143,9 @@ def test_a_seeded_row_draws_the_same_whatever_its_neighbours():
 
 def test_greedy_rows_take_the_first_maximum_in_mixed_and_all_greedy_batches():
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0]] * 64)
-    assert Sampler()(logits.clone(), batch_of([dict(temperature=0.0)] * 64)).token_ids == [1] * 64
+    all_greedy = batch_of([dict(temperature=0.0)] * 64)
+    all_greedy.all_greedy = True
+    assert Sampler()(logits.clone(), all_greedy).token_ids == [1] * 64
     mixed = batch_of([dict(temperature=0.0), dict(temperature=1.0)] * 32)
     torch.manual_seed(0)
     ids = Sampler()(logits.clone(), mixed).token_ids

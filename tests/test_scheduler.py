@@ -337,6 +337,22 @@ def test_a_prompt_that_fills_the_budget_exactly_is_not_chunked() -> None:
     assert sim.scheduler.counters.num_partial_prefills == 0
 
 
+def test_every_partial_prefill_and_preemption_is_counted() -> None:
+    # two 6-token prompts under a budget of 4: each is admitted with a partial first chunk
+    w = Workload(block_size=2, max_num_batched_tokens=4, max_num_seqs=2, extra_blocks=8, requests=[])
+    w.requests = [Request(0, [0, 1, 2, 0, 1, 2], 1), Request(0, [2, 1, 0, 2, 1, 0], 1)]
+    sim = Simulation(w)
+    sim.run()
+    assert sim.scheduler.counters.num_partial_prefills == 2
+    # three sequences in a cache that holds one grown sequence: the newest is preempted twice
+    w = Workload(block_size=1, max_num_batched_tokens=16, max_num_seqs=4, extra_blocks=0, requests=[])
+    w.requests = [Request(0, [0, 1, 2, 0], 7), Request(0, [2, 2, 1, 0, 1], 7), Request(0, [1, 1, 2], 7)]
+    sim = Simulation(w)
+    sim.run()
+    assert [s.num_preemptions for s in sim.seqs] == [0, 1, 2]
+    assert sim.scheduler.counters.num_preemptions == 3 == sum(len(out.preempted) for out in sim.outputs)
+
+
 def test_chunked_prefill_is_the_default() -> None:
     bm = BlockManager(num_blocks=16, block_size=4)
     scheduler = Scheduler(bm, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=64)
