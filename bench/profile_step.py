@@ -36,7 +36,7 @@ import torch
 from cb_offline import engine_kwargs, greedy, recording_steps, warm_up
 from cpu_accounting import Timer
 from op_profile import op_profile
-from report import log, write_json
+from report import cb_serve_source, log, write_json
 from step_phases import breakdown, print_breakdown
 from throughput import parse_args
 from workload import Workload, make_workload
@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ops, op_kinds = op_profile(llm, make_workload(llm.engine.tokenizer, args.num_requests, args.seed + 1))
     out = {
         "command": " ".join(sys.argv),
+        "cb_serve": cb_serve_source(),
         "workload": workload.summary(),
         "wall_s": timer.wall_s,
         **timer.to_json(),

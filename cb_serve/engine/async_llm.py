@@ -161,11 +161,12 @@ class AsyncLLM:
                     self._stats = engine.get_stats()
                     self._wake.wait(timeout=1.0)
                     continue
-                for out in engine.step():  # contains every failure it can survive
+                outputs = engine.step()  # contains every failure it can survive
+                self._stats = engine.get_stats()  # before the outputs: a caller sees stats at least as new
+                for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(out.error if out.error is not None else out)
-                self._stats = engine.get_stats()
         except BaseException as e:  # noqa: BLE001 - the engine cannot go on; callers are told at once
             logger.exception("engine loop died")
             self.error = e
