@@ -242,16 +242,24 @@ def make_seq(seq_id: str, prompt: list[int]) -> Sequence:
     return Sequence(seq_id, seq_id, 0, prompt, PARAMS, max_tokens=1000)
 
 
+def compute_and_release(bm: BlockManager, seq: Sequence, chunks: list[int]) -> list[int]:
+    """Computes ``seq`` in steps of ``chunks`` tokens (registering full blocks after each), then
+    frees it; returns the block table it had."""
+    for n in chunks:
+        assert bm.allocate(seq, n)
+        seq.num_computed_tokens += n
+        bm.commit_computed(seq)
+    table = list(seq.block_table)
+    bm.free(seq)
+    bm.forget(seq)
+    return table
+
+
 def test_prefix_hit_reuses_computed_blocks_and_survives_until_evicted() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
     a = make_seq("a", [0, 1, 2, 0, 1])
     assert bm.find_cached_prefix(a) == []
-    assert bm.allocate(a, 5)
-    a.num_computed_tokens = 5
-    bm.commit_computed(a)
-    table = list(a.block_table)
-    bm.free(a)
-    bm.forget(a)
+    table = compute_and_release(bm, a, [5])
     assert bm.num_used_blocks == 0 and len(bm.cached) == 2  # two full blocks stay cached while free
 
     b = make_seq("b", [0, 1, 2, 0, 2, 2])
@@ -279,16 +287,7 @@ def test_blocks_registered_over_several_steps_all_hit() -> None:
     prompt of ``4 * block + 1`` tokens reuses all 4 (the last token is always computed)."""
     bm = BlockManager(num_blocks=12, block_size=2)
     prompt = [0, 1, 2, 0, 1, 2, 2, 1, 0]
-    a = make_seq("a", prompt)
-    assert bm.allocate(a, 3)
-    a.num_computed_tokens = 3
-    bm.commit_computed(a)
-    assert bm.allocate(a, 6)
-    a.num_computed_tokens = 9
-    bm.commit_computed(a)
-    table = list(a.block_table)
-    bm.free(a)
-    bm.forget(a)
+    table = compute_and_release(bm, make_seq("a", prompt), [3, 6])
     b = make_seq("b", list(prompt))
     assert bm.find_cached_prefix(b) == table[:4]
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -110,7 +109,6 @@ class EngineMetrics:
             for name in ENGINE_METRICS
         }
         self._engine = engine
-        self._get_stats: Callable[[], EngineStats] = engine.get_stats
         self._counted = {f: 0 for f in _COUNTER_FIELDS}
         self._steps: deque[tuple[StepStats, list[RequestOutput]]] = deque(maxlen=self.MAX_PENDING_STEPS)
         self._last_token: dict[str, float] = {}  # request id -> its latest token time (monotonic)
@@ -144,7 +142,7 @@ class EngineMetrics:
         with self._lock:
             while self._steps:
                 self._record_step(*self._steps.popleft())
-            self._record_stats(self._get_stats())
+            self._record_stats(self._engine.get_stats())
 
     def _record_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
         m = self.m
