@@ -31,20 +31,26 @@ ENGINE_COUNTERS = (
 )
 
 
-async def stream_completion(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict[str, str]
-) -> RequestResult:
-    """One streamed greedy completion of exactly ``max_tokens`` tokens: its TTFT, ITLs and latency."""
-    result = RequestResult(len(prompt), max_tokens)
-    body = {
+def greedy_stream_body(model: str, max_tokens: int, **prompt_or_messages: Any) -> dict[str, Any]:
+    """A streamed, greedy request body for exactly ``max_tokens`` tokens (EOS ignored) that ends
+    with a usage chunk; ``prompt=`` for completions, ``messages=`` for chat."""
+    return {
         "model": model,
-        "prompt": prompt,
+        **prompt_or_messages,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict[str, str]
+) -> RequestResult:
+    """One streamed greedy completion of exactly ``max_tokens`` tokens: its TTFT, ITLs and latency."""
+    result = RequestResult(len(prompt), max_tokens)
+    body = greedy_stream_body(model, max_tokens, prompt=prompt)
     start = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:

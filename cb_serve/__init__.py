@@ -4,6 +4,7 @@ The public API: what ``cb_serve.serve`` and users import (``from cb_serve import
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.async_llm import AsyncLLM
+from cb_serve.engine.processor import PromptEncoder
 from cb_serve.errors import (
     EngineDeadError,
     EngineError,
@@ -17,6 +18,7 @@ from cb_serve.errors import (
 )
 from cb_serve.llm import LLM
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
 from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from cb_serve.stats import EngineStats, StepPhases, StepStats
 
@@ -24,6 +26,9 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "EngineConfig",
+    "PromptEncoder",
+    "PrefixDigest",
+    "prefix_block_hashes",
     "SamplingParams",
     "RequestOutputKind",
     "SEED_MIN",

@@ -1,6 +1,7 @@
 """The import rules of the package, checked on its source (every import, module level or not):
 
-- shared leaf modules (configs, errors, outputs, sampling params, sequences, stats) import only each other;
+- shared leaf modules (configs, errors, outputs, prefix hashes, sampling params, sequences, stats)
+  import only each other;
 - ``attention/`` and ``cpu_ops/`` sit below ``model_executor/``, which sits below ``engine/``:
   nothing imports upwards, so ``engine/`` and ``model_executor/`` never import each other in a circle;
 - ``serve/`` uses only the public API (``from cb_serve import <name in __all__>``) and no private
@@ -18,7 +19,7 @@ import pytest
 import cb_serve
 
 PACKAGE = Path(cb_serve.__file__).parent
-LEAVES = {"config", "errors", "fault_injection", "outputs", "sampling_params", "sequence", "stats"}
+LEAVES = {"config", "errors", "fault_injection", "outputs", "prefix_hash", "sampling_params", "sequence", "stats"}
 # The cb_serve.* groups each group may import (besides itself and the leaves).
 ALLOWED = {
     "leaf": set(),

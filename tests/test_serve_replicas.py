@@ -110,10 +110,10 @@ def test_stale_and_dead_replicas_are_ranked_last():
     assert replica_state({}, now, stale_after, False) == "stale"  # no report yet
     assert replica_state({"time": 99.0, "alive": False}, now, stale_after, False) == "dead"
     assert replica_state({"time": 99.0}, now, stale_after, True) == "dead"
-    assert rank_replicas({"busy": 0.9, "idle": 0.1}, ["old", "new"], ["gone"]) == [["idle"], ["busy"], ["old", "new"]]
-    assert rank_replicas({}, ["old"], ["gone"]) == [["old"]]
-    assert rank_replicas({}, [], ["gone"]) == [["gone"]]
-    assert rank_replicas({}, [], []) == []
+    assert rank_replicas(["idle", "busy"], ["old", "new"], ["gone"]) == [["idle"], ["busy"], ["old", "new"]]
+    assert rank_replicas([], ["old"], ["gone"]) == [["old"]]
+    assert rank_replicas([], [], ["gone"]) == [["gone"]]
+    assert rank_replicas([], [], []) == []
 
 
 @pytest.mark.timeout(600)

@@ -22,6 +22,7 @@ from cb_serve.errors import (
     RequestFailedError,
 )
 from cb_serve.outputs import RequestOutput
+from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.stats import EngineStats
 
@@ -54,6 +55,7 @@ class AsyncLLM:
         self.config = config
         self.model_name = self._engine.model_name
         self.max_model_len = self._engine.max_model_len
+        self.block_size = self._engine.block_size
         # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
         self.tokenizer = copy.deepcopy(self._engine.tokenizer)
         self.processor = self._engine.processor.with_tokenizer(self.tokenizer)
@@ -64,6 +66,8 @@ class AsyncLLM:
         self._closing: EngineError | None = None  # set by close_streams(): new requests are refused
         self.error: BaseException | None = None
         self._stats = self._engine.get_stats()
+        self._digest = self._engine.cache_digest()
+        self._digest_wanted = False
         self._thread = threading.Thread(target=self._loop, name="cb-serve-engine", daemon=True)
         self._thread.start()
 
@@ -117,6 +121,15 @@ class AsyncLLM:
         """A snapshot taken by the engine thread after its latest step."""
         return self._stats
 
+    def get_cache_digest(self) -> PrefixDigest | None:
+        """What the prefix cache held when the engine thread last refreshed this (None without
+        prefix caching). Each call asks for a refresh after the current step, so polling every
+        P seconds gives digests at most P seconds plus one step old, and costs nothing unpolled."""
+        if not self._digest_wanted:
+            self._digest_wanted = True
+            self._wake.set()
+        return self._digest
+
     def add_step_listener(self, listener: StepListener) -> None:
         """``listener(stats, outputs)`` runs on the engine thread after every step (see
         ``LLMEngine.add_step_listener``): queue what you need and return."""
@@ -158,11 +171,11 @@ class AsyncLLM:
                 self._wake.clear()
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
-                    self._stats = engine.get_stats()
+                    self._snapshot()
                     self._wake.wait(timeout=1.0)
                     continue
                 outputs = engine.step()  # contains every failure it can survive
-                self._stats = engine.get_stats()  # before the outputs: a caller sees stats at least as new
+                self._snapshot()  # before the outputs: a caller sees stats at least as new
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
@@ -176,6 +189,12 @@ class AsyncLLM:
                 engine.abort_request(list(engine.requests))
             except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
                 logger.exception("freeing the requests of the dead engine failed")
+
+    def _snapshot(self) -> None:
+        self._stats = self._engine.get_stats()
+        if self._digest_wanted:
+            self._digest_wanted = False
+            self._digest = self._engine.cache_digest()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
-from collections.abc import Sequence as Seq
 
-import numpy as np
-
+from cb_serve.prefix_hash import CountingBloom, PrefixDigest, chain_hash, num_hit_blocks
 from cb_serve.sequence import Sequence
 
 
@@ -22,20 +19,14 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(parent: bytes | None, token_ids: Seq[int]) -> bytes:
-    """Collision-safe content hash of a full block, chained over its whole prefix."""
-    digest = hashlib.sha256(parent or b"")
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return digest.digest()
-
-
 class BlockManager:
     """Owns which KV blocks each sequence uses.
 
     Free blocks wait in an LRU pool. A full block whose KV is computed is registered under
     its chained hash; when freed it stays in the pool *with* its content, so a later prompt
     with the same prefix takes it back (a prefix-cache hit) until it is evicted by reuse.
-    Uncached free blocks are handed out before cached ones.
+    Uncached free blocks are handed out before cached ones. ``digest()`` summarizes the cached
+    blocks for the router (``prefix_hash.PrefixDigest``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -48,6 +39,7 @@ class BlockManager:
         self.block_hashes: dict[str, list[bytes]] = {}  # seq id -> hashes of its full blocks
         self.num_registered: dict[str, int] = {}  # seq id -> leading blocks already registered
         self.num_evictions = 0  # cached blocks whose content was dropped for reuse
+        self.bloom = CountingBloom(num_blocks, block_size) if enable_prefix_caching else None
 
     @property
     def num_blocks(self) -> int:
@@ -77,7 +69,7 @@ class BlockManager:
         the last one must be computed to get logits)."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = num_hit_blocks(seq.num_tokens, self.block_size)
         hit: list[int] = []
         bs = self.block_size
         for i, h in enumerate(self._hashes(seq, max_blocks)[:max_blocks]):
@@ -98,6 +90,7 @@ class BlockManager:
                 block.hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self.cached[hashes[i]] = block.block_id
+                self.bloom.add(hashes[i])
         self.num_registered[seq.seq_id] = max(start, num_full)
 
     # ---- allocation -----------------------------------------------------------------
@@ -129,8 +122,7 @@ class BlockManager:
         assert block.ref_count == 0
         if block.hash is not None:  # evict its cached content
             self.num_evictions += 1
-            del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            self._uncache(block)
         block.ref_count = 1
         return block_id
 
@@ -156,12 +148,20 @@ class BlockManager:
         """Drop per-sequence hash state once a sequence is finished for good."""
         self.block_hashes.pop(seq.seq_id, None)
 
+    def _uncache(self, block: Block) -> None:
+        del self.cached[block.hash]
+        self.bloom.remove(block.hash)
+        block.hash, block.token_ids = None, ()
+
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_pool:
             block = self.blocks[block_id]
             if block.hash is not None:
-                del self.cached[block.hash]
-                block.hash, block.token_ids = None, ()
+                self._uncache(block)
+
+    def digest(self) -> PrefixDigest | None:
+        """What the prefix cache holds, for routing; None without prefix caching."""
+        return self.bloom.digest() if self.bloom is not None else None
 
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Every block is either free (ref 0, in the pool once) or referenced exactly as
@@ -175,3 +175,8 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in self.free_pool)
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].hash == h
+        if self.bloom is not None:
+            expected = CountingBloom(self.num_blocks, self.block_size)
+            for h in self.cached:
+                expected.add(h)
+            assert (expected.counts == self.bloom.counts).all() and self.bloom.num_entries == len(self.cached)

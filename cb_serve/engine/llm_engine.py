@@ -27,6 +27,7 @@ from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.model_executor.sampler import SamplerOutput
 from cb_serve.outputs import CompletionOutput, RequestOutput
+from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 from cb_serve.stats import EngineStats, StepPhases, StepStats
@@ -343,6 +344,10 @@ class LLMEngine:
                 listener(stats, outputs)
             except Exception:  # noqa: BLE001 - an observer must not stop the engine
                 logger.exception("step listener %r failed", listener)
+
+    def cache_digest(self) -> PrefixDigest | None:
+        """What the prefix cache holds now (a fixed-size Bloom filter), for KV-cache-aware routing."""
+        return self.block_manager.digest()
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler

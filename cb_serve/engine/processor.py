@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass, replace
 
 from cb_serve.config import EngineConfig
 from cb_serve.errors import InvalidRequestError
+from cb_serve.model_executor import loader
 from cb_serve.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -44,9 +46,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}.")
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("The prompt is empty.", "prompt")
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            text, token_ids = prompt, encode_text(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)):
             text, token_ids = None, list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
@@ -97,6 +97,13 @@ class InputProcessor:
             raise InvalidRequestError(f"logprobs is limited to {c.max_logprobs}, got {params.logprobs}.", "logprobs")
 
 
+def encode_text(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS)."""
+    if not prompt:
+        raise InvalidRequestError("The prompt is empty.", "prompt")
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template."""
     if not messages:
@@ -108,3 +115,21 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     except Exception as e:  # template errors (bad roles, order) are the caller's input
         raise InvalidRequestError(f"The chat template rejected the messages: {e}", "messages") from e
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class PromptEncoder:
+    """Turns prompts and conversations into token ids exactly as the engine does, for a front end
+    that tokenizes once and sends ids (the HTTP router). Loads only the tokenizer; thread-safe."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        source = loader.resolve_model_source(config.model)
+        self.tokenizer = loader.load_tokenizer(source, config.tokenizer, config.trust_remote_code)
+        self._lock = threading.Lock()  # HF tokenizers are not thread-safe
+
+    def encode(self, prompt: str) -> list[int]:
+        with self._lock:
+            return encode_text(self.tokenizer, prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        with self._lock:
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt)

@@ -12,6 +12,8 @@ from cb_serve import EngineConfig
 from cb_serve.serve.engine_replica import EngineReplica
 from cb_serve.serve.router import Router, RouterSettings
 
+DEFAULT_REQUEST_ROUTER = "cb_serve.serve.request_router:KVCacheAwareRouter"
+
 
 class ReplicaOptions(BaseModel):
     """Deployment options of the engine replicas (``engine_replica``) or routers
@@ -30,6 +32,34 @@ class ReplicaOptions(BaseModel):
     ray_actor_options: dict[str, Any] | None = None
 
 
+class RoutingSettings(BaseModel):
+    """How requests are spread over engine replicas: the ``request_router_config`` of
+    ``EngineReplica``. The knobs are those of ``KVCacheAwareRouter`` (``request_router.py``);
+    another ``request_router_class`` (e.g. Ray Serve's ``PowerOfTwoChoicesRequestRouter``) gets
+    ``request_router_kwargs`` instead."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_router_class: str = DEFAULT_REQUEST_ROUTER
+    prefix_weight: float = Field(1.0, ge=0, description="Cost cut of an expected prefix hit of one token budget.")
+    imbalance_threshold: float = Field(0.25, ge=0, description="Load lead beyond which load alone decides.")
+    session_affinity: bool = Field(True, description="Requests with one user / x-session-id prefer one replica.")
+    stale_after_s: float | None = Field(None, gt=0, description="Default: 4 stats periods, at least 2 s.")
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def router_kwargs(self, stats_period_s: float) -> dict[str, Any]:
+        if self.request_router_class != DEFAULT_REQUEST_ROUTER:
+            return self.request_router_kwargs
+        # A replica whose reports stop (its process died, its node is gone) ranks last after stale_after_s.
+        return {
+            "stale_after_s": self.stale_after_s or max(2.0, 4 * stats_period_s),
+            "prefix_weight": self.prefix_weight,
+            "imbalance_threshold": self.imbalance_threshold,
+            "session_affinity": self.session_affinity,
+            **self.request_router_kwargs,
+        }
+
+
 class AppArgs(BaseModel):
     """The ``args`` of the application in a Serve config file."""
 
@@ -39,6 +69,7 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="Engine arguments (see EngineConfig).")
     router: RouterSettings = Field(default_factory=RouterSettings)
     routing_stats_period_s: float = Field(0.5, gt=0)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     engine_replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
     router_replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
 
@@ -55,15 +86,15 @@ class AppArgs(BaseModel):
 def build_app(args: dict[str, Any]) -> Application:
     """Router (HTTP ingress) in front of ``EngineReplica`` deployments, from validated ``args``."""
     parsed = AppArgs.model_validate(args or {})
+    engine_args = {"model": parsed.model, **parsed.engine}
     engine = EngineReplica.options(
         **parsed.engine_replica.model_dump(exclude_none=True),
         request_router_config=RequestRouterConfig(
-            request_router_class="cb_serve.serve.request_router:KVCacheAwareRouter",
+            request_router_class=parsed.routing.request_router_class,
             request_routing_stats_period_s=parsed.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 2 * parsed.routing_stats_period_s),
-            # A replica whose reports stop (its process died, its node is gone) ranks last after this.
-            request_router_kwargs={"stale_after_s": max(2.0, 4 * parsed.routing_stats_period_s)},
+            request_router_kwargs=parsed.routing.router_kwargs(parsed.routing_stats_period_s),
         ),
-    ).bind({"model": parsed.model, **parsed.engine})
+    ).bind(engine_args)
     router = Router.options(**parsed.router_replica.model_dump(exclude_none=True))
-    return router.bind(engine, parsed.router.model_dump())
+    return router.bind(engine, parsed.router.model_dump(), engine_args)

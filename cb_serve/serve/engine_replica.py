@@ -10,7 +10,8 @@ from typing import Any
 
 from ray import serve
 
-from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob, SamplingParams
+from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob
+from cb_serve.serve.engine_request import EngineRequest
 from cb_serve.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -54,19 +55,16 @@ class EngineReplica:
         self.metrics = EngineMetrics(self.engine, self.engine.model_name)  # cb_serve_* metrics (metrics.py)
         self.num_requests = 0  # generate() calls in progress, including those the engine has not taken yet
 
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
-        """``payload``: request_id, params (SamplingParams), and prompt (str | token ids) or
-        messages (chat). Yields, per engine output, a list with one dict per completion index
-        that advanced (one stream item per step, whatever ``n``)."""
-        params: SamplingParams = payload["params"]
-        request_id = payload["request_id"]
-        if "messages" in payload:
-            prompt = self.engine.apply_chat_template(payload["messages"], payload.get("add_generation_prompt", True))
-        else:
-            prompt = payload["prompt"]
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[dict[str, Any]]]:
+        """Streams ``request`` (token ids: the router tokenized it). Yields, per engine output, a
+        list with one dict per completion index that advanced (one stream item per step,
+        whatever ``n``), with the prefix-hit tokens served beside those the request router
+        expected of this replica (None: it had no fresh report)."""
+        request_id = request.request_id
+        expected = (request.expected_hit_tokens or {}).get(self.replica_id)
         self.num_requests += 1
         try:
-            async for out in self.engine.generate(prompt, params, request_id):
+            async for out in self.engine.generate(request.prompt_token_ids, request.params, request_id):
                 yield [
                     {
                         "index": c.index,
@@ -77,6 +75,7 @@ class EngineReplica:
                         "stop_reason": c.stop_reason,
                         "prompt_tokens": len(out.prompt_token_ids),
                         "cached_tokens": out.num_cached_tokens,
+                        "expected_cached_tokens": expected,
                         "replica": self.replica_id,
                     }
                     for c in out.outputs
@@ -95,7 +94,9 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for the request router (see ``request_router.KVCacheAwareRouter``)."""
         s = self.engine.get_stats()
+        digest = self.engine.get_cache_digest()
         return {
+            "prefix_cache": digest.to_dict() if digest is not None else None,  # what it holds (a Bloom filter)
             "kv_cache_usage": s.kv_cache_usage,
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
@@ -122,7 +123,13 @@ class EngineReplica:
         return {**s.__dict__, **extra}
 
     async def model_info(self) -> dict[str, Any]:
-        return {"model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+        """What the router needs to tokenize and hash prompts as this replica's engine does."""
+        return {
+            "model": self.engine.model_name,
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.engine.block_size,
+            "enable_prefix_caching": self.engine.config.enable_prefix_caching,
+        }
 
     async def __del__(self) -> None:  # pragma: no cover - best effort at replica shutdown
         await asyncio.to_thread(self.engine.shutdown)

@@ -57,6 +57,14 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
 ROUTER_METRICS: dict[str, tuple[str, str]] = {
     "router_requests": ("counter", "Requests the router sent to each engine replica (label engine_replica)."),
     "router_rejections": ("counter", "Requests answered with an error, by HTTP status and error type."),
+    "router_predicted_prefix_hit_tokens": (
+        "counter",
+        "Prompt tokens the request router expected each engine replica's prefix cache to serve.",
+    ),
+    "router_prefix_hit_tokens": (
+        "counter",
+        "Prompt tokens the engine replicas' prefix caches served, for requests the router sent them.",
+    ),
 }
 BUCKETS: dict[str, list[float]] = {
     "time_to_first_token_seconds": LATENCY_BUCKETS,
@@ -192,9 +200,18 @@ class RouterMetrics:
         api = api or _serve_metrics()
         self.requests = _make(api, "router_requests", ("model", "engine_replica"), {})
         self.rejections = _make(api, "router_rejections", ("status", "type"), {})
+        self.predicted_hits = _make(api, "router_predicted_prefix_hit_tokens", ("model", "engine_replica"), {})
+        self.hits = _make(api, "router_prefix_hit_tokens", ("model", "engine_replica"), {})
 
-    def routed(self, model: str, engine_replica: str) -> None:
-        self.requests.inc(1, tags={"model": model, "engine_replica": engine_replica})
+    def routed(self, model: str, engine_replica: str, predicted_hit_tokens: int | None, hit_tokens: int) -> None:
+        """One request sent to ``engine_replica``: what the router expected of its prefix cache
+        (None: no prediction, e.g. the replica had no fresh report) and what it served."""
+        tags = {"model": model, "engine_replica": engine_replica}
+        self.requests.inc(1, tags=tags)
+        if predicted_hit_tokens:  # Ray's counters take only positive increments
+            self.predicted_hits.inc(predicted_hit_tokens, tags=tags)
+        if hit_tokens:
+            self.hits.inc(hit_tokens, tags=tags)
 
     def rejected(self, status: int, error_type: str) -> None:
         self.rejections.inc(1, tags={"status": str(status), "type": error_type})

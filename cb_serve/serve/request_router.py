@@ -1,9 +1,8 @@
-"""Load-aware replica choice for Ray Serve's custom request router API.
+"""KV-cache-aware replica choice for Ray Serve's custom request router API.
 
-Policy: each engine replica reports (``record_routing_stats``, every
-``routing_stats_period_s``) its KV-cache usage, the requests it holds (running, waiting or
-just arrived) and its queued prompt tokens, stamped with the time of the report. A
-replica's load is
+Load: each engine replica reports (``record_routing_stats``, every ``routing_stats_period_s``)
+its KV-cache usage, the requests it holds (running, waiting or just arrived) and its queued
+prompt tokens, stamped with the time of the report. A replica's load is
 
     kv_cache_usage + num_waiting_tokens / token_budget + (num_requests + sent) / max_num_seqs
 
@@ -12,17 +11,36 @@ know them yet), so a burst arriving between two reports spreads out instead of p
 the replica that looked idle. Each pick counts at once, before the request is even
 dispatched, so concurrent routing decisions see each other.
 
-Replicas are tried lowest load first; loads within ``TIE`` of each other are shuffled, so
-equally loaded replicas share the work at random. A replica without a report, or whose
-report is older than ``stale_after_s`` (its ``record_routing_stats`` is failing or timing
-out), is tried only after every replica with a fresh report; among those Ray Serve picks
-the one with the fewest requests in flight. A replica whose report says its engine is dead
-(``alive: False``), or that this process found dead or closing since that report
-(``replica_health``; the ingress then retries elsewhere), is skipped; only when every
-replica is dead is one tried anyway, so the client gets a fast, retryable 503 instead of
-waiting. Replicas at ``max_ongoing_requests`` are skipped by Ray Serve, which then tries the
-next one (or queues the request, up to ``max_queued_requests``, beyond which the caller gets
-``BackPressureError``).
+Prefix affinity: the report also carries the replica's ``PrefixDigest`` (a Bloom filter over
+the hashes of the KV blocks its prefix cache holds). The router hashes the request's leading
+full blocks with the engine's own function (``prefix_block_hashes``), and a replica's
+``expected_hit_tokens`` is the longest run of those blocks the digest holds; what counts is
+its *advantage*, the part beyond what a majority of the replicas hold (``hit_advantage``). Among
+the replicas whose load is within ``imbalance_threshold`` of the least loaded one, the cost
+
+    load - prefix_weight * hit_advantage / token_budget
+
+orders them (a hit saves prefill work in the same unit the load counts queued prompt tokens
+in); the replicas beyond the threshold follow, by load. So a hot shared prefix that most
+replicas hold decides nothing, and one that a single replica holds draws requests only until
+its load pulls ahead by the threshold. A request with a session (the ``user`` field or an
+``x-session-id`` header) goes first to the replica its session last went to, when that one
+is within the threshold. Costs within ``TIE`` of each other are shuffled, so equal replicas
+share the work at random.
+
+Health: a replica without a report, or whose report is older than ``stale_after_s`` (its
+``record_routing_stats`` is failing or timing out), is tried only after every replica with a
+fresh report; among those Ray Serve picks the one with the fewest requests in flight. A
+replica whose report says its engine is dead (``alive: False``), or that this process found
+dead or closing since that report (``replica_health``; the ingress then retries elsewhere),
+is skipped; only when every replica is dead is one tried anyway, so the client gets a fast,
+retryable 503 instead of waiting. Replicas at ``max_ongoing_requests`` are skipped by Ray
+Serve, which then tries the next one (or queues the request, up to ``max_queued_requests``,
+beyond which the caller gets ``BackPressureError``).
+
+The knobs are ``request_router_kwargs`` (``initialize_state``): ``stale_after_s``,
+``prefix_weight`` (0 turns prefix affinity off), ``imbalance_threshold`` and
+``session_affinity``.
 """
 
 from __future__ import annotations
@@ -34,9 +52,12 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cb_serve import PrefixDigest
 from cb_serve.serve import replica_health
+from cb_serve.serve.engine_request import EngineRequest
 
 TIE = 0.02  # loads closer than this are equal (less than one request when max_num_seqs < 50)
+MAX_SESSIONS = 10_000  # sessions remembered (least recently routed forgotten first)
 
 
 def replica_load(stats: dict[str, Any], sent_since_report: int) -> float:
@@ -49,6 +70,24 @@ def replica_load(stats: dict[str, Any], sent_since_report: int) -> float:
         + stats.get("num_waiting_tokens", 0) / budget
         + (requests + sent_since_report) / max_seqs
     )
+
+
+def expected_hit_tokens(stats: dict[str, Any], request: EngineRequest | None) -> int:
+    """Prompt tokens of ``request`` that the replica's reported prefix cache would serve."""
+    digest = stats.get("prefix_cache")
+    if request is None or not digest or not request.block_hashes or digest["block_size"] != request.block_size:
+        return 0
+    return PrefixDigest.from_dict(digest).hit_blocks(request.block_hashes) * request.block_size
+
+
+def hit_advantage(hits: dict[Any, int]) -> dict[Any, int]:
+    """Each replica's expected hit beyond what a majority of the replicas holds: a prefix most
+    replicas hold (one system prompt for everyone) is cheap anywhere, and the others get it with
+    their first request, so it draws no traffic; a conversation's history held by one does."""
+    if not hits:
+        return {}
+    common = sorted(hits.values(), reverse=True)[len(hits) // 2]
+    return {r: max(0, h - common) for r, h in hits.items()}
 
 
 def order_by_load(loads: dict[Any, float], tie: float = TIE) -> list[Any]:
@@ -66,6 +105,32 @@ def order_by_load(loads: dict[Any, float], tie: float = TIE) -> list[Any]:
     return ordered + group
 
 
+def order_by_cost(
+    loads: dict[Any, float],
+    hit_fraction: dict[Any, float],
+    prefix_weight: float,
+    imbalance_threshold: float,
+    preferred: Any = None,
+) -> list[Any]:
+    """Replicas within ``imbalance_threshold`` of the lowest load, by ``load - prefix_weight *
+    hit_fraction`` (``preferred`` first among them, if it is one), then the rest by load.
+    ``hit_fraction``: expected hit tokens over the replica's token budget."""
+    if not loads:
+        return []
+    lowest = min(loads.values())
+    near = {
+        r: load - prefix_weight * hit_fraction.get(r, 0.0)
+        for r, load in loads.items()
+        if load - lowest <= imbalance_threshold
+    }
+    far = {r: load for r, load in loads.items() if r not in near}
+    ordered = order_by_load(near)
+    if preferred in near:
+        ordered.remove(preferred)
+        ordered.insert(0, preferred)
+    return ordered + order_by_load(far)
+
+
 def replica_state(stats: dict[str, Any], now: float, stale_after_s: float, marked_unavailable: bool) -> str:
     """``"dead"`` (it said so, or a router saw it fail after its report), ``"fresh"`` (a report
     at most ``stale_after_s`` old) or ``"stale"`` (no report yet, or an old one)."""
@@ -77,11 +142,11 @@ def replica_state(stats: dict[str, Any], now: float, stale_after_s: float, marke
     return "stale"
 
 
-def rank_replicas(fresh: dict[Any, float], stale: list[Any], dead: list[Any]) -> list[list[Any]]:
+def rank_replicas(ordered_fresh: list[Any], stale: list[Any], dead: list[Any]) -> list[list[Any]]:
     """Ray Serve's ranks (tried in order; a full replica is skipped for the next): fresh replicas
-    one by one, lowest load first; then the stale ones together (Serve picks among them by
+    one by one, in the order given; then the stale ones together (Serve picks among them by
     requests in flight); dead ones only when there is nothing else."""
-    ranks = [[replica] for replica in order_by_load(fresh)]
+    ranks = [[replica] for replica in ordered_fresh]
     if not ranks and not stale:
         return [dead] if dead else []
     return ranks + ([stale] if stale else [])
@@ -93,17 +158,38 @@ def _request_key(pending_request: PendingRequest | None) -> Any:
     return getattr(pending_request.metadata, "internal_request_id", None) or id(pending_request)
 
 
+def _engine_request(pending_request: PendingRequest | None) -> EngineRequest | None:
+    args = pending_request.args if pending_request is not None else ()
+    return args[0] if args and isinstance(args[0], EngineRequest) else None
+
+
 class KVCacheAwareRouter(RequestRouter):
     """Ray Serve request router for ``EngineReplica`` (``request_router_config``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.stale_after_s = 10.0
+        self.initialize_state()
         self._sends: dict[ReplicaID, dict[Any, float]] = defaultdict(dict)  # request key -> time sent
         self._picked: OrderedDict[Any, tuple[ReplicaID, float]] = OrderedDict()  # oldest first
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> replica unique id
 
-    def initialize_state(self, stale_after_s: float = 10.0, **kwargs: Any) -> None:
+    def initialize_state(
+        self,
+        stale_after_s: float = 10.0,
+        prefix_weight: float = 1.0,
+        imbalance_threshold: float = 0.25,
+        session_affinity: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """``prefix_weight``: how much an expected prefix hit of one token budget lowers a
+        replica's cost (0: load only). ``imbalance_threshold``: how far above the least loaded
+        replica (in load units: 1 = a full ``max_num_seqs``) a replica may be and still win by
+        its cache or session. ``session_affinity``: follow the ``user`` / ``x-session-id``."""
+        assert stale_after_s > 0 and prefix_weight >= 0 and imbalance_threshold >= 0
         self.stale_after_s = stale_after_s
+        self.prefix_weight = prefix_weight
+        self.imbalance_threshold = imbalance_threshold
+        self.session_affinity = session_affinity
 
     def _record_send(self, key: Any, replica_id: ReplicaID, now: float) -> None:
         """Counts request ``key`` against ``replica_id`` (moving it if it was counted elsewhere)."""
@@ -126,7 +212,10 @@ class KVCacheAwareRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         now = time.time()
-        fresh: dict[RunningReplica, float] = {}
+        request = _engine_request(pending_request)
+        loads: dict[RunningReplica, float] = {}
+        hits: dict[RunningReplica, int] = {}
+        budgets: dict[RunningReplica, int] = {}
         stale: list[RunningReplica] = []
         dead: list[RunningReplica] = []
         for replica in candidate_replicas:
@@ -136,13 +225,24 @@ class KVCacheAwareRouter(RequestRouter):
             if state == "dead":
                 dead.append(replica)
             elif state == "fresh":
-                fresh[replica] = replica_load(stats, self._sent_since(replica.replica_id, stats["time"]))
+                loads[replica] = replica_load(stats, self._sent_since(replica.replica_id, stats["time"]))
+                hits[replica] = expected_hit_tokens(stats, request) if self.prefix_weight else 0
+                budgets[replica] = max(1, stats.get("token_budget", 1))
             else:
                 self._sent_since(replica.replica_id, now - self.stale_after_s)
                 stale.append(replica)
-        ranks = rank_replicas(fresh, stale, dead)
+        session = request.session_id if request is not None and self.session_affinity else None
+        preferred_id = self._sessions.get(session) if session else None
+        preferred = next((r for r in loads if r.replica_id.unique_id == preferred_id), None)
+        advantage = hit_advantage(hits)
+        fractions = {r: advantage[r] / budgets[r] for r in loads}
+        ranks = rank_replicas(
+            order_by_cost(loads, fractions, self.prefix_weight, self.imbalance_threshold, preferred), stale, dead
+        )
+        if request is not None:  # travels with the request: the replica reports what was expected of it
+            request.expected_hit_tokens = {r.replica_id.unique_id: h for r, h in hits.items()}
         key = _request_key(pending_request)
-        if fresh and key is not None:  # count the pick now; on_request_routed corrects it if Ray took another
+        if loads and key is not None:  # count the pick now; on_request_routed corrects it if Ray took another
             self._record_send(key, ranks[0][0].replica_id, now)
         return ranks
 
@@ -151,3 +251,9 @@ class KVCacheAwareRouter(RequestRouter):
         picked = self._picked.get(key)
         if key is not None and (picked is None or picked[0] != replica_id):
             self._record_send(key, replica_id, time.time())
+        request = _engine_request(pending_request)
+        if request is not None and request.session_id and self.session_affinity:
+            self._sessions[request.session_id] = replica_id.unique_id
+            self._sessions.move_to_end(request.session_id)
+            while len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)

@@ -9,6 +9,7 @@ and never sent.
 """
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -31,15 +32,19 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cb_serve import (
+    EngineConfig,
     EngineDeadError,
     EngineOverloadedError,
     EngineShutdownError,
     EngineUnavailableError,
     InvalidRequestError,
+    PromptEncoder,
     RequestFailedError,
     StepFailedError,
+    prefix_block_hashes,
 )
 from cb_serve.serve.engine_replica import log_to_serve
+from cb_serve.serve.engine_request import ChatEngineRequest, EngineRequest
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from cb_serve.serve.replica_health import mark_unavailable
@@ -57,6 +62,7 @@ class RouterSettings(BaseModel):
 
 RETRY_AFTER_S = 1  # Retry-After of overload answers (the openai client honours it when it retries)
 REPLICA_HEADER = "x-cb-replica"  # which engine replica served the request (operators, tests)
+SESSION_HEADER = "x-session-id"  # requests of one session prefer one replica (so does the ``user`` field)
 MAX_JSON_DEPTH = 64  # nesting of [ and { in a request body
 MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut
 HEALTH_TIMEOUT_S = 5.0
@@ -226,20 +232,29 @@ def _chat_logprobs(entries: list[dict] | None) -> dict[str, Any] | None:
 @serve.deployment(max_ongoing_requests=1024, graceful_shutdown_timeout_s=40)
 @serve.ingress(app)
 class Router:
-    """Validates requests, checks the API key and size limits, and streams from the engine
-    replica the request router picks (see ``request_router.KVCacheAwareRouter``)."""
+    """Validates requests, checks the API key and size limits, applies the chat template and
+    tokenizes (once: the engine replica gets token ids), hashes the prompt's leading KV blocks
+    for the request router, and streams from the engine replica it picks (see
+    ``request_router.KVCacheAwareRouter``)."""
 
-    def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]) -> None:
+    def __init__(self, engine: DeploymentHandle, settings: dict[str, Any], engine_args: dict[str, Any]) -> None:
         log_to_serve()
         self.engine = engine
         self.settings = RouterSettings(**settings)
         self.api_key = self.settings.api_key or os.environ.get("CB_SERVE_API_KEY") or None
+        self.encoder = PromptEncoder(EngineConfig.from_kwargs(**engine_args))
         self.model_name: str | None = self.settings.served_model_name
+        self.engine_info: dict[str, Any] | None = None
+
+    async def _info(self) -> dict[str, Any]:
+        """The engine replicas' model name, block size and whether they cache prefixes."""
+        if self.engine_info is None:
+            self.engine_info = await self.engine.model_info.remote()
+        return self.engine_info
 
     async def _model(self) -> str:
         if self.model_name is None:
-            info = await self.engine.model_info.remote()
-            self.model_name = info["model"]
+            self.model_name = (await self._info())["model"]
         return self.model_name
 
     async def _check(self, request: Request, requested_model: str | None) -> None:
@@ -322,39 +337,62 @@ class Router:
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         req = await self._parse(request, CompletionRequest)
-        payload = {"prompt": req.prompt}
-        return await self._respond(req, payload, chat=False)
+        prompt = req.prompt
+        token_ids = await self._encode(self.encoder.encode, prompt) if isinstance(prompt, str) else list(prompt)
+        return await self._respond(request, req, EngineRequest, token_ids, prompt=prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
-        payload = {
-            "messages": [m.to_template() for m in req.messages],
-            "add_generation_prompt": req.add_generation_prompt,
-        }
-        return await self._respond(req, payload, chat=True)
+        messages = [m.to_template() for m in req.messages]
+        token_ids = await self._encode(self.encoder.encode_chat, messages, req.add_generation_prompt)
+        return await self._respond(request, req, ChatEngineRequest, token_ids, messages=messages)
 
-    async def _respond(self, req, payload: dict[str, Any], chat: bool):
+    async def _encode(self, encode, *args) -> list[int]:
+        """Tokenizes off the event loop; the client's input errors become 400s."""
+        try:
+            return await asyncio.to_thread(encode, *args)
+        except InvalidRequestError as e:
+            raise APIError(400, short(str(e)), param=e.param) from None
+
+    async def _respond(self, request: Request, req, kind: type[EngineRequest], token_ids: list[int], **text):
+        chat = kind is ChatEngineRequest
         cap = self.settings.max_tokens_cap
         try:  # without max_tokens: 16 for completions (OpenAI's default), the cap (or the context) for chat
             params = req.to_sampling_params(cap if chat else 16, cap)
         except InvalidRequestError as e:
             raise APIError(400, short(str(e)), param=e.param) from None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        payload.update(request_id=request_id, params=params)
+        info = await self._info()
+        block_size = info["block_size"] if info.get("enable_prefix_caching") else 0
+        # At most a context's worth: a longer prompt is refused by the engine, and this runs on the event loop.
+        hashed = token_ids[: info["max_model_len"]]
+        hashes = b"".join(prefix_block_hashes(hashed, block_size)) if block_size else b""
+        session = request.headers.get(SESSION_HEADER) or req.user
+        payload = kind(
+            request_id=request_id,
+            params=params,
+            prompt_token_ids=token_ids,
+            block_size=block_size,
+            block_hashes=hashes,
+            session_id=hashlib.sha256(session.encode()).hexdigest() if session else None,
+            **text,
+        )
         gen, first = await self._start(payload)
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
         replica = first[0]["replica"] if first else None
         headers = {REPLICA_HEADER: replica} if replica else None
         if replica:
-            router_metrics().routed(meta["model"], replica)
+            router_metrics().routed(
+                meta["model"], replica, first[0]["expected_cached_tokens"], first[0]["cached_tokens"]
+            )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._sse(gen, first, meta, req.n, include_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(await self._collect(gen, first, meta, req.n), headers=headers)
 
-    async def _start(self, payload: dict[str, Any]) -> tuple[Any, list[dict[str, Any]] | None]:
+    async def _start(self, payload: EngineRequest) -> tuple[Any, list[dict[str, Any]] | None]:
         """Sends the request to an engine replica and waits for its first output, so errors (bad
         input, overload) surface before any byte is sent; retries elsewhere when the replica
         could not take it (``ROUTE_ATTEMPTS``)."""
@@ -371,8 +409,8 @@ class Router:
                     mark_unavailable(replica)
                 retry = isinstance(cause, (EngineUnavailableError, EngineShutdownError))
                 if not retry or attempt == ROUTE_ATTEMPTS:
-                    raise engine_error(e, payload["request_id"]) from None
-                logger.warning("request %s: replica %s unavailable; retrying", payload["request_id"], replica)
+                    raise engine_error(e, payload.request_id) from None
+                logger.warning("request %s: replica %s unavailable; retrying", payload.request_id, replica)
         raise AssertionError("unreachable")
 
     async def _chunks(self, gen, first) -> AsyncIterator[dict[str, Any]]:

@@ -1,0 +1,102 @@
+"""Prefix-cache block hashes, shared by the engine (which caches full KV blocks under them) and
+the router (which predicts where a prompt's prefix is cached).
+
+A full block is named by a SHA-256 chained over every token before it, so equal hashes mean
+equal prefixes. A replica publishes what it caches as a ``PrefixDigest``: a Bloom filter over
+those hashes, ``BITS_PER_BLOCK`` bits per KV block of the replica (about 1% false positives
+when the whole cache is full) whatever it holds, so a report has a fixed size. Its probes are
+words of the SHA-256 itself: no second hash function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+NUM_PROBES = 7  # bit positions per hash: optimal for 10 bits per entry
+BITS_PER_BLOCK = 10
+HASH_BYTES = 32
+
+
+def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Collision-safe content hash of a full block, chained over its whole prefix."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+def num_hit_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks a prefix hit can cover: never the last token, which must be
+    computed to get the logits of the next."""
+    return max(0, (num_tokens - 1) // block_size)
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the blocks of ``token_ids`` that a prefix hit can cover."""
+    hashes: list[bytes] = []
+    for i in range(num_hit_blocks(len(token_ids), block_size)):
+        hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size]))
+    return hashes
+
+
+def probe_words(hashes: bytes) -> np.ndarray:
+    """``[num_hashes, NUM_PROBES]`` uint32 words of concatenated 32-byte hashes."""
+    return np.frombuffer(hashes, dtype="<u4").reshape(-1, HASH_BYTES // 4)[:, :NUM_PROBES]
+
+
+@dataclass(frozen=True)
+class PrefixDigest:
+    """What one replica's prefix cache holds: a Bloom filter over its cached blocks' hashes."""
+
+    block_size: int
+    num_bits: int
+    bits: bytes  # packed, little-endian bit order
+    num_cached_blocks: int
+
+    def hit_blocks(self, hashes: bytes) -> int:
+        """The longest run of leading blocks of ``hashes`` (concatenated, see
+        ``prefix_block_hashes``) that the filter holds; may over-count by a false positive."""
+        if not hashes or self.num_cached_blocks == 0:
+            return 0
+        positions = probe_words(hashes) % np.uint32(self.num_bits)
+        table = np.frombuffer(self.bits, dtype=np.uint8)
+        held = ((table[positions >> 3] >> (positions & 7).astype(np.uint8)) & 1).all(axis=1)
+        return int(held.size if held.all() else held.argmin())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("block_size", "num_bits", "bits", "num_cached_blocks")}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrefixDigest:
+        return cls(int(d["block_size"]), int(d["num_bits"]), bytes(d["bits"]), int(d["num_cached_blocks"]))
+
+
+class CountingBloom:
+    """The engine's side of ``PrefixDigest``: a counter per bit, so evictions can be removed."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_bits = -(-num_blocks * BITS_PER_BLOCK // 64) * 64
+        self.counts = np.zeros(self.num_bits, dtype=np.uint16)
+        self.num_entries = 0
+
+    def _positions(self, block_hash: bytes) -> np.ndarray:
+        return probe_words(block_hash)[0] % np.uint32(self.num_bits)
+
+    def add(self, block_hash: bytes) -> None:
+        self.counts[self._positions(block_hash)] += 1  # a repeated position counts once, on removal too
+        self.num_entries += 1
+
+    def remove(self, block_hash: bytes) -> None:
+        positions = self._positions(block_hash)
+        assert (self.counts[positions] > 0).all()
+        self.counts[positions] -= 1
+        self.num_entries -= 1
+
+    def digest(self) -> PrefixDigest:
+        bits = np.packbits(self.counts > 0, bitorder="little").tobytes()
+        return PrefixDigest(self.block_size, self.num_bits, bits, self.num_entries)

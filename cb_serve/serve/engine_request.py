@@ -1,0 +1,40 @@
+"""What the HTTP router sends an engine replica for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cb_serve import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """One generation request, tokenized once by the router (chat template applied).
+
+    ``block_hashes`` are the prompt's ``prefix_block_hashes`` (concatenated 32-byte hashes for
+    ``block_size``), which the request router matches against each replica's prefix-cache
+    digest. ``prompt`` keeps the client's input for request routers that read text, such as
+    Ray Serve LLM's ``PrefixCacheAffinityRouter`` (which looks for a ``prompt`` or ``messages``
+    attribute).
+    """
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    block_size: int = 0
+    block_hashes: bytes = b""
+    session_id: str | None = None
+    prompt: str | list[int] | None = None
+    # Set by the request router: the prefix-hit tokens it expected of each replica with a fresh report.
+    expected_hit_tokens: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.block_hashes) % 32 == 0 and (self.block_size > 0 or not self.block_hashes)
+
+
+@dataclass
+class ChatEngineRequest(EngineRequest):
+    """A chat request: ``messages`` are the conversation the token ids were rendered from."""
+
+    messages: list[dict[str, Any]] | None = None
