@@ -77,6 +77,10 @@ class EngineConfig:
         "Fault tests only: rules that make requests, steps or the engine fail on purpose "
         "(see cb_serve/fault_injection.py; default: $CB_SERVE_FAULT_INJECTION).",
     )
+    inspector_steps: int = _arg(
+        2000, "Step records kept for the batch inspector, timelines and traces (0: record nothing)."
+    )
+    inspector_requests: int = _arg(1000, "Finished requests whose timelines are kept.")
     seed: int = _arg(0, "Seed of the engine's default random generator (requests may bring their own).")
     num_threads: int | None = _arg(None, "torch CPU threads (default: torch's choice).")
     trust_remote_code: bool = _arg(False, "Allow custom code from model repositories.")

@@ -142,6 +142,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_admitted: int = 0  # the last ``num_admitted`` of ``seqs`` came from the waiting queue this step
 
     @property
     def total_tokens(self) -> int:

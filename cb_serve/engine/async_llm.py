@@ -4,11 +4,14 @@ coroutines call ``generate`` and iterate their outputs."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
+import functools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine, StepListener
@@ -59,7 +62,8 @@ class AsyncLLM:
         # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
         self.tokenizer = copy.deepcopy(self._engine.tokenizer)
         self.processor = self._engine.processor.with_tokenizer(self.tokenizer)
-        self._inbox: queue.SimpleQueue[tuple[str, str, ProcessedRequest | None]] = queue.SimpleQueue()
+        # (op, request id or view, payload): "add" a ProcessedRequest, "abort", "call" (future, function)
+        self._inbox: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -129,6 +133,13 @@ class AsyncLLM:
             self._digest_wanted = True
             self._wake.set()
         return self._digest
+
+    async def inspect(self, what: str, timeout_s: float = 10.0, **kwargs: Any) -> Any:
+        """``LLMEngine.inspect(what, **kwargs)``, taken on the engine thread between two steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", what, (future, functools.partial(self._engine.inspect, what, **kwargs))))
+        self._wake.set()
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
 
     def add_step_listener(self, listener: StepListener) -> None:
         """``listener(stats, outputs)`` runs on the engine thread after every step (see
@@ -204,6 +215,13 @@ class AsyncLLM:
                 return
             if op == "abort":
                 self._engine.abort_request(request_id)
+                continue
+            if op == "call":
+                future, call = processed
+                try:
+                    future.set_result(call())
+                except Exception as e:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(e)
                 continue
             try:
                 self._engine.add_processed_request(request_id, processed)

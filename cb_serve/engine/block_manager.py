@@ -39,6 +39,7 @@ class BlockManager:
         self.block_hashes: dict[str, list[bytes]] = {}  # seq id -> hashes of its full blocks
         self.num_registered: dict[str, int] = {}  # seq id -> leading blocks already registered
         self.num_evictions = 0  # cached blocks whose content was dropped for reuse
+        self._num_cached_free = 0
         self.bloom = CountingBloom(num_blocks, block_size) if enable_prefix_caching else None
 
     @property
@@ -52,6 +53,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_pool)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a cached prefix (evicted last, revived by a prefix hit)."""
+        return self._num_cached_free
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -110,6 +116,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_pool[block_id]
+                self._num_cached_free -= 1
             block.ref_count += 1
             seq.block_table.append(block_id)
         for _ in range(num_new_blocks):
@@ -122,6 +129,7 @@ class BlockManager:
         assert block.ref_count == 0
         if block.hash is not None:  # evict its cached content
             self.num_evictions += 1
+            self._num_cached_free -= 1
             self._uncache(block)
         block.ref_count = 1
         return block_id
@@ -141,6 +149,8 @@ class BlockManager:
                 self.free_pool[block_id] = None
                 if block.hash is None:
                     self.free_pool.move_to_end(block_id, last=False)
+                else:
+                    self._num_cached_free += 1
         seq.block_table = []
         self.num_registered.pop(seq.seq_id, None)
 
@@ -158,6 +168,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None:
                 self._uncache(block)
+        self._num_cached_free = 0
 
     def digest(self) -> PrefixDigest | None:
         """What the prefix cache holds, for routing; None without prefix caching."""
@@ -173,6 +184,7 @@ class BlockManager:
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], (block.block_id, block.ref_count, refs[block.block_id])
             assert (block.ref_count == 0) == (block.block_id in self.free_pool)
+        assert self._num_cached_free == sum(1 for b in self.free_pool if self.blocks[b].hash is not None)
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].hash == h
         if self.bloom is not None:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from cb_serve.attention import get_attention_backend
 from cb_serve.config import EngineConfig
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.inspector import Inspector, queue_rows
 from cb_serve.engine.kv_cache_sizing import num_kv_blocks
 from cb_serve.engine.processor import InputProcessor, PromptType
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler
+from cb_serve.engine.trace import trace_events
 from cb_serve.errors import (
     EngineFatalError,
     EngineOverloadedError,
@@ -109,6 +112,10 @@ class LLMEngine:
             self.max_model_len,
             config.enable_chunked_prefill,
         )
+        self.inspector: Inspector | None = None
+        if config.inspector_steps:
+            budget = config.max_num_batched_tokens
+            self.inspector = Inspector(config.inspector_steps, config.inspector_requests, self.block_manager, budget)
         eos = eos_token_ids(self.hf_config, self.tokenizer)
         self.processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size, eos, config)
         self.faults = FaultInjector.from_config(config.fault_injection)
@@ -189,6 +196,9 @@ class LLMEngine:
             faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
         state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic(), faults)
         self.requests[request_id] = state
+        if self.inspector is not None:
+            arrival = state.seqs[0].times.arrival
+            self.inspector.on_arrival(request_id, arrival, len(processed.prompt_token_ids), len(state.seqs))
         for seq in state.seqs:
             self.scheduler.add(seq)
 
@@ -199,9 +209,7 @@ class LLMEngine:
                 continue
             if any(seq.times.first_token is not None for seq in state.seqs):
                 self.aborted_since_step.append(request_id)  # observers may hold its state (bounded: it ran)
-            for seq in state.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._end_outside_step(state.seqs, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -220,6 +228,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         scheduled = time.monotonic()
+        before = None if self.inspector is None else [(s.num_computed_tokens, s.num_tokens) for s in sched.seqs]
         num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk)
             n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             for seq, n in zip(sched.seqs, sched.num_scheduled_tokens)
@@ -242,6 +251,9 @@ class LLMEngine:
         outputs = self._make_outputs(changed, failed)
         phases = StepPhases(scheduled - start, prepared - scheduled, now - prepared, time.monotonic() - now)
         self._record_step(sched, num_decode_tokens, phases, outputs)
+        if self.inspector is not None:
+            s = self.scheduler
+            self.inspector.on_step(self.num_steps, start, phases.total_s, sched, before, len(s.running), len(s.waiting))
         return outputs
 
     def _append_sampled(
@@ -298,11 +310,17 @@ class LLMEngine:
         """Ends every sequence of the request (freeing its KV blocks); its final output carries ``error``."""
         self.num_failed_requests += 1
         state = self.requests.pop(request_id)
-        for seq in state.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        self._end_outside_step(state.seqs, SequenceStatus.FINISHED_ERROR)
         completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
         return RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
+
+    def _end_outside_step(self, seqs: list[Sequence], status: SequenceStatus) -> None:
+        """Ends the unfinished ``seqs`` (abort, or a failure), freeing their KV blocks."""
+        unfinished = [seq for seq in seqs if not seq.is_finished]
+        for seq in unfinished:
+            self.scheduler.finish(seq, status)
+        if self.inspector is not None:
+            self.inspector.on_finished_outside_step(unfinished, status.finish_reason, self.num_steps)
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs: dict | None, now: float) -> None:
         seq.append_token(token_id, now)
@@ -344,6 +362,33 @@ class LLMEngine:
                 listener(stats, outputs)
             except Exception:  # noqa: BLE001 - an observer must not stop the engine
                 logger.exception("step listener %r failed", listener)
+
+    def inspect(self, what: str, **kwargs: Any) -> Any:
+        """The inspector's view (None when it is off): ``steps`` (after_step, limit),
+        ``timeline`` (request_id), ``state`` (recent steps, KV block map and queues), or
+        ``trace`` (since: wall-clock seconds; see ``cb_serve.trace``)."""
+        ins = self.inspector
+        if ins is None:
+            return None
+        if what == "steps":
+            return ins.recent_steps(**kwargs)
+        if what == "timeline":
+            return ins.timeline(**kwargs)
+        if what == "trace":  # kwargs: since, pid, name
+            return trace_events(ins.steps_since(kwargs["since"]), ins.timelines_since(kwargs["since"]), **kwargs)
+        if what == "state":
+            s = self.scheduler
+            return {
+                "steps": ins.recent_steps(**kwargs),
+                "kv": ins.kv_map([*s.running, *s.waiting]),
+                "running": queue_rows(s.running),
+                "waiting": queue_rows(s.waiting),
+                "num_running": len(s.running),
+                "num_waiting": len(s.waiting),
+                "token_budget": s.max_num_batched_tokens,
+                "max_num_seqs": s.max_num_seqs,
+            }
+        raise ValueError(f"unknown inspector view {what!r}")
 
     def cache_digest(self) -> PrefixDigest | None:
         """What the prefix cache holds now (a fixed-size Bloom filter), for KV-cache-aware routing."""

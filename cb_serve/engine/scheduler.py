@@ -118,6 +118,7 @@ class Scheduler:
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_scheduled_tokens.append(num_new)
+            out.num_admitted += 1
             budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:
