@@ -79,6 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_accounting import Contention, contended  # noqa: E402
 from hf_baseline import HF_STATIC_BATCH_SIZE  # noqa: E402
 from hf_serving import run_hf  # noqa: E402
+from inspect_capture import fetch_trace, screenshot_later  # noqa: E402
 from report import cb_serve_source, log, run_info, write_json  # noqa: E402
 from server_control import (  # noqa: E402
     DEFAULT_CONFIG,
@@ -123,6 +124,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="HF's torch threads (default: the cb-serve replica's, from --launch's config or deploy/config.yaml).",
     )
     parser.add_argument("--json", metavar="OUT", help="Write config, per-request records and results to OUT.")
+    parser.add_argument("--trace-out", metavar="PATH", help="Save cb-serve's /debug/trace of the run's end here.")
+    parser.add_argument("--trace-seconds", type=float, default=10.0, help="Seconds of trace to save (default 10).")
+    parser.add_argument("--screenshot", metavar="PNG", help="Screenshot /inspect (headless Chromium) mid-run.")
+    parser.add_argument("--screenshot-after", type=float, default=20.0, help="Seconds into the run (default 20).")
     args = parser.parse_args(argv)
     check_systems(parser, args)
     return args
@@ -163,8 +168,15 @@ def run_cb_serve(args: argparse.Namespace, workload: Workload, arrivals: Sequenc
         served = wait_until_ready(args.base_url, args.api_key, args.launch_timeout, proc)
         model = args.model or served
         log(f"[cb-serve] ready, model {model}; rate {args.request_rate}/s, concurrency {args.max_concurrency or 'any'}")
+        root = server_root(args.base_url)
+        shot = screenshot_later(root, Path(args.screenshot), args.screenshot_after) if args.screenshot else None
         with Contention(None if proc is None else [os.getpid(), proc.pid]) as contention:
             duration_s, results, engine = asyncio.run(run_benchmark(args, model, workload, arrivals))
+        if shot is not None:
+            shot.join()
+        if args.trace_out:
+            size = fetch_trace(root, args.api_key, args.trace_seconds, Path(args.trace_out))
+            log(f"[cb-serve] trace of the last {args.trace_seconds:g} s: {args.trace_out} ({size:,} bytes)")
     finally:
         if proc is not None:
             leftover = stop(proc)

@@ -11,7 +11,7 @@ from typing import Any
 from ray import serve
 
 from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob
-from cb_serve.serve.engine_request import EngineRequest
+from cb_serve.serve.engine_request import EngineRequest, InspectRequest
 from cb_serve.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class EngineReplica:
         self.num_requests += 1
         try:
             async for out in self.engine.generate(request.prompt_token_ids, request.params, request_id):
+                timeline = None
+                if out.finished and request.return_timeline:
+                    timeline = await self.timeline(request_id)
                 yield [
                     {
                         "index": c.index,
@@ -77,6 +80,7 @@ class EngineReplica:
                         "cached_tokens": out.num_cached_tokens,
                         "expected_cached_tokens": expected,
                         "replica": self.replica_id,
+                        **({"timeline": timeline} if timeline else {}),
                     }
                     for c in out.outputs
                 ]
@@ -108,6 +112,20 @@ class EngineReplica:
             "alive": self.engine.is_alive,  # False: the router skips this replica at once
             "time": time.time(),
         }
+
+    async def inspect(self, request: InspectRequest) -> dict[str, Any]:
+        """A batch-inspector view of this replica's engine (``LLMEngine.inspect``); ``data`` is
+        None when the engine records nothing (``inspector_steps: 0``)."""
+        kwargs = dict(request.kwargs)
+        if request.view == "trace":
+            kwargs["name"] = self.replica_id
+        data = await self.engine.inspect(request.view, **kwargs)
+        return {"replica": self.replica_id, "data": data}
+
+    async def timeline(self, request_id: str) -> dict[str, Any] | None:
+        """The request's timeline, with the replica that served it (None: not known here)."""
+        timeline = await self.engine.inspect("timeline", request_id=request_id)
+        return None if timeline is None else {**timeline, "replica": self.replica_id}
 
     def check_health(self) -> None:
         """Ray Serve's health check: raises once the engine loop died, so Serve replaces the replica."""

@@ -28,6 +28,7 @@ class EngineRequest:
     prompt: str | list[int] | None = None
     # Set by the request router: the prefix-hit tokens it expected of each replica with a fresh report.
     expected_hit_tokens: dict[str, int] | None = None
+    return_timeline: bool = False  # the final chunk carries the request's timeline
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) % 32 == 0 and (self.block_size > 0 or not self.block_hashes)
@@ -38,3 +39,13 @@ class ChatEngineRequest(EngineRequest):
     """A chat request: ``messages`` are the conversation the token ids were rendered from."""
 
     messages: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class InspectRequest:
+    """A batch-inspector view (``AsyncLLM.inspect``) of one replica: ``KVCacheAwareRouter``
+    sends it to ``target_replica`` (another request router may not; the answer names its replica)."""
+
+    view: str
+    kwargs: dict[str, Any]
+    target_replica: str | None = None

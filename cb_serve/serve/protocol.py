@@ -53,6 +53,7 @@ class _SamplingRequest(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
+    return_timeline: bool = False  # cb-serve: the response carries the request's timeline (batch inspector)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

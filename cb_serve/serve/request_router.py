@@ -54,7 +54,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cb_serve import PrefixDigest
 from cb_serve.serve import replica_health
-from cb_serve.serve.engine_request import EngineRequest
+from cb_serve.serve.engine_request import EngineRequest, InspectRequest
 
 TIE = 0.02  # loads closer than this are equal (less than one request when max_num_seqs < 50)
 MAX_SESSIONS = 10_000  # sessions remembered (least recently routed forgotten first)
@@ -158,6 +158,11 @@ def _request_key(pending_request: PendingRequest | None) -> Any:
     return getattr(pending_request.metadata, "internal_request_id", None) or id(pending_request)
 
 
+def _target_replica(pending_request: PendingRequest | None) -> str | None:
+    args = pending_request.args if pending_request is not None else ()
+    return args[0].target_replica if args and isinstance(args[0], InspectRequest) else None
+
+
 def _engine_request(pending_request: PendingRequest | None) -> EngineRequest | None:
     args = pending_request.args if pending_request is not None else ()
     return args[0] if args and isinstance(args[0], EngineRequest) else None
@@ -211,6 +216,10 @@ class KVCacheAwareRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        target = _target_replica(pending_request)
+        if target is not None:  # an inspector view of one replica: that one or none
+            matching = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            return [matching] if matching else []
         now = time.time()
         request = _engine_request(pending_request)
         loads: dict[RunningReplica, float] = {}

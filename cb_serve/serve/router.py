@@ -43,8 +43,10 @@ from cb_serve import (
     StepFailedError,
     prefix_block_hashes,
 )
+from cb_serve.serve.api_error import APIError
 from cb_serve.serve.engine_replica import log_to_serve
 from cb_serve.serve.engine_request import ChatEngineRequest, EngineRequest
+from cb_serve.serve.inspect_api import InspectorRoutes, debug_routes
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from cb_serve.serve.replica_health import mark_unavailable
@@ -58,6 +60,7 @@ class RouterSettings(BaseModel):
     max_request_bytes: int = Field(1 << 20, ge=1024)
     max_tokens_cap: int | None = Field(None, ge=1)
     served_model_name: str | None = None
+    inspector: bool = True  # the batch inspector's routes: /inspect, /debug/*, /v1/requests/{id}/timeline
 
 
 RETRY_AFTER_S = 1  # Retry-After of overload answers (the openai client honours it when it retries)
@@ -71,25 +74,6 @@ HEALTH_TIMEOUT_S = 5.0
 # died while running it is not (it may be what killed the engine).
 ROUTE_ATTEMPTS = 3
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        router_metrics().rejected(self.status, self.type)
-        body = error_body(self.message, self.type, self.status, self.param)
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def overloaded(message: str) -> APIError:
@@ -186,8 +170,10 @@ class _Usage:
         self.prompt_tokens = 0
         self.completion = [0] * n
         self.cached = 0
+        self.timeline: dict[str, Any] | None = None
 
     def add(self, chunk: dict[str, Any]) -> None:
+        self.timeline = chunk.get("timeline") or self.timeline
         self.prompt_tokens = chunk["prompt_tokens"]
         self.cached = chunk["cached_tokens"]
         self.completion[chunk["index"]] += chunk["num_tokens"]
@@ -229,9 +215,12 @@ def _chat_logprobs(entries: list[dict] | None) -> dict[str, Any] | None:
     }
 
 
+app.include_router(debug_routes)
+
+
 @serve.deployment(max_ongoing_requests=1024, graceful_shutdown_timeout_s=40)
 @serve.ingress(app)
-class Router:
+class Router(InspectorRoutes):
     """Validates requests, checks the API key and size limits, applies the chat template and
     tokenizes (once: the engine replica gets token ids), hashes the prompt's leading KV blocks
     for the request router, and streams from the engine replica it picks (see
@@ -245,6 +234,7 @@ class Router:
         self.encoder = PromptEncoder(EngineConfig.from_kwargs(**engine_args))
         self.model_name: str | None = self.settings.served_model_name
         self.engine_info: dict[str, Any] | None = None
+        self._init_inspector()
 
     async def _info(self) -> dict[str, Any]:
         """The engine replicas' model name, block size and whether they cache prefixes."""
@@ -376,6 +366,7 @@ class Router:
             block_size=block_size,
             block_hashes=hashes,
             session_id=hashlib.sha256(session.encode()).hexdigest() if session else None,
+            return_timeline=req.return_timeline,
             **text,
         )
         gen, first = await self._start(payload)
@@ -383,6 +374,7 @@ class Router:
         replica = first[0]["replica"] if first else None
         headers = {REPLICA_HEADER: replica} if replica else None
         if replica:
+            self._remember_replica(request_id, replica)
             router_metrics().routed(
                 meta["model"], replica, first[0]["expected_cached_tokens"], first[0]["cached_tokens"]
             )
@@ -443,7 +435,8 @@ class Router:
                 else:
                     choice["text"] = c["text"]
                     choice["logprobs"] = _completion_logprobs(c["logprobs"])
-                yield f"data: {json.dumps({**base, 'choices': [choice]})}\n\n"
+                extra = {"timeline": c["timeline"]} if "timeline" in c else {}
+                yield f"data: {json.dumps({**base, 'choices': [choice], **extra})}\n\n"
         except Exception as e:  # noqa: BLE001 - mid-stream failure: tell the client in-band, then [DONE]
             err = engine_error(e, meta["id"])
             router_metrics().rejected(err.status, err.type)
@@ -483,4 +476,5 @@ class Router:
             "model": meta["model"],
             "choices": choices,
             "usage": usage.body(),
+            **({"timeline": usage.timeline} if usage.timeline else {}),
         }
