@@ -5,8 +5,7 @@ live ``/inspect`` page."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -24,15 +23,19 @@ def fetch_trace(root: str, api_key: str, seconds: float, out: Path) -> int:
     return out.stat().st_size
 
 
-def screenshot(root: str, out: Path, wait_ms: int = 5000) -> bool:
-    """Headless Chromium's screenshot of ``/inspect`` after ``wait_ms`` of live updates."""
-    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if browser is None:
-        return False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-           "--window-size=1400,1000", f"--timeout={wait_ms}", f"--screenshot={out}", f"{root}/inspect"]  # fmt: skip
-    subprocess.run(cmd, capture_output=True, timeout=120)
+def screenshot(root: str, out: Path, timeout_s: float = 60) -> bool:
+    """Headless Chromium's screenshot of ``/inspect`` once it has drawn live steps (the tests'
+    DevTools driver, ``tests/browser.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from browser import open_page
+
+    with open_page(f"{root}/inspect") as page:
+        deadline = time.monotonic() + timeout_s
+        while not page.evaluate("document.querySelectorAll('g.step').length >= 40"):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        page.screenshot(out)
     return out.exists()
 
 
