@@ -15,7 +15,7 @@ from typing import Any
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine, StepListener
-from cb_serve.engine.processor import ProcessedRequest, PromptType, apply_chat_template
+from cb_serve.engine.processor import ProcessedRequest, PromptType
 from cb_serve.errors import (
     EngineDeadError,
     EngineError,
@@ -110,9 +110,6 @@ class AsyncLLM:
         callers' side, where concurrent arrivals see exact counts (the engine's own numbers lag a step)."""
         limit = self.config.max_waiting_requests
         return limit is not None and len(self._streams) >= self.config.max_num_seqs + limit
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
     def abort(self, request_id: str) -> None:
         self._send("abort", request_id, None)
