@@ -16,6 +16,7 @@ from cb_serve.errors import (
     RequestFailedError,
     StepFailedError,
 )
+from cb_serve.inputs import PromptType, TextPrompt, TokensPrompt
 from cb_serve.llm import LLM
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
@@ -30,6 +31,9 @@ __all__ = [
     "PrefixDigest",
     "prefix_block_hashes",
     "SamplingParams",
+    "PromptType",
+    "TextPrompt",
+    "TokensPrompt",
     "RequestOutputKind",
     "SEED_MIN",
     "SEED_MAX",

@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine
-from cb_serve.engine.processor import PromptType, apply_chat_template
+from cb_serve.engine.processor import apply_chat_template
+from cb_serve.inputs import PromptType, is_single_prompt
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,8 +34,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs all prompts (strings or token-id lists) to completion, in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Runs all prompts to completion, in input order. A prompt is a string, a list of token
+        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (vLLM's TextPrompt / TokensPrompt)."""
+        if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

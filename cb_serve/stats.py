@@ -59,6 +59,10 @@ class EngineStats:
     num_failed_steps: int = 0  # steps that raised (their requests failed, the engine went on)
     num_failed_requests: int = 0  # requests ended with an error (their own, or their step's)
     max_batch_seqs: int = 0  # most sequences in one step so far
+    # Requests (not sequences: n > 1 gives a request n of them), counted as vLLM counts them: a
+    # request runs while any of its sequences is in the running batch, and waits otherwise.
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine, StepListener
-from cb_serve.engine.processor import ProcessedRequest, PromptType
+from cb_serve.engine.processor import ProcessedRequest
 from cb_serve.errors import (
     EngineDeadError,
     EngineError,
@@ -24,6 +24,7 @@ from cb_serve.errors import (
     EngineUnavailableError,
     RequestFailedError,
 )
+from cb_serve.inputs import PromptType
 from cb_serve.outputs import RequestOutput
 from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams

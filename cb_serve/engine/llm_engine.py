@@ -14,7 +14,7 @@ from cb_serve.config import EngineConfig
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.inspector import Inspector, queue_rows
 from cb_serve.engine.kv_cache_sizing import num_kv_blocks
-from cb_serve.engine.processor import InputProcessor, PromptType
+from cb_serve.engine.processor import InputProcessor
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler
 from cb_serve.engine.trace import trace_events
@@ -25,6 +25,7 @@ from cb_serve.errors import (
     StepFailedError,
 )
 from cb_serve.fault_injection import FaultInjector
+from cb_serve.inputs import PromptType
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.model_runner import ModelRunner
@@ -398,6 +399,7 @@ class LLMEngine:
         s = self.scheduler
         waiting_tokens = sum(seq.num_uncomputed_tokens for seq in s.waiting)
         waiting_tokens += sum(seq.num_uncomputed_tokens for seq in s.running if seq.num_uncomputed_tokens > 1)
+        running_requests = {seq.request_id for seq in s.running}
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -416,4 +418,6 @@ class LLMEngine:
             num_failed_steps=self.num_failed_steps,
             num_failed_requests=self.num_failed_requests,
             max_batch_seqs=self.max_batch_seqs,
+            num_requests_running=len(running_requests),
+            num_requests_waiting=len({seq.request_id for seq in s.waiting} - running_requests),
         )

@@ -8,10 +8,9 @@ from dataclasses import dataclass, replace
 
 from cb_serve.config import EngineConfig
 from cb_serve.errors import InvalidRequestError
+from cb_serve.inputs import PromptType, parse_prompt
 from cb_serve.model_executor import loader
 from cb_serve.sampling_params import SamplingParams
-
-PromptType = str | list[int]
 
 
 @dataclass
@@ -45,10 +44,10 @@ class InputProcessor:
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}.")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, encode_text(self.tokenizer, prompt)
-        elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, list(prompt)
+        text, token_ids = parse_prompt(prompt)
+        if token_ids is None:
+            token_ids = encode_text(self.tokenizer, text)
+        else:
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
             if bad:
                 raise InvalidRequestError(f"Prompt token ids must be integers, got {bad[0]!r}.", "prompt")
@@ -58,8 +57,6 @@ class InputProcessor:
                     f"Prompt token id {out_of_vocab[0]} is out of vocabulary (valid: 0..{self.vocab_size - 1}).",
                     "prompt",
                 )
-        else:
-            raise TypeError(f"A prompt is a string or a list of token ids, got {type(prompt).__name__}.")
         if not token_ids:
             raise InvalidRequestError("The prompt is empty.", "prompt")
         n = len(token_ids)

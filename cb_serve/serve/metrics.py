@@ -3,8 +3,9 @@
 Recorded with ``ray.serve.metrics``: Ray exports them on every node's metrics export port
 (the port KubeRay's ``PodMonitor``s scrape) with a ``ray_`` prefix, adds a ``_total`` suffix
 to counters, and labels every series with the Serve ``deployment``, ``replica`` and
-``application``; we add ``model``. So ``cb_serve_generation_tokens`` below is scraped as
-``ray_cb_serve_generation_tokens_total{model=..., replica=...}``.
+``application``; we add ``model_name`` (vLLM's label; ``model`` too, the same value). So
+``cb_serve_generation_tokens`` below is scraped as
+``ray_cb_serve_generation_tokens_total{model_name=..., replica=...}``.
 
 Cost on the engine: ``EngineMetrics`` adds one step listener that appends ``(StepStats,
 outputs)`` to a deque (O(1), in the engine thread). A daemon thread drains it every
@@ -36,8 +37,10 @@ SEQS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 # name without prefix -> (type, description); the buckets of histograms are in BUCKETS.
 ENGINE_METRICS: dict[str, tuple[str, str]] = {
-    "num_requests_running": ("gauge", "Sequences in the running batch."),
-    "num_requests_waiting": ("gauge", "Sequences waiting to be scheduled (new or preempted)."),
+    "num_requests_running": ("gauge", "Requests with a sequence in the running batch (as vLLM counts them)."),
+    "num_requests_waiting": ("gauge", "Requests waiting to be scheduled (new or preempted), none of them running."),
+    "num_seqs_running": ("gauge", "Sequences in the running batch (a request with n > 1 has n)."),
+    "num_seqs_waiting": ("gauge", "Sequences waiting to be scheduled (new or preempted)."),
     "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks in use (0 to 1)."),
     "kv_cache_blocks_used": ("gauge", "KV-cache blocks in use."),
     "kv_cache_blocks_total": ("gauge", "KV-cache blocks of the replica."),
@@ -74,6 +77,9 @@ BUCKETS: dict[str, list[float]] = {
     "batch_token_fill_ratio": FILL_BUCKETS,
     "batch_num_seqs": SEQS_BUCKETS,
 }
+# vLLM's label for the served model, and ours from before it (the same value): dashboards and
+# alerts written for vLLM's series filter on model_name.
+MODEL_TAGS = ("model_name", "model")
 _COUNTER_FIELDS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
 
 
@@ -111,9 +117,9 @@ class EngineMetrics:
 
     def __init__(self, engine: AsyncLLM, model: str, interval_s: float = 1.0, api: ModuleType | None = None) -> None:
         api = api or _serve_metrics()
-        tags = {"model": model}
+        tags = {"model_name": model, "model": model}
         self.m = {
-            name: _make(api, name, ("model", "finished_reason") if name == "request_success" else ("model",), tags)
+            name: _make(api, name, (*MODEL_TAGS, "finished_reason") if name == "request_success" else MODEL_TAGS, tags)
             for name in ENGINE_METRICS
         }
         self._engine = engine
@@ -181,8 +187,10 @@ class EngineMetrics:
 
     def _record_stats(self, s: EngineStats) -> None:
         m = self.m
-        m["num_requests_running"].set(s.num_running)
-        m["num_requests_waiting"].set(s.num_waiting)
+        m["num_requests_running"].set(s.num_requests_running)
+        m["num_requests_waiting"].set(s.num_requests_waiting)
+        m["num_seqs_running"].set(s.num_running)
+        m["num_seqs_waiting"].set(s.num_waiting)
         m["kv_cache_usage_perc"].set(s.kv_cache_usage)
         m["kv_cache_blocks_used"].set(s.kv_blocks_used)
         m["kv_cache_blocks_total"].set(s.kv_blocks_total)
@@ -198,15 +206,15 @@ class RouterMetrics:
 
     def __init__(self, api: ModuleType | None = None) -> None:
         api = api or _serve_metrics()
-        self.requests = _make(api, "router_requests", ("model", "engine_replica"), {})
+        self.requests = _make(api, "router_requests", (*MODEL_TAGS, "engine_replica"), {})
         self.rejections = _make(api, "router_rejections", ("status", "type"), {})
-        self.predicted_hits = _make(api, "router_predicted_prefix_hit_tokens", ("model", "engine_replica"), {})
-        self.hits = _make(api, "router_prefix_hit_tokens", ("model", "engine_replica"), {})
+        self.predicted_hits = _make(api, "router_predicted_prefix_hit_tokens", (*MODEL_TAGS, "engine_replica"), {})
+        self.hits = _make(api, "router_prefix_hit_tokens", (*MODEL_TAGS, "engine_replica"), {})
 
     def routed(self, model: str, engine_replica: str, predicted_hit_tokens: int | None, hit_tokens: int) -> None:
         """One request sent to ``engine_replica``: what the router expected of its prefix cache
         (None: no prediction, e.g. the replica had no fresh report) and what it served."""
-        tags = {"model": model, "engine_replica": engine_replica}
+        tags = {"model_name": model, "model": model, "engine_replica": engine_replica}
         self.requests.inc(1, tags=tags)
         if predicted_hit_tokens:  # Ray's counters take only positive increments
             self.predicted_hits.inc(predicted_hit_tokens, tags=tags)
