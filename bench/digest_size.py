@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cpu_accounting import Timer
 
+from cb_serve.benchmarks.cpu_accounting import Timer
 from cb_serve.prefix_hash import (
     BITS_PER_BLOCK,
     HASH_BYTES,

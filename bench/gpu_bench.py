@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cb_offline import greedy, recording_steps  # noqa: E402
-from cpu_accounting import Timer  # noqa: E402
-from report import agreement, cb_serve_source, log, write_json  # noqa: E402
 from roofline import copy_bandwidth, sync  # noqa: E402
 
 from cb_serve import LLM  # noqa: E402
+from cb_serve.benchmarks.cpu_accounting import Timer  # noqa: E402
+from cb_serve.benchmarks.report import agreement, cb_serve_source, log, write_json  # noqa: E402
 
 LLAMA_1B = dict(
     hidden_size=2048,

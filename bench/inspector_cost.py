@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 from cb_offline import recording_steps, run_cb_serve
-from workload import make_workload
 
 from cb_serve import LLM
+from cb_serve.benchmarks.workload import make_workload
 from cb_serve.engine.inspector import Inspector
 
 RECORDING = ("on_arrival", "on_step", "on_finished_outside_step")

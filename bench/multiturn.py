@@ -50,9 +50,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import cb_serve_source, log, write_json  # noqa: E402
-from serving_client import greedy_stream_body  # noqa: E402
-from workload import corpus_text  # noqa: E402
+from cb_serve.benchmarks.report import cb_serve_source, log, write_json  # noqa: E402
+from cb_serve.benchmarks.serving_client import greedy_stream_body  # noqa: E402
+from cb_serve.benchmarks.workload import corpus_text  # noqa: E402
 
 ROUTERS = {
     "pow2": {"request_router_class": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"},

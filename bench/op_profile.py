@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from cb_offline import greedy, recording_steps
-from report import log
-from workload import Workload
 
 from cb_serve import LLM, StepStats
+from cb_serve.benchmarks.report import log
+from cb_serve.benchmarks.workload import Workload
 
 PROFILED_DECODE_STEPS = 5
 TOP_OPS = 15

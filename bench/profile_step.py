@@ -34,14 +34,14 @@ from typing import Any
 
 import torch
 from cb_offline import engine_kwargs, greedy, recording_steps, warm_up
-from cpu_accounting import Timer
 from op_profile import op_profile
-from report import cb_serve_source, log, write_json
 from step_phases import breakdown, print_breakdown
 from throughput import parse_args
-from workload import Workload, make_workload
 
 from cb_serve import LLM, StepStats
+from cb_serve.benchmarks.cpu_accounting import Timer
+from cb_serve.benchmarks.report import cb_serve_source, log, write_json
+from cb_serve.benchmarks.workload import Workload, make_workload
 
 
 def timed_run(llm: LLM, workload: Workload) -> tuple[list[StepStats], Timer]:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from cpu_accounting import Timer
-from report import log
-from workload import Workload
+
+from cb_serve.benchmarks.cpu_accounting import Timer
+from cb_serve.benchmarks.report import log
+from cb_serve.benchmarks.workload import Workload
 
 GEMM_M = 256
 

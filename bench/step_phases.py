@@ -7,9 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from report import log
-
 from cb_serve import StepStats
+from cb_serve.benchmarks.report import log
 
 # The engine's phases, in order (``StepPhases`` fields without ``_s``); together they are the step's time.
 PHASES = ("schedule", "prepare", "execute", "output")

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from report import log
-from server_control import launch, stop, wait_until_ready
 
+from cb_serve.benchmarks.report import log
+from cb_serve.benchmarks.server_control import launch, stop, wait_until_ready
 from cb_serve.config import EngineConfig
 from cb_serve.serve.protocol import MAX_N
 

@@ -40,8 +40,11 @@ from typing import Any
 
 import torch
 from cb_offline import engine_kwargs, run_cb_serve
-from hf_baseline import HF_STATIC_BATCH_SIZE, load_hf_model, run_hf_continuous, run_hf_static
-from report import (
+from roofline import measure_roofline, print_roofline, workload_roofline
+
+from cb_serve import LLM
+from cb_serve.benchmarks.hf_baseline import HF_STATIC_BATCH_SIZE, load_hf_model, run_hf_continuous, run_hf_static
+from cb_serve.benchmarks.report import (
     SystemResult,
     cb_serve_ratios,
     cb_serve_source,
@@ -51,10 +54,7 @@ from report import (
     run_info,
     write_json,
 )
-from roofline import measure_roofline, print_roofline, workload_roofline
-from workload import Workload, make_workload
-
-from cb_serve import LLM
+from cb_serve.benchmarks.workload import Workload, make_workload
 from cb_serve.config import EngineConfig
 from cb_serve.model_executor import loader
 

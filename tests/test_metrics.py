@@ -1,7 +1,8 @@
 """Metrics (issue 4). A fast check of what ``EngineMetrics`` records, on an ``AsyncLLM`` with
 fake metric classes; then the acceptance test: the Serve application on 127.0.0.1 with Ray's
 metrics export port, a real Prometheus scraping it, a known workload through the ``openai``
-client, and every query of the Grafana dashboard run against that Prometheus."""
+client, every query of the Grafana dashboard run against that Prometheus, and every expression of
+the PrometheusRules in k8s/ evaluated by it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +26,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "cb-serve-dashboard.json"
+K8S = ROOT / "k8s"
+# Every series the dashboard reads is filtered on the RayCluster (a KubeRay upgrade runs two).
+CLUSTER_MATCHER = 'ray_io_cluster=~"$ray_io_cluster"'
+# Ray's own series the dashboard shows beside ours (names as Ray 2.60 exports them: Serve's
+# controller, handles and node reporter; checked against a live scrape by the stack test).
+SERVE_SERIES = (
+    "ray_serve_deployment_replica_healthy",
+    "ray_serve_autoscaling_target_replicas",
+    "ray_serve_autoscaling_desired_replicas",
+    "ray_serve_autoscaling_total_requests",
+    "ray_serve_autoscaling_target_ongoing_requests",
+    "ray_serve_deployment_queued_queries",
+    "ray_serve_num_ongoing_requests_at_replicas",
+)
+GPU_SERIES = ("ray_node_gpus_utilization", "ray_node_gram_used", "ray_node_gram_available")
 # Forces chunked prefill (budget < prompt), preemption (few blocks) and prefix-cache hits.
 ENGINE_ARGS = dict(
     block_size=16,
@@ -94,7 +111,8 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     assert len(m["request_queue_time_seconds"].all()) == 12
     assert len(m["inter_token_latency_seconds"].all()) == generated - 12  # every token after the first
     assert min(m["inter_token_latency_seconds"].all()) >= 0
-    assert m["request_success"].values == {(("finished_reason", "length"), ("model", "tiny")): [1] * 12}
+    length = (("finished_reason", "length"), ("model", "tiny"), ("model_name", "tiny"))  # vLLM's label and ours
+    assert m["request_success"].values == {length: [1] * 12}
     assert sum(m["num_preemptions"].all()) == stats.num_preemptions > 0
     assert sum(m["prefix_cache_hits"].all()) == stats.prefix_cache_hits > 0
     assert sum(m["prefix_cache_queries"].all()) == stats.prefix_cache_queries
@@ -138,6 +156,48 @@ def test_an_aborted_request_is_forgotten(random_model_dir):
     assert len(metrics.m["e2e_request_latency_seconds"].all()) == 1  # only the finished one
 
 
+def test_requests_and_sequences_are_counted_apart(random_model_dir):
+    """vLLM's num_requests_running / _waiting count requests (one with n > 1 runs if any of its
+    sequences does); num_seqs_running / _waiting count sequences. Room for three sequences: a
+    request with n=3 runs (1 request, 3 sequences) while one with n=2 waits (1 request, 2)."""
+    from cb_serve import AsyncLLM, EngineConfig, SamplingParams
+    from cb_serve.serve.metrics import EngineMetrics
+
+    config = EngineConfig.from_kwargs(model=str(random_model_dir("llama")), **{**ENGINE_ARGS, "max_num_seqs": 3})
+    engine = AsyncLLM(config)
+    metrics = EngineMetrics(engine, "tiny", interval_s=3600, api=FAKE_API)  # flushed below, by hand
+    names = ("num_requests_running", "num_seqs_running", "num_requests_waiting", "num_seqs_waiting")
+    seen: list[tuple[float, ...]] = []
+
+    def snapshot() -> tuple[float, ...]:
+        metrics.flush()
+        return tuple(metrics.m[name].all()[-1] for name in names)
+
+    async def main() -> None:
+        async def three() -> None:
+            params = SamplingParams(n=3, max_tokens=30, ignore_eos=True)
+            async for _ in engine.generate([7] * 20, params, "three"):
+                seen.append(snapshot())
+
+        async def two() -> None:
+            await asyncio.sleep(0)  # after "three" is in
+            async for _ in engine.generate([8] * 20, SamplingParams(n=2, max_tokens=5, ignore_eos=True), "two"):
+                pass
+
+        await asyncio.gather(three(), two())
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    metrics.close()
+    assert (1, 3, 1, 2) in seen, seen  # "three" running, "two" waiting for room
+    assert all(r <= s and w <= ws for r, s, w, ws in seen), seen
+    assert tuple(metrics.m[name].all()[-1] for name in names) == (0, 0, 0, 0)
+    for name in names:  # both labels, the same value
+        assert {dict(tags)["model_name"] for tags in metrics.m[name].values} == {"tiny"}
+
+
 def test_dashboard_is_importable_with_a_datasource_variable():
     from cb_serve.serve.metrics import ENGINE_METRICS, ROUTER_METRICS, exported_name
 
@@ -145,8 +205,13 @@ def test_dashboard_is_importable_with_a_datasource_variable():
     assert dashboard["schemaVersion"] >= 36 and dashboard["uid"] and "id" not in dashboard  # Grafana >= 10 import
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("model", "replica"):
+    assert list(variables) == ["datasource", "ray_io_cluster", "model_name", "replica"]
+    for name in ("ray_io_cluster", "model_name", "replica"):
         assert variables[name]["datasource"]["uid"] == "${datasource}" and variables[name]["includeAll"]
+        # "All" is the regex .*, which also matches a series without the label (no ray_io_cluster
+        # when Prometheus scrapes Ray directly, as below): Grafana's default (a|b|...) would not.
+        assert variables[name]["allValue"] == ".*"
+    assert variables["ray_io_cluster"]["definition"].endswith(", ray_io_cluster)")
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
     for p in panels:
@@ -155,6 +220,12 @@ def test_dashboard_is_importable_with_a_datasource_variable():
     text = DASHBOARD.read_text()
     unused = [n for n in ENGINE_METRICS | ROUTER_METRICS if exported_name(n).removesuffix("_total") not in text]
     assert not unused, f"metrics no panel shows: {unused}"
+    assert all(name in text for name in SERVE_SERIES + GPU_SERIES)
+    for title, expr in dashboard_queries():
+        assert not re.search(r"\bmodel=~", expr), f"{title}: filter on model_name (vLLM's label), not model"
+        for name, matchers in re.findall(r"\b(ray_[A-Za-z0-9_]+)(\{[^}]*\})?", expr):
+            if name != "ray_io_cluster":  # a metric: filtered on the cluster
+                assert CLUSTER_MATCHER in matchers, f"{title}: {name} without {CLUSTER_MATCHER}"
 
 
 # ---- acceptance: Ray's metrics export port -> a real Prometheus -> every dashboard query ----------
@@ -292,7 +363,12 @@ def stack(prometheus_binary, random_model_dir, tmp_path_factory):
             "model": str(random_model_dir("llama")),
             "engine": SERVE_ENGINE_ARGS,
             "router": {"served_model_name": "tiny"},
-            "engine_replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
+            # Autoscaled as deploy/config.gpu.yaml is, pinned at two replicas: Serve exports its
+            # autoscaler's series (the dashboard's "Autoscaling" panel) only for such deployments.
+            "engine_replica": {
+                "autoscaling_config": {"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2},
+                "ray_actor_options": {"num_cpus": 1},
+            },
         }
         serve.run(build_app(args), name="cb-serve", route_prefix="/")
         prometheus = Prometheus(prometheus_binary, tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{metrics_port}"])
@@ -365,19 +441,19 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in walk(dashboard["panels"]) for t in p.get("targets", [])]
 
 
-def substitute(expr: str, rate_interval: str) -> str:
-    """Grafana's variables, as the dashboard would expand them with "All" selected; rate
-    windows span ``rate_interval`` (the whole workload, so no panel looks at an idle minute)."""
-    for var, value in {
-        "$__rate_interval": rate_interval,
-        "$__interval": "15s",
-        "$__range": rate_interval,
-        "${model}": ".*",
-        "$model": ".*",
-        "${replica}": ".*",
-        "$replica": ".*",
-    }.items():
-        expr = expr.replace(var, value)
+def substitute(expr: str, rate_interval: str, **selected: str) -> str:
+    """Grafana's variables, as the dashboard would expand them with "All" selected (the
+    variable's allValue, ``.*``) unless ``selected`` names a value; rate windows span
+    ``rate_interval`` (the whole workload, so no panel looks at an idle minute)."""
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    values = {
+        "__rate_interval": rate_interval,
+        "__interval": "15s",
+        "__range": rate_interval,
+        **{name: v.get("allValue") for name, v in variables.items()},
+        **selected,
+    }
+    expr = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: values[m.group(1) or m.group(2)], expr)
     assert "$" not in expr, expr
     return expr
 
@@ -414,7 +490,8 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     assert prom.scalar("sum(ray_cb_serve_inter_token_latency_seconds_count)") == tokens - n
     kv = prom.query("ray_cb_serve_kv_cache_usage_perc")
     assert len(kv) == 2 and all(0 <= v <= 1 for _, v in kv), kv  # one series per engine replica
-    assert all(labels.get("model") and labels.get("replica") for labels, _ in kv), kv
+    assert all(labels.get("model_name") and labels["model_name"] == labels.get("model") for labels, _ in kv), kv
+    assert all(labels.get("replica") for labels, _ in kv), kv
     assert 0 < prom.scalar("max(max_over_time(ray_cb_serve_kv_cache_usage_perc[5m]))") <= 1
     used = prom.query("ray_cb_serve_kv_cache_blocks_used")
     total = prom.query("ray_cb_serve_kv_cache_blocks_total")
@@ -438,16 +515,78 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     for name, (kind, _) in (ENGINE_METRICS | ROUTER_METRICS).items():  # the names Ray really exports
         series = exported_name(name) + ("_count" if kind == "histogram" else "")
         assert prom.query(series), f"no series {series}"
+    # Ray Serve's series: both engine replicas healthy, under Serve's replica label (the engine
+    # metrics' replica label), the autoscaler's target (min = max = 2), and its queue gauges.
+    healthy = prom.query('ray_serve_deployment_replica_healthy{deployment="EngineReplica"}')
+    assert {labels["replica"]: v for labels, v in healthy} == dict.fromkeys(replicas, 1.0), healthy
+    assert prom.scalar('sum(ray_serve_autoscaling_target_replicas{deployment="EngineReplica"})') == 2
+    for series in SERVE_SERIES:
+        assert prom.query(f'{series}{{deployment="EngineReplica"}}'), f"no series {series}"
 
     # Acceptance 2: every query of every panel returns data, evaluated now that every sample is in,
-    # over windows covering the workload.
+    # over windows covering the workload; only the GPU panels may be empty, and only without a GPU.
+    # Then the cluster filter: a RayCluster that is not there leaves every panel empty.
+    allowed_empty = {} if gpu_present() else dict.fromkeys(GPU_SERIES, "no GPU on this machine")
     at = time.time()
     window = f"{math.ceil(at - started) + 15}s"
     queries = dashboard_queries()
-    assert len(queries) >= 30
-    missing = {}
+    assert len(queries) >= 40
+    missing, empty_as_allowed = {}, {}
     for title, expr in queries:
         result = prom.query(substitute(expr, window), at=at)
-        if not any(math.isfinite(v) for _, v in result):
+        if any(math.isfinite(v) for _, v in result):
+            continue
+        reasons = {why for series, why in allowed_empty.items() if series in expr}
+        if reasons:
+            empty_as_allowed[title] = reasons
+        else:
             missing[f"{title}: {substitute(expr, window)}"] = result
     assert not missing, f"dashboard queries without data: {missing}"
+    assert set(empty_as_allowed) <= {"GPU utilization", "GPU memory"}, empty_as_allowed
+    for title, expr in queries:
+        assert not prom.query(substitute(expr, window, ray_io_cluster="no-such-cluster"), at=at), title
+
+
+def gpu_present() -> bool:
+    """Whether Ray's node reporter can see a GPU here (it reads NVML, i.e. NVIDIA's driver)."""
+    import torch
+
+    return torch.cuda.is_available() or shutil.which("nvidia-smi") is not None
+
+
+NO_HEALTHY_ENGINE_ALERT = "CBServeNoHealthyEngineReplica"
+ENGINE_UNHEALTHY_ALERT = "CBServeEngineReplicaUnhealthy"
+
+
+def prometheus_rules() -> dict[str, dict[str, Any]]:
+    """Every rule of every ``PrometheusRule`` in k8s/*.yaml, by "file: alert (or record)"."""
+    yaml = pytest.importorskip("yaml")
+    rules = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "PrometheusRule":
+                for group in doc["spec"]["groups"]:
+                    for rule in group["rules"]:
+                        rules[f"{path.name}: {rule.get('alert') or rule['record']}"] = rule
+    return rules
+
+
+@pytest.mark.timeout(300)
+def test_every_alert_expression_runs_and_a_healthy_app_raises_no_health_alert(stack):
+    """Each ``expr`` of the PrometheusRules in k8s/ evaluated by the real Prometheus scraping the
+    app (after the workload above, when run with it): no parse or execution error (an empty
+    result is fine). The health alerts stay quiet while both engine replicas are healthy, and the
+    no-healthy-replica alert does fire once every replica's health series reads 0."""
+    _, prom = stack
+    rules = prometheus_rules()
+    assert rules, "no PrometheusRule in k8s/*.yaml"
+    # Serve's controller reports replica health every 10 s: wait for the first report.
+    wait_for("Ray Serve's replica health", lambda: prom.query("ray_serve_deployment_replica_healthy"), timeout=60)
+    results = {name: prom.query(rule["expr"]) for name, rule in rules.items()}  # asserts HTTP 200, "success"
+    alerts = {rule.get("alert"): name for name, rule in rules.items()}
+    for alert in (NO_HEALTHY_ENGINE_ALERT, ENGINE_UNHEALTHY_ALERT):
+        assert alert in alerts, f"no alert {alert} in k8s/*.yaml"
+        assert results[alerts[alert]] == [], f"{alert} would fire on a healthy app: {results[alerts[alert]]}"
+    expr = rules[alerts[NO_HEALTHY_ENGINE_ALERT]]["expr"]
+    all_unhealthy = re.sub(r"ray_serve_deployment_replica_healthy(\{[^}]*\})?", r"(\g<0> * 0)", expr)
+    assert all_unhealthy != expr and prom.query(all_unhealthy), f"{NO_HEALTHY_ENGINE_ALERT} cannot fire"

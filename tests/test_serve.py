@@ -12,10 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+from serving import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "http://127.0.0.1:8000"
@@ -121,6 +123,7 @@ def chunked(data: bytes, piece: int = 64 * 1024):
 
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+XRID_LONG, XRID_SPACE = {"x-request-id": "a" * 129}, {"x-request-id": "two words"}
 # (case, path, body, status, error type, param, extra headers). Everything a client controls,
 # wrong: each gets its documented 4xx with an OpenAI error object and no internals. The first
 # block is what the reliability issue found by hand against 909d239.
@@ -257,6 +260,9 @@ HOSTILE = [
     ("presence_penalty", C, body(prompt="x", presence_penalty=0.5), 400, "unsupported", "presence_penalty", {}),
     ("echo", C, body(prompt="x", echo=True), 400, "unsupported", "echo", {}),
     ("unknown model", C, body(prompt="x", model="no-such-model"), 404, "not_found_error", "model", {}),
+    # x-request-id: it becomes the engine's request id and goes into logs.
+    ("x-request-id of 129 characters", C, body(prompt="x"), 400, "invalid_request_error", "x-request-id", XRID_LONG),
+    ("x-request-id with a space", CHAT, chat(user()), 400, "invalid_request_error", "x-request-id", XRID_SPACE),
     # Chat messages.
     ("no messages", CHAT, chat(), 400, "invalid_request_error", "messages", {}),
     ("messages is a string", CHAT, body(messages="hello"), 400, "invalid_request_error", "messages", {}),
@@ -404,3 +410,51 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             break
         time.sleep(0.5)
     assert s["num_running"] == 0 and s["kv_blocks_used"] == 0, s
+
+
+RAY_SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
+
+
+def log_lines_naming(request_id: str, deployment: str) -> list[str]:
+    return [
+        line
+        for path in RAY_SERVE_LOGS.glob(f"replica_*{deployment}*.log")
+        for line in path.read_text(errors="replace").splitlines()
+        if request_id in line
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_x_request_id_is_the_response_id_engine_request_id_and_log_id(server, stream):
+    request_id = f"client-trace:{uuid.uuid4().hex}-{int(stream)}"
+    body = {"prompt": "Name a color.", "max_tokens": 4, "stream": stream}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers={**AUTH, "x-request-id": request_id}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == request_id
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert {c["id"] for c in chunks} == {request_id}
+    else:
+        assert r.json()["id"] == request_id
+    # The engine replica's log line for the request (its id is the engine's request id), and Ray
+    # Serve's access log of the router under the same id.
+    engine_lines = wait_for("the engine replica's log line", lambda: log_lines_naming(request_id, "EngineReplica"), 30)
+    assert any(f"request {request_id} finished (length)" in line for line in engine_lines), engine_lines
+    assert wait_for("the router's access log", lambda: log_lines_naming(request_id, "Router"), 30)
+
+    # Without one, the proxy's id is used the same way.
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [user()], "max_tokens": 2}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["id"] == r.headers["x-request-id"]
+
+
+def test_cb_serve_bench_serve_writes_a_json_result(server, tmp_path):
+    cmd = [str(Path(sys.executable).parent / "cb-serve"), "bench", "serve", "--base-url", server]
+    cmd += ["--num-prompts", "32", "--max-output-len", "4", "--api-key", API_KEY, "--request-rate", "inf"]
+    cmd += ["--save-result", "--result-dir", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = tmp_path.glob("cb-serve-infqps-*.json")
+    out = json.loads(path.read_text())
+    summary = out["results"]["cb-serve"]
+    assert summary["completed"] == 32 and summary["failed"] == 0, summary
+    assert len(out["requests"]["cb-serve"]) == 32 and out["config"]["num_requests"] == 32
+    assert summary["output_tokens_per_s"] > 0 and summary["ttft"]["p50_ms"] > 0

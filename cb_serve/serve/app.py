@@ -69,6 +69,7 @@ class AppArgs(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict, description="Engine arguments (see EngineConfig).")
     router: RouterSettings = Field(default_factory=RouterSettings)
     routing_stats_period_s: float = Field(0.5, gt=0)
+    log_requests: bool = Field(True, description="One log line per finished request in its engine replica's log.")
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     engine_replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
     router_replica: ReplicaOptions = Field(default_factory=ReplicaOptions)
@@ -95,6 +96,6 @@ def build_app(args: dict[str, Any]) -> Application:
             request_routing_stats_timeout_s=max(1.0, 2 * parsed.routing_stats_period_s),
             request_router_kwargs=parsed.routing.router_kwargs(parsed.routing_stats_period_s),
         ),
-    ).bind(engine_args)
+    ).bind(engine_args, parsed.log_requests)
     router = Router.options(**parsed.router_replica.model_dump(exclude_none=True))
     return router.bind(engine, parsed.router.model_dump(), engine_args)

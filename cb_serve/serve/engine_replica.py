@@ -10,7 +10,7 @@ from typing import Any
 
 from ray import serve
 
-from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob
+from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob, RequestOutput
 from cb_serve.serve.engine_request import EngineRequest, InspectRequest
 from cb_serve.serve.metrics import EngineMetrics
 
@@ -42,14 +42,34 @@ def token_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | Non
     ]
 
 
+def log_finished(out: RequestOutput, num_output_tokens: int) -> None:
+    """One line per finished request, under its id (the client's x-request-id), as vLLM logs requests."""
+    t = out.metrics
+    ttft = e2e = float("nan")
+    if t is not None and t.first_token_time is not None:
+        ttft = t.first_token_time - t.arrival_time
+        e2e = (t.finished_time or t.last_token_time or t.first_token_time) - t.arrival_time
+    logger.info(
+        "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, TTFT %.3f s, e2e %.3f s",
+        out.request_id,
+        ",".join(str(c.finish_reason) for c in out.outputs),
+        len(out.prompt_token_ids),
+        out.num_cached_tokens,
+        num_output_tokens,
+        ttft,
+        e2e,
+    )
+
+
 @serve.deployment(
     max_ongoing_requests=256, health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=30
 )
 class EngineReplica:
     """Streams plain-dict chunks (no tensors cross this boundary) and reports its load."""
 
-    def __init__(self, engine_args: dict[str, Any]) -> None:
+    def __init__(self, engine_args: dict[str, Any], log_requests: bool = True) -> None:
         log_to_serve()
+        self.log_requests = log_requests
         self.engine = AsyncLLM(EngineConfig.from_kwargs(**engine_args))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = EngineMetrics(self.engine, self.engine.model_name)  # cb_serve_* metrics (metrics.py)
@@ -63,11 +83,15 @@ class EngineReplica:
         request_id = request.request_id
         expected = (request.expected_hit_tokens or {}).get(self.replica_id)
         self.num_requests += 1
+        num_output_tokens = 0  # the engine's outputs are deltas
         try:
             async for out in self.engine.generate(request.prompt_token_ids, request.params, request_id):
+                num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                 timeline = None
                 if out.finished and request.return_timeline:
                     timeline = await self.timeline(request_id)
+                if out.finished and self.log_requests:
+                    log_finished(out, num_output_tokens)
                 yield [
                     {
                         "index": c.index,

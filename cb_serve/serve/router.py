@@ -66,6 +66,11 @@ class RouterSettings(BaseModel):
 RETRY_AFTER_S = 1  # Retry-After of overload answers (the openai client honours it when it retries)
 REPLICA_HEADER = "x-cb-replica"  # which engine replica served the request (operators, tests)
 SESSION_HEADER = "x-session-id"  # requests of one session prefer one replica (so does the ``user`` field)
+# The request id: the client's x-request-id, which Ray Serve's proxy passes on (or sets to one it makes)
+# and returns in the response's x-request-id header. It is the response's ``id``, the engine's request
+# id and what every log line of the request names. Limits: it goes into logs and the inspector.
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID = re.compile(r"[A-Za-z0-9._~:;=/+@-]{1,128}")
 MAX_JSON_DEPTH = 64  # nesting of [ and { in a request body
 MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut
 HEALTH_TIMEOUT_S = 5.0
@@ -85,6 +90,19 @@ def overloaded(message: str) -> APIError:
 def unavailable(message: str) -> APIError:
     """503 for a request that failed with its replica or its step: retrying it is safe."""
     return APIError(503, message, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def request_id_of(request: Request, prefix: str) -> str:
+    """The client's x-request-id if it is within limits (400 if not); without one (the app called
+    without Ray Serve's proxy, which always sets it), ``prefix``-<random hex>, as OpenAI's ids."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not REQUEST_ID.fullmatch(given):
+        raise APIError(
+            400, "x-request-id must be 1 to 128 characters of A-Z a-z 0-9 . _ ~ : ; = / + @ -", param=REQUEST_ID_HEADER
+        )
+    return given
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -326,17 +344,19 @@ class Router(InspectorRoutes):
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
+        request_id = request_id_of(request, "cmpl")
         req = await self._parse(request, CompletionRequest)
         prompt = req.prompt
         token_ids = await self._encode(self.encoder.encode, prompt) if isinstance(prompt, str) else list(prompt)
-        return await self._respond(request, req, EngineRequest, token_ids, prompt=prompt)
+        return await self._respond(request, request_id, req, EngineRequest, token_ids, prompt=prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        request_id = request_id_of(request, "chatcmpl")
         req = await self._parse(request, ChatCompletionRequest)
         messages = [m.to_template() for m in req.messages]
         token_ids = await self._encode(self.encoder.encode_chat, messages, req.add_generation_prompt)
-        return await self._respond(request, req, ChatEngineRequest, token_ids, messages=messages)
+        return await self._respond(request, request_id, req, ChatEngineRequest, token_ids, messages=messages)
 
     async def _encode(self, encode, *args) -> list[int]:
         """Tokenizes off the event loop; the client's input errors become 400s."""
@@ -345,14 +365,17 @@ class Router(InspectorRoutes):
         except InvalidRequestError as e:
             raise APIError(400, short(str(e)), param=e.param) from None
 
-    async def _respond(self, request: Request, req, kind: type[EngineRequest], token_ids: list[int], **text):
+    async def _respond(
+        self, request: Request, request_id: str, req, kind: type[EngineRequest], token_ids: list[int], **text
+    ):
         chat = kind is ChatEngineRequest
+        # Behind Ray Serve's proxy the response gets x-request-id from it (adding ours would repeat it).
+        headers = {} if REQUEST_ID_HEADER in request.headers else {REQUEST_ID_HEADER: request_id}
         cap = self.settings.max_tokens_cap
         try:  # without max_tokens: 16 for completions (OpenAI's default), the cap (or the context) for chat
             params = req.to_sampling_params(cap if chat else 16, cap)
         except InvalidRequestError as e:
             raise APIError(400, short(str(e)), param=e.param) from None
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         info = await self._info()
         block_size = info["block_size"] if info.get("enable_prefix_caching") else 0
         # At most a context's worth: a longer prompt is refused by the engine, and this runs on the event loop.
@@ -372,8 +395,8 @@ class Router(InspectorRoutes):
         gen, first = await self._start(payload)
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
         replica = first[0]["replica"] if first else None
-        headers = {REPLICA_HEADER: replica} if replica else None
         if replica:
+            headers[REPLICA_HEADER] = replica
             self._remember_replica(request_id, replica)
             router_metrics().routed(
                 meta["model"], replica, first[0]["expected_cached_tokens"], first[0]["cached_tokens"]

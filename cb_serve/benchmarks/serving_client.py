@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from server_control import server_root
-from serving_stats import RequestResult
-from workload import Workload, capped_output_lens, warmup_prompt
+
+from cb_serve.benchmarks.server_control import server_root
+from cb_serve.benchmarks.serving_stats import RequestResult
+from cb_serve.benchmarks.workload import Workload, capped_output_lens, warmup_prompt
 
 SCHEDULING_SHARE_NOTE = (
     "scheduling_seconds / step_seconds from the engine's /stats counters over the timed run "

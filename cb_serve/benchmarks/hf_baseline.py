@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from cpu_accounting import Timer
-from report import SystemResult, make_result
-from workload import Workload, warmup_prompt
 
+from cb_serve.benchmarks.cpu_accounting import Timer
+from cb_serve.benchmarks.report import SystemResult, make_result
+from cb_serve.benchmarks.workload import Workload, warmup_prompt
 from cb_serve.model_executor import loader
 
 HF_STATIC_BATCH_SIZE = 16

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cpu_accounting import CONTENTION_WARNING, Timer
-from workload import Workload
 
 import cb_serve
+from cb_serve.benchmarks.cpu_accounting import CONTENTION_WARNING, Timer
+from cb_serve.benchmarks.workload import Workload
 
 
 def log(message: str) -> None:

@@ -1,4 +1,4 @@
-"""Captures the batch inspector during a serving benchmark (``serve_bench.py --trace-out /
+"""Captures the batch inspector during a serving benchmark (``cb-serve bench serve --trace-out /
 --screenshot``): the Chrome trace of the last seconds, and a headless-Chromium screenshot of the
 live ``/inspect`` page."""
 
@@ -25,8 +25,11 @@ def fetch_trace(root: str, api_key: str, seconds: float, out: Path) -> int:
 
 def screenshot(root: str, out: Path, timeout_s: float = 60) -> bool:
     """Headless Chromium's screenshot of ``/inspect`` once it has drawn live steps (the tests'
-    DevTools driver, ``tests/browser.py``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    DevTools driver, ``tests/browser.py``: run from the repository's root)."""
+    tests = Path.cwd() / "tests"
+    if not (tests / "browser.py").is_file():
+        raise SystemExit("--screenshot uses tests/browser.py: run from the repository's root")
+    sys.path.insert(0, str(tests))
     from browser import open_page
 
     with open_page(f"{root}/inspect") as page:

@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from hf_baseline import eos_disabled, hf_static_batch, load_hf_model, pad_token_id
-from report import log
-from serving_stats import RequestResult
 from transformers.generation.streamers import BaseStreamer
-from workload import Workload, capped_output_lens, warmup_prompt
 
+from cb_serve.benchmarks.hf_baseline import eos_disabled, hf_static_batch, load_hf_model, pad_token_id
+from cb_serve.benchmarks.report import log
+from cb_serve.benchmarks.serving_stats import RequestResult
+from cb_serve.benchmarks.workload import Workload, capped_output_lens, warmup_prompt
 from cb_serve.model_executor import loader
 
 

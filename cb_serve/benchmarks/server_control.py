@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import yaml
-from cpu_accounting import descendants
-from report import log
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "deploy" / "config.yaml"
+from cb_serve.benchmarks.cpu_accounting import descendants
+from cb_serve.benchmarks.report import log
+
+DEFAULT_CONFIG = Path("deploy/config.yaml")  # the repository's, from its root
 ENGINE_DEPLOYMENT = "EngineReplica"
 
 
@@ -58,7 +58,7 @@ def launch(config: str, log_path: Path) -> subprocess.Popen:
     log(f"launching `serve run {config}` (log: {log_path})")
     with open(log_path, "w") as out:
         return subprocess.Popen(
-            [serve_bin, "run", config], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [serve_bin, "run", config], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
 
 
