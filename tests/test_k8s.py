@@ -19,15 +19,14 @@ every document in it is validated against the schema of its kind. No cluster nee
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import shutil
 import subprocess
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tools import prometheus_tool
 
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
@@ -611,12 +610,7 @@ def test_alerts_are_complete_and_name_real_series():
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    binary = shutil.which("promtool")
-    if binary is None and os.environ.get("CB_SERVE_REQUIRE_PROMETHEUS") == "1":  # CI: missing is an error
-        pytest.fail("`promtool` is not installed and CB_SERVE_REQUIRE_PROMETHEUS=1")
-    if binary is None:
-        pytest.skip("`promtool` is not installed (Debian/Ubuntu: apt-get install -y prometheus)")
-    return binary
+    return prometheus_tool("promtool")
 
 
 def write_rules(path: Path, annotations: bool = True) -> Path:

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tools import prometheus_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "cb-serve-dashboard.json"
@@ -326,12 +327,7 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None and os.environ.get("CB_SERVE_REQUIRE_PROMETHEUS") == "1":  # CI: missing is an error
-        pytest.fail("the `prometheus` binary is not installed and CB_SERVE_REQUIRE_PROMETHEUS=1")
-    if binary is None:
-        pytest.skip("the `prometheus` binary is not installed (Debian/Ubuntu: apt-get install -y prometheus)")
-    return binary
+    return prometheus_tool("prometheus")
 
 
 @pytest.fixture(scope="module")

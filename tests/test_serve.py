@@ -441,6 +441,9 @@ def test_x_request_id_is_the_response_id_engine_request_id_and_log_id(server, st
     assert any(f"request {request_id} finished (length)" in line for line in engine_lines), engine_lines
     assert wait_for("the router's access log", lambda: log_lines_naming(request_id, "Router"), 30)
 
+    # The API key is checked first: a client without it learns nothing about its id.
+    no_key = httpx.post(f"{server}/v1/completions", json=body, headers={"x-request-id": "two words"}, timeout=60)
+    assert no_key.status_code == 401
     # Without one, the proxy's id is used the same way.
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [user()], "max_tokens": 2}, headers=AUTH)
     assert r.status_code == 200 and r.json()["id"] == r.headers["x-request-id"]

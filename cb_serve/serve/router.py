@@ -344,16 +344,16 @@ class Router(InspectorRoutes):
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
+        req = await self._parse(request, CompletionRequest)  # the API key first
         request_id = request_id_of(request, "cmpl")
-        req = await self._parse(request, CompletionRequest)
         prompt = req.prompt
         token_ids = await self._encode(self.encoder.encode, prompt) if isinstance(prompt, str) else list(prompt)
         return await self._respond(request, request_id, req, EngineRequest, token_ids, prompt=prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        req = await self._parse(request, ChatCompletionRequest)  # the API key first
         request_id = request_id_of(request, "chatcmpl")
-        req = await self._parse(request, ChatCompletionRequest)
         messages = [m.to_template() for m in req.messages]
         token_ids = await self._encode(self.encoder.encode_chat, messages, req.add_generation_prompt)
         return await self._respond(request, request_id, req, ChatEngineRequest, token_ids, messages=messages)
