@@ -327,48 +327,57 @@ def test_secrets_come_from_secret_refs_and_are_not_in_the_repo():
     assert hf_token == {"name": "cb-serve-hf-token", "key": "token", "optional": True}
 
 
-PVC_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "v1"},
-        "kind": {"const": "PersistentVolumeClaim"},
-        "metadata": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {"name": {"type": "string"}, "labels": {"additionalProperties": {"type": "string"}}},
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+METADATA = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "labels": STRING_MAP}}
+
+
+def resource(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of a Kubernetes object of ``kind`` whose ``spec`` has schema ``spec``."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": api_version},
+            "kind": {"const": kind},
+            "metadata": METADATA,
+            "spec": spec,
         },
-        "spec": {
-            "type": "object",
-            "required": ["accessModes", "resources"],
-            "additionalProperties": False,
-            "properties": {
-                "accessModes": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {"enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]},
-                },
-                "resources": {
-                    "type": "object",
-                    "required": ["requests"],
-                    "additionalProperties": False,
-                    "properties": {
-                        "requests": {"type": "object", "required": ["storage"]},
-                        "limits": {"type": "object"},
-                    },
-                },
-                "storageClassName": {"type": "string"},
-                "volumeMode": {"enum": ["Filesystem", "Block"]},
-                "volumeName": {"type": "string"},
-                "selector": {"type": "object"},
-                "dataSource": {"type": "object"},
-                "dataSourceRef": {"type": "object"},
-                "volumeAttributesClassName": {"type": "string"},
+    }
+
+
+PVC_SCHEMA = resource(
+    "v1",
+    "PersistentVolumeClaim",
+    {
+        "type": "object",
+        "required": ["accessModes", "resources"],
+        "additionalProperties": False,
+        "properties": {
+            "accessModes": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]},
             },
+            "resources": {
+                "type": "object",
+                "required": ["requests"],
+                "additionalProperties": False,
+                "properties": {
+                    "requests": {"type": "object", "required": ["storage"]},
+                    "limits": {"type": "object"},
+                },
+            },
+            "storageClassName": {"type": "string"},
+            "volumeMode": {"enum": ["Filesystem", "Block"]},
+            "volumeName": {"type": "string"},
+            "selector": {"type": "object"},
+            "dataSource": {"type": "object"},
+            "dataSourceRef": {"type": "object"},
+            "volumeAttributesClassName": {"type": "string"},
         },
     },
-}
+)
 
 
 def test_model_cache_is_a_shared_pvc_mounted_at_hf_home():
@@ -400,8 +409,6 @@ DURATION = {
     "pattern": r"^(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)$",
 }
 LABEL_NAME = {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}
-STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-METADATA = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "labels": STRING_MAP}}
 LABEL_SELECTOR = {
     "type": "object",
     "additionalProperties": False,
@@ -466,39 +473,33 @@ POD_METRICS_ENDPOINT = {
         **dict.fromkeys(["proxyUrl", "noProxy", "proxyFromEnvironment", "proxyConnectHeader"], ANY),
     },
 }
-POD_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PodMonitor"},
-        "metadata": METADATA,
-        "spec": {
-            "type": "object",
-            "required": ["selector"],
-            "additionalProperties": False,
-            "properties": {
-                "selector": LABEL_SELECTOR,
-                "podMetricsEndpoints": {"type": "array", "items": POD_METRICS_ENDPOINT},
-                "jobLabel": {"type": "string"},
-                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array"}},
-                },
-                "sampleLimit": {"type": "integer", "minimum": 0},
-                "targetLimit": {"type": "integer", "minimum": 0},
-                **dict.fromkeys(["labelLimit", "labelNameLengthLimit", "labelValueLengthLimit"], {"type": "integer"}),
-                **dict.fromkeys(["keepDroppedTargets", "nativeHistogramBucketLimit"], {"type": "integer"}),
-                **dict.fromkeys(["scrapeProtocols", "fallbackScrapeProtocol", "nativeHistogramMinBucketFactor"], ANY),
-                **dict.fromkeys(["scrapeClassicHistograms", "convertClassicHistogramsToNHCB"], {"type": "boolean"}),
-                **dict.fromkeys(["attachMetadata", "scrapeClass", "bodySizeLimit", "selectorMechanism"], ANY),
+POD_MONITOR_SCHEMA = resource(
+    "monitoring.coreos.com/v1",
+    "PodMonitor",
+    {
+        "type": "object",
+        "required": ["selector"],
+        "additionalProperties": False,
+        "properties": {
+            "selector": LABEL_SELECTOR,
+            "podMetricsEndpoints": {"type": "array", "items": POD_METRICS_ENDPOINT},
+            "jobLabel": {"type": "string"},
+            "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+            "namespaceSelector": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array"}},
             },
+            "sampleLimit": {"type": "integer", "minimum": 0},
+            "targetLimit": {"type": "integer", "minimum": 0},
+            **dict.fromkeys(["labelLimit", "labelNameLengthLimit", "labelValueLengthLimit"], {"type": "integer"}),
+            **dict.fromkeys(["keepDroppedTargets", "nativeHistogramBucketLimit"], {"type": "integer"}),
+            **dict.fromkeys(["scrapeProtocols", "fallbackScrapeProtocol", "nativeHistogramMinBucketFactor"], ANY),
+            **dict.fromkeys(["scrapeClassicHistograms", "convertClassicHistogramsToNHCB"], {"type": "boolean"}),
+            **dict.fromkeys(["attachMetadata", "scrapeClass", "bodySizeLimit", "selectorMechanism"], ANY),
         },
     },
-}
+)
 RULE = {
     "type": "object",
     "required": ["expr"],
@@ -514,39 +515,33 @@ RULE = {
         "annotations": STRING_MAP,
     },
 }
-PROMETHEUS_RULE_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PrometheusRule"},
-        "metadata": METADATA,
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "groups": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["name"],
-                        "additionalProperties": False,
-                        "properties": {
-                            "name": {"type": "string", "minLength": 1},
-                            "interval": DURATION,
-                            "query_offset": DURATION,
-                            "limit": {"type": "integer"},
-                            "labels": STRING_MAP,
-                            "partial_response_strategy": {"type": "string"},
-                            "rules": {"type": "array", "items": RULE},
-                        },
+PROMETHEUS_RULE_SCHEMA = resource(
+    "monitoring.coreos.com/v1",
+    "PrometheusRule",
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "groups": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "interval": DURATION,
+                        "query_offset": DURATION,
+                        "limit": {"type": "integer"},
+                        "labels": STRING_MAP,
+                        "partial_response_strategy": {"type": "string"},
+                        "rules": {"type": "array", "items": RULE},
                     },
                 },
             },
         },
     },
-}
+)
 SCHEMAS = {
     "PodMonitor": POD_MONITOR_SCHEMA,
     "PrometheusRule": PROMETHEUS_RULE_SCHEMA,
