@@ -14,6 +14,7 @@ from cb_serve.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     RequestFailedError,
+    RequestIdInUseError,
     StepFailedError,
 )
 from cb_serve.inputs import PromptType, TextPrompt, TokensPrompt
@@ -46,6 +47,7 @@ __all__ = [
     "StepPhases",
     "EngineError",
     "InvalidRequestError",
+    "RequestIdInUseError",
     "EngineOverloadedError",
     "EngineDeadError",
     "EngineUnavailableError",

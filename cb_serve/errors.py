@@ -16,6 +16,10 @@ class InvalidRequestError(ValueError):
         return type(self), (str(self), self.param)
 
 
+class RequestIdInUseError(InvalidRequestError):
+    """A request with this id is still in flight (a 409): ids name one request at a time."""
+
+
 class EngineError(RuntimeError):
     """Base of the engine's runtime errors. ``replica``: the serving replica that raised it, if any
     (the router avoids that replica when it retries)."""

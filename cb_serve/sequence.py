@@ -58,7 +58,7 @@ class Sequence:
 
     def __init__(
         self,
-        seq_id: str,
+        seq_id: int | str,
         request_id: str,
         index: int,
         prompt_token_ids: list[int],

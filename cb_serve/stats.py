@@ -31,9 +31,10 @@ class StepStats:
     num_preempted: int
     duration_s: float
     phases: StepPhases = StepPhases()
-    # Requests aborted since the previous step after they had produced a token: an observer
-    # that keeps per-request state forgets them (they send no finished output).
-    aborted_request_ids: tuple[str, ...] = ()
+    # Requests that ended since the previous step after they had produced a token, with no
+    # finished output passed to the step listeners (aborted, or failed with their step): an
+    # observer that keeps per-request state forgets them.
+    ended_request_ids: tuple[str, ...] = ()
 
     @property
     def budget_fill(self) -> float:

@@ -126,7 +126,7 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
 
 def test_an_aborted_request_is_forgotten(random_model_dir):
     """A request aborted after its first tokens sends no finished output; the engine names it in
-    the next step's ``StepStats.aborted_request_ids``, and the metrics drop its state."""
+    the next step's ``StepStats.ended_request_ids``, and the metrics drop its state."""
     from cb_serve import AsyncLLM, EngineConfig, RequestOutputKind, SamplingParams
     from cb_serve.serve.metrics import EngineMetrics
 

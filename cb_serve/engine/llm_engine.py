@@ -122,7 +122,7 @@ class LLMEngine:
         self.faults = FaultInjector.from_config(config.fault_injection)
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: tuple[StepListener, ...] = ()
-        self.aborted_since_step: list[str] = []
+        self.ended_since_step: list[str] = []
         self.consecutive_step_failures = 0
         self.num_failed_steps = self.num_failed_requests = self.max_batch_seqs = 0
         self.num_steps = self.prompt_tokens = self.generation_tokens = 0
@@ -208,9 +208,8 @@ class LLMEngine:
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
-            if any(seq.times.first_token is not None for seq in state.seqs):
-                self.aborted_since_step.append(request_id)  # observers may hold its state (bounded: it ran)
             self._end_outside_step(state.seqs, SequenceStatus.FINISHED_ABORTED)
+            self._note_ended(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -305,7 +304,18 @@ class LLMEngine:
         if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFatalError(f"{self.consecutive_step_failures} engine steps failed in a row") from error
         message = "The engine step running this request failed; retry the request."
-        return [self._fail_request(r, StepFailedError(message)) for r in request_ids if r in self.requests]
+        outputs = []
+        for request_id in request_ids:
+            if request_id in self.requests:
+                self._note_ended(self.requests[request_id])  # observers see no step with its output
+                outputs.append(self._fail_request(request_id, StepFailedError(message)))
+        return outputs
+
+    def _note_ended(self, state: RequestState) -> None:
+        """Names a request that ended with no finished output passed to the step listeners in
+        the next step's ``StepStats.ended_request_ids`` if it ran (observers may hold its state)."""
+        if any(seq.times.first_token is not None for seq in state.seqs):
+            self.ended_since_step.append(state.request_id)
 
     def _fail_request(self, request_id: str, error: RequestFailedError | StepFailedError) -> RequestOutput:
         """Ends every sequence of the request (freeing its KV blocks); its final output carries ``error``."""
@@ -326,9 +336,10 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token_id: int, logprobs: dict | None, now: float) -> None:
         seq.append_token(token_id, now)
         self.generation_tokens += 1
-        if seq.num_output_tokens == 1:
-            self.prompt_tokens += seq.num_prompt_tokens
         state = self.requests[seq.request_id]
+        if not state.prompt_tokens_counted:
+            state.prompt_tokens_counted = True
+            self.prompt_tokens += seq.num_prompt_tokens
         if logprobs is not None:
             seq.logprobs.append(state.with_token_text(logprobs))
             seq.cumulative_logprob += logprobs[token_id].logprob
@@ -354,9 +365,9 @@ class LLMEngine:
             num_preempted=len(sched.preempted),
             duration_s=phases.total_s,
             phases=phases,
-            aborted_request_ids=tuple(self.aborted_since_step),
+            ended_request_ids=tuple(self.ended_since_step),
         )
-        self.aborted_since_step.clear()
+        self.ended_since_step.clear()
         self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
         for listener in self.step_listeners:
             try:

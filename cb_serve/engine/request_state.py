@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 from cb_serve.engine.detokenizer import IncrementalDetokenizer
 from cb_serve.engine.processor import ProcessedRequest
 from cb_serve.engine.stop_checker import StopChecker
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.sampling_params import RequestOutputKind
 from cb_serve.sequence import Sequence
+
+_SEQ_IDS = itertools.count()  # unique in the process: request ids are the clients' and may look like anything
 
 
 class RequestState:
@@ -30,7 +34,7 @@ class RequestState:
         n = req.params.n
         self.seqs = [
             Sequence(
-                request_id if n == 1 else f"{request_id}#{i}",
+                next(_SEQ_IDS),
                 request_id,
                 i,
                 req.prompt_token_ids,
@@ -49,6 +53,7 @@ class RequestState:
         ]
         self.sent_text = [0] * n  # for DELTA outputs: how much text/tokens each client has
         self.sent_tokens = [0] * n
+        self.prompt_tokens_counted = False  # counted once per request (vLLM), whatever n
 
     @property
     def finished(self) -> bool:

@@ -44,7 +44,7 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks in use (0 to 1)."),
     "kv_cache_blocks_used": ("gauge", "KV-cache blocks in use."),
     "kv_cache_blocks_total": ("gauge", "KV-cache blocks of the replica."),
-    "prompt_tokens": ("counter", "Prompt tokens of sequences that produced their first token."),
+    "prompt_tokens": ("counter", "Prompt tokens of requests that produced their first token (once per request)."),
     "generation_tokens": ("counter", "Tokens generated."),
     "num_preemptions": ("counter", "Sequences preempted (their KV blocks freed, recomputed later)."),
     "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
@@ -162,11 +162,13 @@ class EngineMetrics:
         m = self.m
         m["batch_token_fill_ratio"].observe(step.budget_fill)
         m["batch_num_seqs"].observe(step.num_seqs)
-        for request_id in step.aborted_request_ids:
+        for request_id in step.ended_request_ids:
             self._last_token.pop(request_id, None)
         for out in outputs:
             t = out.metrics
-            if t is None or t.last_token_time is None:
+            if t is None or t.last_token_time is None:  # a failed request's output carries no metrics
+                if out.finished:
+                    self._last_token.pop(out.request_id, None)
                 continue
             prev = self._last_token.get(out.request_id)
             if prev is None:  # the request's first output: its first token

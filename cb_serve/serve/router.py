@@ -40,6 +40,7 @@ from cb_serve import (
     InvalidRequestError,
     PromptEncoder,
     RequestFailedError,
+    RequestIdInUseError,
     StepFailedError,
     prefix_block_hashes,
 )
@@ -122,6 +123,8 @@ def engine_error(e: BaseException, request_id: str) -> APIError:
     short message and the request id; the details are logged here under that id."""
     cause = root_cause(e)
     ref = f" (request id: {request_id})"
+    if isinstance(cause, RequestIdInUseError):
+        return APIError(409, short(str(cause)), "conflict_error", param=REQUEST_ID_HEADER)
     if isinstance(cause, InvalidRequestError):
         return APIError(400, short(str(cause)), param=cause.param)
     if isinstance(cause, EngineOverloadedError):

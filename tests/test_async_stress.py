@@ -1,0 +1,130 @@
+"""Random cancels of every kind of call against a live engine (issue 22): generate run to the
+end, left after a few outputs, cancelled at a random moment or before its first output;
+inspect with tiny timeouts or cancelled; stats and cache digests; request ids drawn from a
+small pool so ids are reused while their earlier requests are still being aborted.
+
+After every step (a step listener on the engine thread): the KV blocks are exactly those the
+live sequences hold, and every request the engine holds has the stream that added it (none
+runs on without a consumer). After every call: the engine is alive; a stream gets only its own
+outputs, and a request run to the end gets exactly the greedy tokens its prompt gets alone.
+At the end every KV block is back.
+
+Short by default; longer: ``CB_SERVE_STRESS_SECONDS=300 pytest tests/test_async_stress.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections import Counter
+
+from test_async_races import settled
+
+from cb_serve import LLM, AsyncLLM, EngineConfig, RequestIdInUseError, RequestOutputKind, SamplingParams
+from cb_serve.engine import async_llm as async_llm_module
+
+STRESS_SECONDS = float(os.environ.get("CB_SERVE_STRESS_SECONDS", "8"))
+SEED = int(os.environ.get("CB_SERVE_STRESS_SEED", "0"))
+WORKERS = 6
+MAX_TOKENS = 24
+PROMPTS = [[7 + i, 40 + 3 * i] * (4 + i) for i in range(5)]  # some share nothing, some a prefix
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+
+def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, monkeypatch):
+    model = str(random_model_dir("llama"))
+    args = dict(max_model_len=256, num_gpu_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
+    offline = LLM(model, **args)
+    expected = [out.outputs[0].token_ids for out in offline.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)]
+    del offline
+    monkeypatch.setattr(async_llm_module, "REQUEST_ID_WAIT_S", 0.2)
+    llm = AsyncLLM(EngineConfig(model=model, **args))
+    violations: list[str] = []
+
+    def check_step(stats, outputs) -> None:  # engine thread, after each step
+        engine = llm._engine
+        try:
+            engine.block_manager.check_invariants([*engine.scheduler.running, *engine.scheduler.waiting])
+            orphans = [r for r in engine.requests if r not in llm._live]
+            assert not orphans, f"requests without a stream: {orphans}"
+        except AssertionError as e:
+            violations.append(f"step {engine.num_steps}: {e!r}")
+
+    llm.add_step_listener(check_step)
+    rng = random.Random(SEED)
+    counts: Counter[str] = Counter()
+
+    async def generate(request_id: str, prompt: int, max_tokens: int, leave_after: int | None) -> None:
+        tokens: list[int] = []
+        stream = llm.generate(PROMPTS[prompt], greedy(max_tokens), request_id)
+        try:
+            async for out in stream:
+                assert out.request_id == request_id
+                tokens += out.outputs[0].token_ids
+                if leave_after is not None and len(tokens) >= leave_after:
+                    counts["left early"] += 1
+                    return
+        finally:
+            await stream.aclose()
+        assert tokens == expected[prompt][:max_tokens], (request_id, prompt, tokens)
+        counts["completed"] += 1
+
+    async def one_call() -> None:
+        kind = rng.choice(["complete", "leave", "cancel", "cancel-at-once", "inspect", "stats"])
+        request_id = f"id{rng.randrange(8)}"
+        call = None
+        if kind == "complete":
+            call = generate(request_id, rng.randrange(len(PROMPTS)), rng.randint(1, MAX_TOKENS), None)
+        elif kind == "leave":
+            call = generate(request_id, rng.randrange(len(PROMPTS)), MAX_TOKENS, rng.randint(1, 4))
+        elif kind in ("cancel", "cancel-at-once"):
+            call = generate(request_id, rng.randrange(len(PROMPTS)), MAX_TOKENS, None)
+        elif kind == "inspect":
+            view = rng.choice(["steps", "state", "timeline"])
+            kwargs = {"request_id": request_id} if view == "timeline" else {}
+            call = llm.inspect(view, timeout_s=rng.choice([0.001, 0.01, 1.0]), **kwargs)
+        else:
+            llm.get_stats()
+            llm.get_cache_digest()
+            counts["stats"] += 1
+            await asyncio.sleep(0.001)
+            return
+        task = asyncio.ensure_future(call)
+        if kind == "cancel-at-once" or (kind in ("cancel", "inspect") and rng.random() < 0.5):
+            await asyncio.sleep(0 if kind == "cancel-at-once" else rng.uniform(0, 0.05))
+            task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            counts[f"{kind} cancelled"] += 1
+        except RequestIdInUseError:
+            counts["id in use"] += 1
+        except TimeoutError:
+            counts["inspect timed out"] += 1
+        else:
+            counts[kind] += 1
+
+    async def worker(deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            await one_call()
+            assert llm.is_alive, llm.error
+            assert not violations, violations[:3]
+
+    async def main() -> None:
+        deadline = asyncio.get_running_loop().time() + STRESS_SECONDS
+        await asyncio.gather(*(worker(deadline) for _ in range(WORKERS)))
+        await settled(llm)
+
+    try:
+        asyncio.run(main())
+        assert llm.is_alive and not violations, violations[:3]
+        assert llm.get_stats().kv_blocks_used == 0
+        assert counts["completed"] and counts["left early"] and counts["cancel cancelled"], counts
+    finally:
+        llm.shutdown()
+    print(dict(counts))
