@@ -23,7 +23,7 @@ from cb_serve import (
     RequestOutputKind,
     SamplingParams,
 )
-from cb_serve.engine import async_llm as async_llm_module
+from cb_serve.engine import inbox as inbox_module
 
 WAIT_S = 10.0  # bound on every wait below: a hang fails the test instead of stalling CI
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
@@ -102,7 +102,7 @@ async def until(check: Callable[[], bool], what: str) -> None:
 async def settled(llm: AsyncLLM) -> None:
     """Nothing held: no stream, no engine request, no KV block."""
     await until(
-        lambda: not llm._streams and not llm._engine.requests and llm.get_stats().kv_blocks_used == 0,
+        lambda: not llm._inbox.streams and not llm._engine.requests and llm.get_stats().kv_blocks_used == 0,
         "the engine to hold nothing",
     )
 
@@ -187,9 +187,9 @@ def test_a_retry_with_the_same_id_gets_exactly_its_own_tokens(llm, reference, ab
             await first.aclose()
             if not abort_landed:
                 retry = asyncio.create_task(tokens_of(llm, "dup", 20))
-                await until(lambda: llm._streams["dup"].waiters, "the retry to wait for the id")
+                await until(lambda: llm._inbox.streams["dup"].waiters, "the retry to wait for the id")
         if abort_landed:
-            await until(lambda: "dup" not in llm._streams, "the abort to land")
+            await until(lambda: "dup" not in llm._inbox.streams, "the abort to land")
             retry = asyncio.create_task(tokens_of(llm, "dup", 20))
         tokens = await asyncio.wait_for(retry, WAIT_S)
         await settled(llm)
@@ -199,7 +199,7 @@ def test_a_retry_with_the_same_id_gets_exactly_its_own_tokens(llm, reference, ab
 
 
 def test_an_id_in_flight_is_refused_after_the_wait_and_the_first_request_goes_on(llm, reference, monkeypatch):
-    monkeypatch.setattr(async_llm_module, "REQUEST_ID_WAIT_S", 0.1)
+    monkeypatch.setattr(inbox_module, "REQUEST_ID_WAIT_S", 0.1)
 
     async def main() -> list[int]:
         first = asyncio.create_task(tokens_of(llm, "taken", 30))
@@ -260,7 +260,7 @@ def test_generate_and_inspect_queued_when_the_loop_dies_fail_at_once(llm):
 
     asyncio.run(main())
     assert not llm.is_alive and isinstance(llm.error, LoopKiller)
-    assert not llm._streams and llm._engine.block_manager.num_used_blocks == 0
+    assert not llm._inbox.streams and llm._engine.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("ending", ["death", "shutdown"])
@@ -285,7 +285,7 @@ def test_generate_racing_the_end_of_the_loop_never_waits_forever(llm, monkeypatc
             await asyncio.wait_for(tokens_of(llm, "racer", 5), WAIT_S)
 
     asyncio.run(main())
-    assert not llm._streams
+    assert not llm._inbox.streams
 
 
 def test_shutdown_with_requests_in_the_inbox_ends_every_stream(llm):
@@ -310,7 +310,7 @@ def test_shutdown_with_requests_in_the_inbox_ends_every_stream(llm):
 
     first, second = asyncio.run(main())
     assert first is not second
-    assert not llm.is_alive and not llm._streams and llm._engine.block_manager.num_used_blocks == 0
+    assert not llm.is_alive and not llm._inbox.streams and llm._engine.block_manager.num_used_blocks == 0
 
 
 # ---- metrics state of requests that fail after their first token -------------------------

@@ -22,7 +22,7 @@ from collections import Counter
 from test_async_races import settled
 
 from cb_serve import LLM, AsyncLLM, EngineConfig, RequestIdInUseError, RequestOutputKind, SamplingParams
-from cb_serve.engine import async_llm as async_llm_module
+from cb_serve.engine import inbox as inbox_module
 
 STRESS_SECONDS = float(os.environ.get("CB_SERVE_STRESS_SECONDS", "8"))
 SEED = int(os.environ.get("CB_SERVE_STRESS_SEED", "0"))
@@ -41,7 +41,7 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
     offline = LLM(model, **args)
     expected = [out.outputs[0].token_ids for out in offline.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)]
     del offline
-    monkeypatch.setattr(async_llm_module, "REQUEST_ID_WAIT_S", 0.2)
+    monkeypatch.setattr(inbox_module, "REQUEST_ID_WAIT_S", 0.2)
     llm = AsyncLLM(EngineConfig(model=model, **args))
     violations: list[str] = []
 

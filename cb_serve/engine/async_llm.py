@@ -1,22 +1,12 @@
 """Asyncio front of the engine: the step loop runs in a background thread; any number of
 coroutines call ``generate`` and iterate their outputs.
 
-The boundary between the callers (any thread, usually an event loop) and the engine thread:
-
-- Every call crosses as one item of an inbox that the engine thread drains between steps, and
-  each item is handled on its own: one that raises fails only itself.
-- Each ``generate`` call has its own ``_Stream``. The engine thread delivers a request's outputs
-  to the stream that added it, and an abort names its stream, so nothing of an earlier request
-  (a late output, a late abort) can reach a later one that reuses its id.
-- A request id is held from the ``generate`` call until the engine holds nothing of the
-  request. A new call with an id still held waits up to ``REQUEST_ID_WAIT_S`` for it (a client
-  that gives up and retries at once with the same id gets through as soon as the abort lands),
-  then gets ``RequestIdInUseError``.
-- A call whose caller gave up (a cancelled ``inspect``) is skipped, and no delivery can raise.
-- Once the loop has ended (it died, or ``shutdown``), nothing waits on it: what is in the inbox
-  and every open stream fail at once, and an item sent later fails as it is sent. Registering
-  a stream and sending its request is one step under ``_lock``, and so are marking the loop
-  ended and ``close_streams``, so no call slips between them.
+Every call crosses to the engine thread through the ``Inbox`` (``inbox.py``: a stream per
+``generate`` call, request ids held until the engine lets go of them). The engine thread
+handles each item on its own, so one that raises fails only itself; it skips a call whose
+caller gave up (a cancelled ``inspect``), and no delivery can raise. Once the loop has ended
+(it died, or ``shutdown``), nothing waits on it: what is queued and every open stream fail at
+once, and an item sent later fails as it is sent.
 """
 
 from __future__ import annotations
@@ -26,14 +16,13 @@ import concurrent.futures
 import copy
 import functools
 import logging
-import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from cb_serve.config import EngineConfig
+from cb_serve.engine.inbox import Inbox, Item, Stream, settle
 from cb_serve.engine.llm_engine import LLMEngine, StepListener
-from cb_serve.engine.processor import ProcessedRequest
 from cb_serve.errors import (
     EngineDeadError,
     EngineError,
@@ -41,7 +30,6 @@ from cb_serve.errors import (
     EngineShutdownError,
     EngineUnavailableError,
     RequestFailedError,
-    RequestIdInUseError,
 )
 from cb_serve.inputs import PromptType
 from cb_serve.outputs import RequestOutput
@@ -50,48 +38,6 @@ from cb_serve.sampling_params import SamplingParams
 from cb_serve.stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-# How long a request waits for an earlier request with its id to end (client retries reuse ids).
-REQUEST_ID_WAIT_S = 2.0
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
-        pass
-
-
-def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Delivers to a future the engine thread owns (its caller may have given up meanwhile)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-class _Stream:
-    """One ``generate`` call: its outputs (engine thread to caller) and whether the engine
-    still holds anything of it (``ended``, set under ``AsyncLLM._lock``)."""
-
-    __slots__ = ("request_id", "loop", "queue", "ended", "waiters")
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.ended = False
-        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # calls waiting for its id
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        _call_soon(self.loop, self.queue.put_nowait, item)
-
-
-# Inbox items: ("add", stream, ProcessedRequest) | ("abort", stream) | ("call", future, function)
-_Item = tuple[str, Any, Any]
 
 
 class AsyncLLM:
@@ -110,13 +56,13 @@ class AsyncLLM:
         # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
         self.tokenizer = copy.deepcopy(self._engine.tokenizer)
         self.processor = self._engine.processor.with_tokenizer(self.tokenizer)
-        self._inbox: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _streams, _closing, _loop_ended and sending to the inbox
-        self._streams: dict[str, _Stream] = {}  # request id -> the stream holding it (callers' side)
-        self._live: dict[str, _Stream] = {}  # request id -> stream, of the requests the engine holds (engine thread)
-        self._loop_ended = False
-        self._closing: EngineError | None = None  # set by close_streams(): new requests are refused
-        self._wake = threading.Event()
+        # Requests held (running, waiting or not yet taken by the engine thread) fill at most
+        # max_num_seqs running slots plus max_waiting_requests; counted on the callers' side,
+        # where concurrent arrivals see exact counts (the engine's own numbers lag a step).
+        limit = config.max_waiting_requests
+        full = f"The engine's waiting queue is full ({limit} requests); retry later."
+        self._inbox = Inbox(None if limit is None else config.max_num_seqs + limit, full)
+        self._live: dict[str, Stream] = {}  # engine thread: request id -> stream, of the requests the engine holds
         self._stop = False
         self.error: BaseException | None = None
         self._stats = self._engine.get_stats()
@@ -129,10 +75,10 @@ class AsyncLLM:
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        with self._lock:
-            self._check_accepting()
+        with self._inbox.lock:
+            self._inbox.check_open()
         processed = self.processor.process(prompt, params)
-        stream = await self._register(request_id, processed)
+        stream = await self._inbox.add(request_id, processed)
         finished = False
         try:
             while not finished:
@@ -146,58 +92,10 @@ class AsyncLLM:
             if not finished:
                 self._send(("abort", stream, None))
 
-    def _check_accepting(self) -> None:
-        """Raises ``EngineUnavailableError`` unless new requests are taken (call under ``_lock``)."""
-        if self._loop_ended or self.error is not None or self._closing is not None:
-            state = "shutting down" if self._closing is not None else "not running"
-            raise EngineUnavailableError(f"The engine is {state}; retry the request.")
-
-    async def _register(self, request_id: str, processed: ProcessedRequest) -> _Stream:
-        """Holds ``request_id`` for a new stream and sends its request, in one step under the
-        lock; first waits (up to ``REQUEST_ID_WAIT_S``) for an earlier holder of the id to end."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + REQUEST_ID_WAIT_S
-        while True:
-            with self._lock:
-                self._check_accepting()
-                held = self._streams.get(request_id)
-                if held is None:
-                    if self._is_full():
-                        limit = self.config.max_waiting_requests
-                        message = f"The engine's waiting queue is full ({limit} requests); retry later."
-                        raise EngineOverloadedError(message)
-                    stream = self._streams[request_id] = _Stream(request_id)
-                    self._inbox.put(("add", stream, processed))  # _check_accepting: the loop drains it
-                    self._wake.set()
-                    return stream
-                waiter = (loop, asyncio.Event())
-                held.waiters.append(waiter)
-            try:
-                await asyncio.wait_for(waiter[1].wait(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                raise RequestIdInUseError(
-                    f"Request id {request_id!r} is in use by a request in flight; use another id.", "x-request-id"
-                ) from None
-            finally:
-                with self._lock:
-                    if waiter in held.waiters:
-                        held.waiters.remove(waiter)
-
-    def _is_full(self) -> bool:
-        """Whether the requests this engine holds (running, waiting or not yet taken by the engine
-        thread) fill ``max_num_seqs`` running slots plus ``max_waiting_requests``. Counted on the
-        callers' side, where concurrent arrivals see exact counts (the engine's own numbers lag a step)."""
-        limit = self.config.max_waiting_requests
-        return limit is not None and len(self._streams) >= self.config.max_num_seqs + limit
-
-    def _send(self, item: _Item) -> None:
+    def _send(self, item: Item) -> None:
         """Queues ``item`` for the engine thread, or fails it at once if the loop has ended."""
-        with self._lock:
-            if not self._loop_ended:
-                self._inbox.put(item)
-                self._wake.set()
-                return
-        self._fail_item(item, self._not_running())
+        if not self._inbox.put(item):
+            self._inbox.fail(item, self._not_running())
 
     def get_stats(self) -> EngineStats:
         """A snapshot taken by the engine thread after its latest step."""
@@ -209,7 +107,7 @@ class AsyncLLM:
         P seconds gives digests at most P seconds plus one step old, and costs nothing unpolled."""
         if not self._digest_wanted:
             self._digest_wanted = True
-            self._wake.set()
+            self._inbox.wake.set()
         return self._digest
 
     async def inspect(self, what: str, timeout_s: float = 10.0, **kwargs: Any) -> Any:
@@ -234,10 +132,7 @@ class AsyncLLM:
     def close_streams(self, error: EngineError) -> None:
         """Refuses new requests (``EngineUnavailableError``) and ends every open stream with a
         copy of ``error`` (its request is aborted). For shutdown: no stream is left hanging."""
-        with self._lock:
-            self._closing = error
-            streams = list(self._streams.values())
-        for stream in streams:
+        for stream in self._inbox.close(error):
             stream.put(copy.copy(error))  # one instance per caller: each raises (and annotates) its own
             self._send(("abort", stream, None))
 
@@ -251,19 +146,19 @@ class AsyncLLM:
         """Ends open streams with ``EngineShutdownError`` and stops the engine thread."""
         self.close_streams(EngineShutdownError("The server is shutting down; retry the request."))
         self._stop = True
-        self._wake.set()
+        self._inbox.wake.set()
         self._thread.join(timeout=30)
 
     # ---- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
-        engine = self._engine
+        engine, wake = self._engine, self._inbox.wake
         try:
             while not self._stop:
-                self._wake.clear()
+                wake.clear()
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
                     self._snapshot()
-                    self._wake.wait(timeout=1.0)
+                    wake.wait(timeout=1.0)
                     continue
                 outputs = engine.step()  # contains every failure it can survive
                 self._snapshot()  # before the outputs: a caller sees stats at least as new
@@ -288,51 +183,47 @@ class AsyncLLM:
         stream.put(out.error if out.error is not None else out)
         if out.finished:
             del self._live[out.request_id]
-            self._end(stream)
+            self._inbox.release(stream)
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        while (item := self._inbox.get()) is not None:
             try:
                 self._handle(item)
             except Exception as e:  # noqa: BLE001 - one item's failure, never the loop's
                 logger.error("engine call %r failed", item[0], exc_info=e)
                 if item[0] != "call":
                     self._forget(item[1])
-                self._fail_item(item, RequestFailedError("This request failed on the server."))
+                self._inbox.fail(item, RequestFailedError("This request failed on the server."))
 
-    def _handle(self, item: _Item) -> None:
+    def _handle(self, item: Item) -> None:
         op, target, payload = item
         if op == "call":
             if target.set_running_or_notify_cancel():  # False: its caller gave up
                 try:
                     result = payload()
                 except Exception as e:  # noqa: BLE001 - the caller gets it
-                    _settle(target, error=e)
+                    settle(target, error=e)
                 else:
-                    _settle(target, result)
+                    settle(target, result)
             return
         request_id = target.request_id
         if op == "abort":
             if self._live.get(request_id) is target:  # not an earlier request's late abort
                 del self._live[request_id]
                 self._engine.abort_request(request_id)
-            self._end(target)
+            self._inbox.release(target)
             return
         assert op == "add" and request_id not in self._live, (op, request_id)
         try:
             self._engine.add_processed_request(request_id, payload)
         except (ValueError, EngineOverloadedError) as e:  # the request's own input, or a full queue
-            self._fail_item(item, e)
+            self._inbox.fail(item, e)
             return
         self._live[request_id] = target
 
-    def _forget(self, stream: _Stream) -> None:
-        """Engine thread: drops whatever the engine holds of ``stream``'s request (not of another
-        stream's request with the same id)."""
+    def _forget(self, stream: Stream) -> None:
+        """Drops whatever the engine holds of ``stream``'s request (not of another stream's
+        request with the same id)."""
         holder = self._live.get(stream.request_id)
         if holder is stream:
             del self._live[stream.request_id]
@@ -342,55 +233,28 @@ class AsyncLLM:
             except Exception:  # noqa: BLE001 - best effort; the stream ends anyway
                 logger.exception("aborting request %s failed", stream.request_id)
 
-    def _fail_item(self, item: _Item, error: BaseException) -> None:
-        """Ends an item the engine did not take (any thread): its caller gets ``error``."""
-        op, target, _ = item
-        if op == "call":
-            if target.set_running_or_notify_cancel():  # False: its caller gave up
-                _settle(target, error=error)
-            return
-        if op == "add":
-            target.put(error)
-        self._end(target)
-
-    def _end(self, stream: _Stream) -> None:
-        """The engine holds nothing of ``stream`` any more: its request id is free again."""
-        with self._lock:
-            if self._streams.get(stream.request_id) is stream:
-                del self._streams[stream.request_id]
-            stream.ended = True
-            waiters, stream.waiters = stream.waiters, []
-        for loop, event in waiters:
-            _call_soon(loop, event.set)
-
     def _not_running(self) -> EngineError:
-        if self._closing is not None:
+        if self._inbox.closing is not None:
             return EngineShutdownError("The server is shutting down; retry the request.")
         return EngineUnavailableError("The engine is not running; retry the request.")
 
     def _end_loop(self) -> None:
-        """The loop has ended: everything sent to it or waiting on it fails now, and anything
-        sent later fails as it is sent (``_send``)."""
-        with self._lock:
-            self._loop_ended = True
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            self._fail_item(item, self._not_running())
-        for stream in list(self._live.values()):
-            if self.error is not None:
-                stream.put(EngineDeadError("The engine replica failed; retry the request."))
-            else:
-                stream.put(self._not_running())
-            self._end(stream)
+        """The loop has ended: everything sent to it or waiting on it fails now (what the engine
+        never took with ``EngineUnavailableError``, safe to retry elsewhere), and anything sent
+        later fails as it is sent."""
+        items, held = self._inbox.end()
+        for item in items:
+            self._inbox.fail(item, self._not_running())
+        for stream in self._live.values():
+            dead = self.error is not None
+            stream.put(
+                EngineDeadError("The engine replica failed; retry the request.") if dead else self._not_running()
+            )
+            self._inbox.release(stream)
         self._live.clear()
-        with self._lock:
-            left = list(self._streams.values())  # registered as the loop ended (their add failed above)
-        for stream in left:
+        for stream in held:  # none is expected: each was queued (failed above) or taken
             stream.put(self._not_running())
-            self._end(stream)
+            self._inbox.release(stream)
         try:
             self._engine.abort_request(list(self._engine.requests))
         except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
