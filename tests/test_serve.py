@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import wait_for
+from serving import REPLICA_HEADER, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "http://127.0.0.1:8000"
@@ -461,3 +461,152 @@ def test_cb_serve_bench_serve_writes_a_json_result(server, tmp_path):
     assert summary["completed"] == 32 and summary["failed"] == 0, summary
     assert len(out["requests"]["cb-serve"]) == 32 and out["config"]["num_requests"] == 32
     assert summary["output_tokens_per_s"] > 0 and summary["ttft"]["p50_ms"] > 0
+
+
+def sse_events(lines) -> tuple[list[dict], bool]:
+    """The JSON events of an SSE body (its ``data:`` lines), and whether ``[DONE]`` ended it."""
+    events, done = [], False
+    for line in lines:
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            events.append(json.loads(line[6:]))
+    return events, done
+
+
+def wait_until_serving(server) -> dict:
+    """The engine's stats once its replica is alive: a test after one that killed it (the bug
+    it checks) waits for Serve's replacement (2 minutes at most) instead of failing for it."""
+    return wait_for("a live engine replica", lambda: (s := stats(server))["alive"] and s, 120, interval=1)
+
+
+def wait_until_idle(server) -> dict:
+    """The engine's stats once it runs nothing and holds no KV block (30 s at most)."""
+
+    def idle() -> dict | None:
+        s = stats(server)
+        return s if s["num_running"] == 0 and s["kv_blocks_used"] == 0 else None
+
+    return wait_for("the engine to run nothing and free every KV block", idle, 30, interval=0.2)
+
+
+IMPATIENT_PATHS = ("/v1/requests/x/timeline", "/debug/state", "/debug/trace")
+IMPATIENT_ROUNDS, IMPATIENT_PER_ROUND = 3, 30
+
+
+def test_impatient_debug_and_timeline_clients_do_not_hurt_a_stream(server):
+    """Issue 22, acceptance 1: clients that give up after 10-60 ms on timeline and debug GETs
+    (their handlers are cancelled mid-call, down to the engine replica's inspect) beside a long
+    stream. The stream gets every token, the engine replica lives on (same id, alive, no
+    replacement), and the next request succeeds. The GETs go on in rounds of 30 while the
+    stream runs (90 at most)."""
+    replica = wait_until_serving(server)["replica"]
+    replicas = httpx.get(f"{server}/debug/replicas", headers=AUTH, timeout=30).json()["replicas"]
+    assert replicas == [replica]
+    body = {
+        "prompt": "Tell me a very long story about a lighthouse keeper.",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def main() -> tuple[tuple[int, str | None, list[str]], int, int]:
+        streaming = asyncio.Event()
+
+        async def bystander() -> tuple[int, str | None, list[str]]:
+            lines: list[str] = []
+            async with httpx.AsyncClient(timeout=60) as client:
+                async with client.stream("POST", f"{server}/v1/completions", json=body, headers=AUTH) as r:
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+                        streaming.set()
+            streaming.set()
+            return r.status_code, r.headers.get(REPLICA_HEADER), lines
+
+        stream = asyncio.create_task(bystander())
+        await asyncio.wait([stream, asyncio.create_task(streaming.wait())], timeout=60, return_when="FIRST_COMPLETED")
+        assert streaming.is_set() and not stream.done(), "the bystander's stream did not start (or ended at once)"
+        sent = timed_out = 0
+        deadline = time.monotonic() + 60
+        async with httpx.AsyncClient(headers=AUTH) as impatient:
+            for _ in range(IMPATIENT_ROUNDS):
+                for i in range(IMPATIENT_PER_ROUND):
+                    timeout = 0.01 * (1 + i % 6)  # 10, 20, ... 60 ms
+                    try:
+                        await impatient.get(f"{server}{IMPATIENT_PATHS[i % 3]}", timeout=timeout)
+                    except httpx.TimeoutException:
+                        timed_out += 1
+                    sent += 1
+                if stream.done() or time.monotonic() > deadline:
+                    break
+                now = (await impatient.get(f"{server}/stats", timeout=30)).json()
+                if now["replica"] != replica or not now["alive"]:
+                    break  # the damage is done: go on to the checks
+        return await asyncio.wait_for(stream, 90), sent, timed_out
+
+    (status, served_by, lines), sent, timed_out = asyncio.run(main())
+    assert timed_out, f"none of the {sent} impatient GETs timed out: they did not cut a handler mid-call"
+    assert status == 200 and served_by == replica, (status, served_by, replica)
+    events, done = sse_events(lines)
+    errors = [e["error"] for e in events if "error" in e]
+    assert not errors, f"the bystander's stream ended with an error event after {sent} impatient GETs: {errors}"
+    assert done, lines[-3:]
+    finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert finish == ["length"] and events[-1]["usage"]["completion_tokens"] == 200, (finish, events[-1])
+    after = stats(server)
+    assert (after["replica"], after["alive"]) == (replica, True), f"the engine replica restarted or died: {after}"
+    replicas = httpx.get(f"{server}/debug/replicas", headers=AUTH, timeout=30).json()["replicas"]
+    assert replicas == [replica], f"Serve replaced the engine replica {replica}: {replicas}"
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=AUTH, timeout=60)
+    assert ok.status_code == 200 and ok.headers[REPLICA_HEADER] == replica, ok.text[:300]
+    wait_until_idle(server)
+
+
+def test_cancel_then_retry_with_the_same_request_id_gets_its_own_tokens(server):
+    """Issue 22, acceptance 2: a client abandons a stream mid-way and at once retries with the
+    same x-request-id (as retry middleware does), six times. Each retry gets exactly the
+    tokens, text and usage of the same request run alone (greedy), streamed or not, and no
+    request is left running or holding KV blocks. The retries go out on a warm keep-alive
+    connection, as a client's pool sends them (a new client per request is slow enough to hide
+    the race)."""
+    body = {"prompt": "List the planets of the solar system:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    url = f"{server}/v1/completions"
+    wait_until_serving(server)
+    with httpx.Client(headers=AUTH, timeout=60) as abandoner, httpx.Client(headers=AUTH, timeout=60) as retrier:
+        ref = retrier.post(url, json=body, headers={"x-request-id": f"reference-{uuid.uuid4().hex}"})
+        assert ref.status_code == 200, ref.text[:300]
+        want = {"text": ref.json()["choices"][0]["text"], "finish": ["length"]}
+        want |= {k: ref.json()["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        assert want["completion_tokens"] == 40, want
+        wrong = []
+        for round_ in range(6):
+            headers = {"x-request-id": f"retry-{uuid.uuid4().hex}-{round_}"}
+            with abandoner.stream("POST", url, json={**body, "stream": True}, headers=headers) as r:
+                assert r.status_code == 200, r.read()[:300]
+                chunks = 0
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks >= 3:
+                        break  # abandon it mid-stream: the connection closes as the block ends
+            assert chunks == 3
+            streamed = round_ % 2 == 0  # the retry, at once: streamed with usage, or not
+            retry = {**body, "stream": True, "stream_options": {"include_usage": True}} if streamed else body
+            r = retrier.post(url, json=retry, headers=headers)
+            assert r.status_code == 200, f"round {round_}: {r.text[:300]}"
+            if streamed:
+                events, done = sse_events(r.text.splitlines())
+                errors = [e["error"] for e in events if "error" in e]
+                assert done and not errors, f"round {round_}: {errors}"
+                text = "".join(c["text"] for e in events for c in e["choices"])
+                finish = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
+                usage = events[-1]["usage"]
+            else:
+                choice, usage = r.json()["choices"][0], r.json()["usage"]
+                text, finish = choice["text"], [choice["finish_reason"]]
+            got = {"text": text, "finish": finish, **{k: usage[k] for k in want if k in usage}}
+            if got != want:
+                wrong.append((round_, "streamed" if streamed else "non-streamed", got))
+    assert not wrong, f"{len(wrong)} of 6 retries got other tokens than the request alone ({want}): {wrong}"
+    wait_until_idle(server)
