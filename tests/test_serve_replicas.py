@@ -99,17 +99,17 @@ def test_load_formula_and_tie_order():
 
 
 def test_stale_and_dead_replicas_are_ranked_last():
-    """README's routing rules: no report or one older than ``stale_after_s`` is stale, tried only
+    """README's routing rules: no report or one that arrived more than ``stale_after_s`` ago is stale, tried only
     after every fresh replica (as one rank: Ray Serve picks among them); a dead replica (it said
     so, or a router marked it after its report) only when there is nothing else."""
     from cb_serve.serve.request_router import rank_replicas, replica_state
 
     now, stale_after = 100.0, 10.0
-    assert replica_state({"time": 95.0}, now, stale_after, False) == "fresh"
-    assert replica_state({"time": 89.0}, now, stale_after, False) == "stale"
-    assert replica_state({}, now, stale_after, False) == "stale"  # no report yet
-    assert replica_state({"time": 99.0, "alive": False}, now, stale_after, False) == "dead"
-    assert replica_state({"time": 99.0}, now, stale_after, True) == "dead"
+    assert replica_state({"seq": 1}, 95.0, now, stale_after, False) == "fresh"
+    assert replica_state({"seq": 1}, 89.0, now, stale_after, False) == "stale"
+    assert replica_state({}, None, now, stale_after, False) == "stale"  # no report yet
+    assert replica_state({"seq": 1, "alive": False}, 99.0, now, stale_after, False) == "dead"
+    assert replica_state({"seq": 1}, 99.0, now, stale_after, True) == "dead"
     assert rank_replicas(["idle", "busy"], ["old", "new"], ["gone"]) == [["idle"], ["busy"], ["old", "new"]]
     assert rank_replicas([], ["old"], ["gone"]) == [["old"]]
     assert rank_replicas([], [], ["gone"]) == [["gone"]]

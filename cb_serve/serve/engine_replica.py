@@ -13,6 +13,7 @@ from ray import serve
 from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob, RequestOutput
 from cb_serve.serve.engine_request import EngineRequest, InspectRequest
 from cb_serve.serve.metrics import EngineMetrics
+from cb_serve.serve.routing_report import ReplicaReporter
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics = EngineMetrics(self.engine, self.engine.model_name)  # cb_serve_* metrics (metrics.py)
         self.num_requests = 0  # generate() calls in progress, including those the engine has not taken yet
+        self.reporter = ReplicaReporter()  # report numbers, and the request routers' picks that arrived
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[dict[str, Any]]]:
         """Streams ``request`` (token ids: the router tokenized it). Yields, per engine output, a
@@ -83,6 +85,7 @@ class EngineReplica:
         request_id = request.request_id
         expected = (request.expected_hit_tokens or {}).get(self.replica_id)
         self.num_requests += 1
+        self.reporter.arrived(request)
         num_output_tokens = 0  # the engine's outputs are deltas
         try:
             async for out in self.engine.generate(request.prompt_token_ids, request.params, request_id):
@@ -134,7 +137,8 @@ class EngineReplica:
             "token_budget": self.engine.config.max_num_batched_tokens,
             "max_num_seqs": self.engine.config.max_num_seqs,
             "alive": self.engine.is_alive,  # False: the router skips this replica at once
-            "time": time.time(),
+            "time": time.time(),  # for people reading it; the router ages a report by its own clock
+            **self.reporter.report(),  # seq, router_picks
         }
 
     async def inspect(self, request: InspectRequest) -> dict[str, Any]:

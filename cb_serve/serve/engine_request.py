@@ -28,6 +28,8 @@ class EngineRequest:
     prompt: str | list[int] | None = None
     # Set by the request router: the prefix-hit tokens it expected of each replica with a fresh report.
     expected_hit_tokens: dict[str, int] | None = None
+    # Set by the request router: its id and pick number, reported back by the replica (ReplicaReporter).
+    router_pick: tuple[str, int] | None = None
     return_timeline: bool = False  # the final chunk carries the request's timeline
 
     def __post_init__(self) -> None:

@@ -2,14 +2,19 @@
 
 Load: each engine replica reports (``record_routing_stats``, every ``routing_stats_period_s``)
 its KV-cache usage, the requests it holds (running, waiting or just arrived) and its queued
-prompt tokens, stamped with the time of the report. A replica's load is
+prompt tokens, with a report number (``seq``). A replica's load is
 
     kv_cache_usage + num_waiting_tokens / token_budget + (num_requests + sent) / max_num_seqs
 
-where ``sent`` counts the requests this router sent it after that report (the report cannot
-know them yet), so a burst arriving between two reports spreads out instead of piling onto
-the replica that looked idle. Each pick counts at once, before the request is even
-dispatched, so concurrent routing decisions see each other.
+where ``sent`` counts the requests this router sent it that the report cannot know yet, so a
+burst arriving between two reports spreads out instead of piling onto the replica that looked
+idle. Each pick counts at once, before the request is even dispatched, so concurrent routing
+decisions see each other. ``sent`` is exact without any clock: the router numbers its picks
+and each request carries the router's random id and its pick number
+(``EngineRequest.router_pick``); the replica reports, per router, the highest pick number that
+reached it (``router_picks``, ``ReplicaReporter``); ``sent`` is this router's picks for that
+replica numbered above it. A pick that never arrives (cancelled, or sent elsewhere) is
+forgotten once a later one overtakes it, or after ``stale_after_s``.
 
 Prefix affinity: the report also carries the replica's ``PrefixDigest`` (a Bloom filter over
 the hashes of the KV blocks its prefix cache holds). The router hashes the request's leading
@@ -28,15 +33,24 @@ its load pulls ahead by the threshold. A request with a session (the ``user`` fi
 is within the threshold. Costs within ``TIE`` of each other are shuffled, so equal replicas
 share the work at random.
 
-Health: a replica without a report, or whose report is older than ``stale_after_s`` (its
+Health: a replica without a report, or whose report has not changed for ``stale_after_s`` (its
 ``record_routing_stats`` is failing or timing out), is tried only after every replica with a
 fresh report; among those Ray Serve picks the one with the fewest requests in flight. A
 replica whose report says its engine is dead (``alive: False``), or that this process found
-dead or closing since that report (``replica_health``; the ingress then retries elsewhere),
-is skipped; only when every replica is dead is one tried anyway, so the client gets a fast,
-retryable 503 instead of waiting. Replicas at ``max_ongoing_requests`` are skipped by Ray
-Serve, which then tries the next one (or queues the request, up to ``max_queued_requests``,
-beyond which the caller gets ``BackPressureError``).
+dead or closing since that report arrived (``replica_health``; the ingress then retries
+elsewhere), is skipped; only when every replica is dead is one tried anyway, so the client
+gets a fast, retryable 503 instead of waiting. Replicas at ``max_ongoing_requests`` are skipped
+by Ray Serve, which then tries the next one (or queues the request, up to
+``max_queued_requests``, beyond which the caller gets ``BackPressureError``).
+
+Clocks: replicas and routers may run on nodes whose clocks disagree, so no time from one
+process is compared with another's clock. A report's age counts from when this process first
+saw its number (``replica_health.clock``, monotonic; Ray Serve hands every new report to
+``update_replicas``), and unavailability marks are stamped on the same clock. The cost: a
+report made before a failure but arriving after the ingress marked the replica lifts the mark
+(the reports after it say whether the engine is alive), and a router that starts after a
+replica's reports stopped takes the last one as new, so it ranks that replica fresh for up to
+``stale_after_s``.
 
 The knobs are ``request_router_kwargs`` (``initialize_state``): ``stale_after_s``,
 ``prefix_weight`` (0 turns prefix affinity off), ``imbalance_threshold`` and
@@ -45,9 +59,10 @@ The knobs are ``request_router_kwargs`` (``initialize_state``): ``stale_after_s`
 
 from __future__ import annotations
 
+import itertools
 import random
-import time
-from collections import OrderedDict, defaultdict
+import uuid
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -55,6 +70,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cb_serve import PrefixDigest
 from cb_serve.serve import replica_health
 from cb_serve.serve.engine_request import EngineRequest, InspectRequest
+from cb_serve.serve.routing_report import report_number
 
 TIE = 0.02  # loads closer than this are equal (less than one request when max_num_seqs < 50)
 MAX_SESSIONS = 10_000  # sessions remembered (least recently routed forgotten first)
@@ -131,13 +147,13 @@ def order_by_cost(
     return ordered + order_by_load(far)
 
 
-def replica_state(stats: dict[str, Any], now: float, stale_after_s: float, marked_unavailable: bool) -> str:
-    """``"dead"`` (it said so, or a router saw it fail after its report), ``"fresh"`` (a report
-    at most ``stale_after_s`` old) or ``"stale"`` (no report yet, or an old one)."""
-    reported = stats.get("time")
-    if stats.get("alive") is False or marked_unavailable:
+def replica_state(stats: dict[str, Any], received: float | None, now: float, stale_after_s: float, marked: bool) -> str:
+    """``"dead"`` (it said so, or a router saw it fail after its report arrived), ``"fresh"`` (a
+    report that arrived at most ``stale_after_s`` ago) or ``"stale"`` (no report yet, or an old
+    one). ``received`` and ``now`` are on this process's clock (``replica_health.clock``)."""
+    if stats.get("alive") is False or marked:
         return "dead"
-    if reported is not None and now - reported <= stale_after_s:
+    if received is not None and now - received <= stale_after_s:
         return "fresh"
     return "stale"
 
@@ -172,11 +188,14 @@ class KVCacheAwareRouter(RequestRouter):
     """Ray Serve request router for ``EngineReplica`` (``request_router_config``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.router_id = uuid.uuid4().hex[:16]  # per instance: replicas report picks per router
+        self._pick_numbers = itertools.count(1)
+        self._received: dict[ReplicaID, tuple[Any, float]] = {}  # report number, when first seen here
+        self._sends: dict[ReplicaID, dict[Any, tuple[int, float]]] = {}  # request key -> pick, when
+        self._picked: OrderedDict[Any, tuple[ReplicaID, int, float]] = OrderedDict()  # oldest first
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> replica unique id
         super().__init__(*args, **kwargs)
         self.initialize_state()
-        self._sends: dict[ReplicaID, dict[Any, float]] = defaultdict(dict)  # request key -> time sent
-        self._picked: OrderedDict[Any, tuple[ReplicaID, float]] = OrderedDict()  # oldest first
-        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> replica unique id
 
     def initialize_state(
         self,
@@ -196,20 +215,54 @@ class KVCacheAwareRouter(RequestRouter):
         self.imbalance_threshold = imbalance_threshold
         self.session_affinity = session_affinity
 
-    def _record_send(self, key: Any, replica_id: ReplicaID, now: float) -> None:
+    # Ray Serve calls update_replicas with the whole replica set whenever any replica's info
+    # changes: RunningReplicaInfo's hash covers routing_stats, so the controller broadcasts each
+    # new report (Router.update_deployment_targets -> RequestRouter._update_running_replicas).
+    # It calls on_replica_actor_died when a queue-length probe or a request finds its actor dead.
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        now = replica_health.clock()
+        for replica in replicas:
+            self._received_at(replica.replica_id, replica.routing_stats or {}, now)
+        self._forget_all_but({replica.replica_id for replica in replicas})
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._received.pop(replica_id, None)
+        self._sends.pop(replica_id, None)
+
+    def _forget_all_but(self, present: set[ReplicaID]) -> None:
+        """Drops what this router keeps about replicas not in ``present``."""
+        for state in (self._received, self._sends):
+            for replica_id in [r for r in state if r not in present]:
+                del state[replica_id]
+
+    def _received_at(self, replica_id: ReplicaID, stats: dict[str, Any], now: float) -> float | None:
+        """When this process first saw the replica's current report (None: no report)."""
+        number = report_number(stats)
+        if number is None:
+            return None
+        seen = self._received.get(replica_id)
+        if seen is None or seen[0] != number:
+            seen = self._received[replica_id] = (number, now)
+        return seen[1]
+
+    def _record_send(self, key: Any, replica_id: ReplicaID, pick: int, now: float) -> None:
         """Counts request ``key`` against ``replica_id`` (moving it if it was counted elsewhere)."""
         previous = self._picked.pop(key, None)
         if previous is not None:
-            self._sends[previous[0]].pop(key, None)
-        self._picked[key] = (replica_id, now)
-        self._sends[replica_id][key] = now
-        while self._picked and now - next(iter(self._picked.values()))[1] > self.stale_after_s:
+            self._sends.get(previous[0], {}).pop(key, None)
+        self._picked[key] = (replica_id, pick, now)
+        self._sends.setdefault(replica_id, {})[key] = (pick, now)
+        while self._picked and now - next(iter(self._picked.values()))[2] > self.stale_after_s:
             self._picked.popitem(last=False)
 
-    def _sent_since(self, replica_id: ReplicaID, since: float) -> int:
-        """Requests sent to ``replica_id`` after ``since``; forgets the older ones."""
-        sends = self._sends[replica_id]
-        for key in [k for k, t in sends.items() if t <= since]:
+    def _sent_since(self, replica_id: ReplicaID, reported_pick: int | None, now: float) -> int:
+        """This router's picks for ``replica_id`` numbered above ``reported_pick`` (the highest
+        its report says reached it; None: none) and at most ``stale_after_s`` old; forgets the others."""
+        sends = self._sends.get(replica_id, {})
+        floor = reported_pick if reported_pick is not None else 0
+        for key in [k for k, (pick, t) in sends.items() if pick <= floor or now - t > self.stale_after_s]:
             del sends[key]
         return len(sends)
 
@@ -220,7 +273,7 @@ class KVCacheAwareRouter(RequestRouter):
         if target is not None:  # an inspector view of one replica: that one or none
             matching = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             return [matching] if matching else []
-        now = time.time()
+        now = replica_health.clock()
         request = _engine_request(pending_request)
         loads: dict[RunningReplica, float] = {}
         hits: dict[RunningReplica, int] = {}
@@ -229,16 +282,18 @@ class KVCacheAwareRouter(RequestRouter):
         dead: list[RunningReplica] = []
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
-            marked = replica_health.marked_after(replica.replica_id.unique_id, stats.get("time"))
-            state = replica_state(stats, now, self.stale_after_s, marked)
+            received = self._received_at(replica.replica_id, stats, now)
+            marked = replica_health.marked_after(replica.replica_id.unique_id, received)
+            state = replica_state(stats, received, now, self.stale_after_s, marked)
             if state == "dead":
                 dead.append(replica)
             elif state == "fresh":
-                loads[replica] = replica_load(stats, self._sent_since(replica.replica_id, stats["time"]))
+                reported_pick = (stats.get("router_picks") or {}).get(self.router_id)
+                loads[replica] = replica_load(stats, self._sent_since(replica.replica_id, reported_pick, now))
                 hits[replica] = expected_hit_tokens(stats, request) if self.prefix_weight else 0
                 budgets[replica] = max(1, stats.get("token_budget", 1))
             else:
-                self._sent_since(replica.replica_id, now - self.stale_after_s)
+                self._sent_since(replica.replica_id, None, now)
                 stale.append(replica)
         session = request.session_id if request is not None and self.session_affinity else None
         preferred_id = self._sessions.get(session) if session else None
@@ -248,20 +303,23 @@ class KVCacheAwareRouter(RequestRouter):
         ranks = rank_replicas(
             order_by_cost(loads, fractions, self.prefix_weight, self.imbalance_threshold, preferred), stale, dead
         )
+        key = _request_key(pending_request)
         if request is not None:  # travels with the request: the replica reports what was expected of it
             request.expected_hit_tokens = {r.replica_id.unique_id: h for r, h in hits.items()}
-        key = _request_key(pending_request)
-        if loads and key is not None:  # count the pick now; on_request_routed corrects it if Ray took another
-            self._record_send(key, ranks[0][0].replica_id, now)
+            request.router_pick = (self.router_id, next(self._pick_numbers))
+            if loads and key is not None:  # count the pick now; on_request_routed corrects it if Ray took another
+                self._record_send(key, ranks[0][0].replica_id, request.router_pick[1], now)
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         key = _request_key(pending_request)
-        picked = self._picked.get(key)
-        if key is not None and (picked is None or picked[0] != replica_id):
-            self._record_send(key, replica_id, time.time())
         request = _engine_request(pending_request)
-        if request is not None and request.session_id and self.session_affinity:
+        if request is None:
+            return
+        picked = self._picked.get(key)
+        if key is not None and request.router_pick is not None and (picked is None or picked[0] != replica_id):
+            self._record_send(key, replica_id, request.router_pick[1], replica_health.clock())
+        if request.session_id and self.session_affinity:
             self._sessions[request.session_id] = replica_id.unique_id
             self._sessions.move_to_end(request.session_id)
             while len(self._sessions) > MAX_SESSIONS:
