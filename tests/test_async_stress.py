@@ -5,8 +5,9 @@ small pool so ids are reused while their earlier requests are still being aborte
 
 After every step (a step listener on the engine thread): the KV blocks are exactly those the
 live sequences hold, and every request the engine holds has the stream that added it (none
-runs on without a consumer). After every call: the engine is alive; a stream gets only its own
-outputs, and a request run to the end gets exactly the greedy tokens its prompt gets alone.
+runs on without a consumer). After every call: the engine is alive; every output a stream gets
+continues the greedy tokens its own prompt gets alone (ids are reused, so another request's
+output would show), and a request run to the end gets all of them.
 At the end every KV block is back.
 
 Short by default; longer: ``CB_SERVE_STRESS_SECONDS=300 pytest tests/test_async_stress.py``.
@@ -65,6 +66,7 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
             async for out in stream:
                 assert out.request_id == request_id
                 tokens += out.outputs[0].token_ids
+                assert tokens == expected[prompt][: len(tokens)], (request_id, prompt, tokens)  # its own, so far
                 if leave_after is not None and len(tokens) >= leave_after:
                     counts["left early"] += 1
                     return

@@ -243,10 +243,24 @@ def test_state_of_replicas_that_left_is_dropped(router, clock):
     assert names(router._sends) == names(router._received) == {"a", "b", "c"}
     arrive(router, [b, c])
     assert names(router._sends) == names(router._received) == {"b", "c"}
-    router.on_replica_actor_died(c.replica_id)
+    arrive(router, [b])
     assert names(router._sends) == names(router._received) == {"b"}
     choose(router, [b], retried)  # routed again: moving its count off a resurrects nothing
     assert names(router._sends) == names(router._received) == {"b"}
+
+
+def test_a_replica_found_dead_is_not_fresh_again_when_a_broadcast_brings_it_back(router, clock):
+    """Ray drops a replica whose actor died (on_replica_actor_died) and the next broadcast may
+    list it again until the controller notices: its last report keeps its age (it goes stale)."""
+    a, b = FakeReplica("a", 0.0), FakeReplica("b", 0.0)
+    a.report()
+    b.report()
+    arrive(router, [a, b])
+    clock.now += STALE_AFTER_S + 1
+    b.report()
+    router.on_replica_actor_died(a.replica_id)
+    arrive(router, [a, b])
+    assert choose(router, [a, b])[0] == [["b"], ["a"]]  # a is stale, tried after b
 
 
 def test_replica_reporter_keeps_the_highest_pick_of_the_routers_heard_from_last():

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cb_serve.config import EngineConfig
-from cb_serve.engine.inbox import Inbox, Item, Stream, settle
+from cb_serve.engine.inbox import Inbox, Item, Stream, settle, wait_or_timeout
 from cb_serve.engine.llm_engine import LLMEngine, StepListener
 from cb_serve.errors import (
     EngineDeadError,
@@ -115,7 +115,10 @@ class AsyncLLM:
         Cancelling the caller is safe: the engine thread skips a call nobody waits for."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._send(("call", future, functools.partial(self._engine.inspect, what, **kwargs)))
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        answer = asyncio.wrap_future(future)
+        if not await wait_or_timeout(answer, timeout_s):  # cancelling `answer` cancels `future`
+            raise TimeoutError(f"The engine thread did not answer within {timeout_s} s.")
+        return answer.result()
 
     def add_step_listener(self, listener: StepListener) -> None:
         """``listener(stats, outputs)`` runs on the engine thread after every step (see
@@ -253,8 +256,9 @@ class AsyncLLM:
             self._inbox.release(stream)
         self._live.clear()
         for stream in held:  # none is expected: each was queued (failed above) or taken
-            stream.put(self._not_running())
-            self._inbox.release(stream)
+            if not stream.ended:
+                stream.put(self._not_running())
+                self._inbox.release(stream)
         try:
             self._engine.abort_request(list(self._engine.requests))
         except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway

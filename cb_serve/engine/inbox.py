@@ -51,6 +51,18 @@ def settle(future: concurrent.futures.Future, result: Any = None, error: BaseExc
         pass
 
 
+async def wait_or_timeout(future: asyncio.Future, timeout_s: float) -> bool:
+    """Waits for ``future`` (True: done), at most ``timeout_s``; cancels it if not done. Unlike
+    ``asyncio.wait_for`` in Python 3.11, a cancellation of the caller always raises, even when
+    ``future`` completes in the same turn of the loop."""
+    try:
+        done, _ = await asyncio.wait({future}, timeout=max(0.0, timeout_s))
+    finally:
+        if not future.done():
+            future.cancel()
+    return bool(done)
+
+
 class Stream:
     """One ``generate`` call: its outputs, from the engine thread to the caller's loop."""
 
@@ -123,14 +135,14 @@ class Inbox:
                 waiter = (loop, asyncio.Event())
                 held.waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter[1].wait(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                message = f"Request id {request_id!r} is in use by a request in flight; use another id."
-                raise RequestIdInUseError(message, "x-request-id") from None
+                released = await wait_or_timeout(asyncio.ensure_future(waiter[1].wait()), deadline - loop.time())
             finally:
                 with self.lock:
                     if waiter in held.waiters:
                         held.waiters.remove(waiter)
+            if not released:
+                message = f"Request id {request_id!r} is in use by a request in flight; use another id."
+                raise RequestIdInUseError(message, "x-request-id")
 
     def release(self, stream: Stream) -> None:
         """The engine holds nothing of ``stream`` any more: its request id is free again."""

@@ -92,7 +92,7 @@ class EngineReplica:
                 num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                 timeline = None
                 if out.finished and request.return_timeline:
-                    timeline = await self.timeline(request_id)
+                    timeline = await self._final_timeline(request_id)
                 if out.finished and self.log_requests:
                     log_finished(out, num_output_tokens)
                 yield [
@@ -124,6 +124,9 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for the request router (see ``request_router.KVCacheAwareRouter``)."""
+        # The picks first: a request arriving meanwhile is then counted twice until the next
+        # report (by num_requests and as sent since), never nowhere (arrived() follows num_requests).
+        report = self.reporter.report()  # seq, router_picks
         s = self.engine.get_stats()
         digest = self.engine.get_cache_digest()
         return {
@@ -138,7 +141,7 @@ class EngineReplica:
             "max_num_seqs": self.engine.config.max_num_seqs,
             "alive": self.engine.is_alive,  # False: the router skips this replica at once
             "time": time.time(),  # for people reading it; the router ages a report by its own clock
-            **self.reporter.report(),  # seq, router_picks
+            **report,
         }
 
     async def inspect(self, request: InspectRequest) -> dict[str, Any]:
@@ -149,6 +152,15 @@ class EngineReplica:
             kwargs["name"] = self.replica_id
         data = await self.engine.inspect(request.view, **kwargs)
         return {"replica": self.replica_id, "data": data}
+
+    async def _final_timeline(self, request_id: str) -> dict[str, Any] | None:
+        """The timeline of a request that has finished, or None if the engine cannot give it
+        now (stopping, or busy past the timeout): the request succeeded either way."""
+        try:
+            return await self.timeline(request_id)
+        except (EngineError, TimeoutError) as e:
+            logger.warning("request %s: no timeline for its final chunk: %r", request_id, e)
+            return None
 
     async def timeline(self, request_id: str) -> dict[str, Any] | None:
         """The request's timeline, with the replica that served it (None: not known here)."""

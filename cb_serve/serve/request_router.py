@@ -218,18 +218,14 @@ class KVCacheAwareRouter(RequestRouter):
     # Ray Serve calls update_replicas with the whole replica set whenever any replica's info
     # changes: RunningReplicaInfo's hash covers routing_stats, so the controller broadcasts each
     # new report (Router.update_deployment_targets -> RequestRouter._update_running_replicas).
-    # It calls on_replica_actor_died when a queue-length probe or a request finds its actor dead.
+    # (Its on_replica_actor_died drops a dead actor until the next broadcast, which may list it
+    # again: what this router keeps of it stays, so its last report keeps its age.)
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         now = replica_health.clock()
         for replica in replicas:
             self._received_at(replica.replica_id, replica.routing_stats or {}, now)
         self._forget_all_but({replica.replica_id for replica in replicas})
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self._received.pop(replica_id, None)
-        self._sends.pop(replica_id, None)
 
     def _forget_all_but(self, present: set[ReplicaID]) -> None:
         """Drops what this router keeps about replicas not in ``present``."""
