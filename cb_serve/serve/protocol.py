@@ -3,9 +3,12 @@ SamplingParams.
 
 Ranges are checked here (pydantic: a 400 ``invalid_request_error`` naming the field) and by
 the engine's input processor (engine-configured caps: stop strings, stop token ids,
-logprobs). OpenAI fields that would change the result but are not implemented are declared
-so that ``unsupported()`` can name them (a 400 ``unsupported``) instead of silently ignoring
-them; unknown fields are ignored, as vLLM does.
+logprobs). JSON types are strict, as OpenAI's: ``"stream": "yes"`` is a 400, not true (a number
+may stand for a float, never a boolean for a number). OpenAI fields that would change the
+result but are not implemented are declared so that ``unsupported()`` can name them (a 400
+``unsupported``); unknown top-level fields are a 400 naming them (OpenAI's "Unrecognized request
+argument"), so a field a client relies on is never dropped silently. Message objects ignore
+fields they do not use (a client may send back a response message whole).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
     include_usage: bool = False
 
 
@@ -33,7 +38,7 @@ def _set(value: Any) -> bool:
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions, plus vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -162,7 +167,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
     text: str | None = None
@@ -178,7 +183,7 @@ class ChatMessage(BaseModel):
     """OpenAI's message schema: ``content`` is required except for an assistant message that
     carries ``tool_calls`` (which, like tool messages, we refuse as unsupported)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
@@ -219,6 +224,15 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    reasoning_effort: str | None = None  # refused when set: cb-serve's models do not reason
+    verbosity: str | None = None
+    # Accepted and ignored: they change nothing in the output.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -236,7 +250,7 @@ class ChatCompletionRequest(_SamplingRequest):
             out.append(("functions", "function calling"))
         if self.modalities is not None and self.modalities != ["text"]:
             out.append(("modalities", "output modalities other than text"))
-        for name in ("audio", "prediction", "web_search_options"):
+        for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
             if _set(getattr(self, name)):
                 out.append((name, name.replace("_", " ")))
         for i, message in enumerate(self.messages):

@@ -170,6 +170,8 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
     loc = [p for p in first.get("loc", ()) if p != "body"]
     # The field, and the list index under it: pydantic's deeper parts name union members ("str", ...).
     loc = ".".join(str(p) for p in loc[:1] + [p for p in loc[1:2] if isinstance(p, int)])
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, short(f"Unrecognized request argument supplied: {loc}"), param=loc[:128]).response()
     message = short(str(first.get("msg", "invalid request")))
     return APIError(400, f"{loc}: {message}" if loc else message, param=loc or None).response()
 
