@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -81,17 +82,41 @@ def drain_serve_applications() -> None:
         ray.shutdown()
 
 
+# After the drain: how long `serve run` gets to stop on SIGINT, then on SIGTERM, before SIGKILL.
+STOP_WAITS_S = {signal.SIGINT: 60.0, signal.SIGTERM: 15.0}
+
+
+def _default_sigint() -> None:
+    """In the child, before exec: SIGINT back to its default (under a shell's ``&``, ``nohup`` or
+    some supervisors it is ignored, and ``serve run`` would inherit that and never stop)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def stop_serve_run(proc: subprocess.Popen) -> int:
+    """SIGINT (``serve run``'s own clean stop), then SIGTERM, then SIGKILL to its process group,
+    each after a bounded wait: the command always ends."""
+    for signum, wait_s in STOP_WAITS_S.items():
+        proc.send_signal(signum)
+        try:
+            return proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            print(f"cb-serve: serve run did not stop within {wait_s:.0f} s of {signum.name}", file=sys.stderr)
+    os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
-    # Its own session: a terminal's Ctrl-C reaches only this process, which drains, then stops it.
-    proc = subprocess.Popen([serve_bin, "run", args.config], start_new_session=True)
     stopping: list[int] = []
 
     def stop_gracefully(signum: int, _frame: object) -> None:
         stopping.append(signum)
 
+    # The handlers first: a signal that comes while the child starts is not lost.
     signal.signal(signal.SIGTERM, stop_gracefully)
     signal.signal(signal.SIGINT, stop_gracefully)
+    # Its own session: a terminal's Ctrl-C reaches only this process, which drains, then stops it.
+    proc = subprocess.Popen([serve_bin, "run", args.config], start_new_session=True, preexec_fn=_default_sigint)
     while proc.poll() is None and not stopping:
         time.sleep(0.2)
     if proc.poll() is None:
@@ -99,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             drain_serve_applications()
         except Exception as e:  # noqa: BLE001 - still stop the server
             print(f"cb-serve: draining the applications failed ({e}); stopping anyway", file=sys.stderr)
-        proc.send_signal(signal.SIGINT)
+        return stop_serve_run(proc)
     return proc.wait()
 
 

@@ -75,3 +75,21 @@ def test_cpu_ops_can_be_turned_off(random_model_dir):
     )
     assert "CPU kernels disabled (CB_SERVE_CPU_OPS=0); using the PyTorch path" in off.stderr, off.stderr
     assert generated(off) == generated(run_cli(*args))
+
+
+def test_stopping_serve_run_escalates_until_it_ends(monkeypatch):
+    """``cb-serve serve`` stops ``serve run`` with SIGINT, then SIGTERM, then SIGKILL to its
+    process group, each after a bounded wait: a child that ignores the first two still ends."""
+    import signal
+    import time
+
+    from cb_serve import cli
+
+    monkeypatch.setattr(cli, "STOP_WAITS_S", {signal.SIGINT: 0.5, signal.SIGTERM: 0.5})
+    stubborn = "import signal, time; [signal.signal(s, signal.SIG_IGN) for s in (2, 15)]; print('up', flush=True)"
+    stubborn += "; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    started = time.monotonic()
+    assert cli.stop_serve_run(proc) == -signal.SIGKILL
+    assert time.monotonic() - started < 10

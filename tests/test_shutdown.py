@@ -1,7 +1,9 @@
 """SIGTERM to the README's server (``cb-serve serve deploy/config.yaml``, which runs ``serve run``)
 with a stream in flight (reliability issue, item 6): the stream finishes normally within
 ``graceful_shutdown_timeout_s`` and ends with [DONE], then the server exits. (``serve run``
-alone exits at once on SIGTERM, cutting every stream.) Loopback only; every wait is bounded."""
+alone exits at once on SIGTERM, cutting every stream.) The server is started with SIGINT
+ignored, as a shell script's ``&``, ``nohup`` or some supervisors start it (``serve run`` would
+inherit that and never stop on the SIGINT it is sent). Loopback only; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as under `&` in a script
     )
     try:
         wait_for("the server", lambda: httpx.get(f"{BASE}/v1/models", timeout=5).status_code == 200, 300, 2)
