@@ -423,7 +423,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """Decode rows ``0 .. q.shape[0]`` (``plan`` None: tile = row, nothing read from the host) or the
         prefill tiles of ``plan`` (rows ``first_row ..``); KV split over ``splits`` programs when that fills the GPU.
-        Over 60 lines only because the formatter puts each of the kernel's 40 arguments on its own line."""
+        The kernel's arguments in its signature's order (positional, then constexpr)."""
         num_heads, head_dim = q.shape[1:]
         num_kv_heads, block_size = kv_cache.shape[-2], kv_cache.shape[2]
         group, d_pad, is_decode = num_heads // num_kv_heads, max(16, _pow2(head_dim)), plan is None
@@ -443,44 +443,16 @@ class TritonAttentionBackend(AttentionBackend):
             part_acc = torch.empty((*part_m.shape, head_dim), dtype=torch.float32, device=q.device)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _paged_attention_kernel[(num_kv_heads, num_tiles, splits)](
-            out,
-            q,
-            k_cache,
-            v_cache,
-            meta.block_table,
-            meta.seqused_k,
-            meta.cu_seqlens_q,
-            meta.seqused_k if plan is None else plan,
-            part_m,
-            part_l,
-            part_acc,
-            qk_scale,
-            sliding_window or 0,
-            splits,
-            num_heads,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            meta.block_table.stride(0),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            BLOCK_M=block_m,
-            BLOCK_Q=1 if is_decode else block_m // group,
-            BLOCK_N=block_n,
-            BLOCK_SIZE=block_size,
-            IS_DECODE=is_decode,
-            SPLIT=splits > 1,
-            HAS_WINDOW=sliding_window is not None,
-            PAD_D=d_pad != head_dim,
+            out, q, k_cache, v_cache, meta.block_table, meta.seqused_k, meta.cu_seqlens_q,
+            meta.seqused_k if plan is None else plan, part_m, part_l, part_acc,
+            qk_scale, sliding_window or 0, splits, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            meta.block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_Q=1 if is_decode else block_m // group,
+            BLOCK_N=block_n, BLOCK_SIZE=block_size, IS_DECODE=is_decode, SPLIT=splits > 1,
+            HAS_WINDOW=sliding_window is not None, PAD_D=d_pad != head_dim,
             DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
-            num_warps=8 if block_m >= 128 else 4,
-            num_stages=3 if small else 2,
-        )
+            num_warps=8 if block_m >= 128 else 4, num_stages=3 if small else 2,
+        )  # fmt: skip
         if splits > 1:
             self._combine_splits(out, part_m, part_l, part_acc, first_row, d_pad)
 

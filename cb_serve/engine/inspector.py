@@ -168,30 +168,10 @@ class Inspector:
             scheduled.append(ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk))
             if i >= first_admitted:
                 admitted.append((seq.request_id, seq.index))
-            if tl is None:
-                continue
-            if i >= first_admitted:
-                event = "scheduled" if seq.num_preemptions == 0 else "readmitted"
-                tl.add(event, t0, step=step_id, seq=seq.index, cached_tokens=computed)
-            if is_decode:
-                d = tl.decodes.get(seq.index)
-                if d is None:
-                    tl.decodes[seq.index] = [1, step_id, step_id, t0, t1]
-                else:
-                    d[0] += 1
-                    d[2] = step_id
-                    d[4] = t1
-            else:
-                tl.add("prefill", t0, step=step_id, seq=seq.index, tokens=n, chunk=chunk, end=t1,
-                       computed_after=computed + n, target=target)  # fmt: skip
-            if not is_decode and computed + n == target and seq.num_output_tokens == 1:
-                if tl.first_token is None:
-                    tl.first_token = t1
-                tl.add("first_token", t1, step=step_id, seq=seq.index)
             if seq.is_finished:
-                reason = seq.status.finish_reason or "stop"
-                finished.append((seq.request_id, seq.index, reason))
-                self._finish_seq(tl, seq.index, reason, t1, step_id)
+                finished.append((seq.request_id, seq.index, seq.status.finish_reason or "stop"))
+            if tl is not None:
+                self._record_seq(tl, scheduled[-1], seq, i >= first_admitted, step_id, t0, t1)
         preempted = tuple((seq.request_id, seq.index) for seq in sched.preempted)
         for request_id, index in preempted:
             tl = self.live.get(request_id)
@@ -215,6 +195,31 @@ class Inspector:
                 num_waiting,
             )  # fmt: skip
         )
+
+    def _record_seq(
+        self, tl: RequestTimeline, s: ScheduledSeq, seq: Sequence, admitted: bool, step_id: int, t0: float, t1: float
+    ) -> None:
+        """What one scheduled sequence did in the step, on its request's timeline."""
+        if admitted:
+            event = "scheduled" if seq.num_preemptions == 0 else "readmitted"
+            tl.add(event, t0, step=step_id, seq=seq.index, cached_tokens=s.computed_before)
+        if s.is_decode:
+            d = tl.decodes.get(seq.index)
+            if d is None:
+                tl.decodes[seq.index] = [1, step_id, step_id, t0, t1]
+            else:
+                d[0] += 1
+                d[2] = step_id
+                d[4] = t1
+        else:
+            tl.add("prefill", t0, step=step_id, seq=seq.index, tokens=s.num_tokens, chunk=s.chunk, end=t1,
+                   computed_after=s.computed_before + s.num_tokens, target=s.target)  # fmt: skip
+            if s.computed_before + s.num_tokens == s.target and seq.num_output_tokens == 1:
+                if tl.first_token is None:
+                    tl.first_token = t1
+                tl.add("first_token", t1, step=step_id, seq=seq.index)
+        if seq.is_finished:
+            self._finish_seq(tl, seq.index, seq.status.finish_reason or "stop", t1, step_id)
 
     def on_finished_outside_step(self, seqs: Iterable[Sequence], reason: str, step_id: int) -> None:
         """Sequences ended between steps (abort) or by a failed step (error)."""
