@@ -35,8 +35,9 @@ ALLOWED = {
     "leaf": set(),
     "cpu_ops": set(),
     "attention": {"cpu_ops"},
-    "model_executor": {"attention", "cpu_ops"},
-    "engine": {"attention", "cpu_ops", "model_executor"},
+    "structured_outputs": set(),  # constraint backends: below the sampler and the engine
+    "model_executor": {"attention", "cpu_ops", "structured_outputs"},
+    "engine": {"attention", "cpu_ops", "model_executor", "structured_outputs"},
     "llm": {"engine"},
     "cli": {"engine", "root", "llm", "benchmarks"},
     "benchmarks": {"model_executor", "root"},  # the serving benchmark: an HTTP client and the HF baseline

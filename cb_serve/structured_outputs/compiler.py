@@ -1,0 +1,62 @@
+"""Compiles constraints off the engine's step thread and caches what it compiled, by constraint
+(one compiler per backend, so per tokenizer). A request whose grammar is not ready waits
+without a running slot (the scheduler skips it)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections import OrderedDict
+
+from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend
+from cb_serve.structured_outputs.params import ConstraintLimits, StructuredOutputsParams
+
+
+class GrammarCompiler:
+    """``submit`` returns a future of the compiled grammar: a cached one at once, or one compiling
+    on the worker thread. A compile that fails is not cached (its future carries the
+    ``InvalidRequestError``)."""
+
+    def __init__(self, backend: GrammarBackend, limits: ConstraintLimits | None = None, max_cached: int = 512) -> None:
+        assert max_cached > 0
+        self.backend = backend
+        self.limits = limits or ConstraintLimits()
+        self.max_cached = max_cached
+        self._cache: OrderedDict[str, concurrent.futures.Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cb-serve-grammar")
+        self.compile_seconds: list[float] = []  # since the last take_compile_seconds() (metrics)
+
+    def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future[CompiledGrammar]:
+        key = params.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._cache[key] = self._pool.submit(self._compile, params)
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        future.add_done_callback(lambda f: self._forget_failure(key, f))
+        return future
+
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            return self.backend.compile(params)
+        finally:
+            self.compile_seconds.append(time.perf_counter() - start)
+
+    def _forget_failure(self, key: str, future: concurrent.futures.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+
+    def take_compile_seconds(self) -> list[float]:
+        taken, self.compile_seconds = self.compile_seconds, []
+        return taken
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

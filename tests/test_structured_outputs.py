@@ -1,0 +1,189 @@
+"""The structured-outputs foundation (issue 23): constraint parameters and their caps, the
+llguidance backend on SmolLM2's tokenizer (a matcher follows a valid output token by token and
+refuses an invalid one), the bitmask applied to logits, and the compiler's cache and thread."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from cb_serve.errors import InvalidRequestError
+from cb_serve.structured_outputs import (
+    ConstraintLimits,
+    GrammarCompiler,
+    StructuredOutputsParams,
+    allocate_bitmask,
+    apply_bitmask,
+)
+
+llguidance_backend = pytest.importorskip("cb_serve.structured_outputs.llguidance_backend")
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return llguidance_backend.LLGuidanceBackend(tokenizer, vocab_size=len(tokenizer))
+
+
+def allowed(matcher, vocab_size: int) -> set[int]:
+    bitmask = allocate_bitmask(1, vocab_size)
+    bitmask.zero_()
+    matcher.fill_bitmask(bitmask, 0)
+    logits = torch.zeros(1, vocab_size)
+    apply_bitmask(logits, bitmask)
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+def follow(backend, tokenizer, params: StructuredOutputsParams, text: str) -> bool:
+    """Whether the matcher allows ``text``'s tokens one by one (each in the mask, then accepted)
+    and, after them, only the end."""
+    matcher = backend.compile(params).matcher()
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if token not in allowed(matcher, backend.vocab_size) or not matcher.accept_token(token):
+            return False
+    after = allowed(matcher, backend.vocab_size)
+    return matcher.is_terminated or after <= {tokenizer.eos_token_id}
+
+
+# ---- parameters and caps --------------------------------------------------------------
+def test_exactly_one_constraint():
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams(regex="a+", choice=["a"])
+    assert StructuredOutputsParams(choice=["a", "b"]).kind == "choice"
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+
+
+def test_equal_constraints_have_one_key_whatever_their_form():
+    as_dict = StructuredOutputsParams(json=PERSON)
+    as_text = StructuredOutputsParams(json=json.dumps(PERSON, indent=2))
+    assert as_dict.key() == as_text.key() != StructuredOutputsParams(json={"type": "string"}).key()
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (StructuredOutputsParams(json={"enum": list(range(10_000))}), "nodes"),
+        (StructuredOutputsParams(json={"type": "string", "description": "x" * (1 << 20)}), "bytes"),
+        (StructuredOutputsParams(json=nested(40)), "deeper"),
+        (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+        (StructuredOutputsParams(json=[1, 2]), "must be an object"),
+        (StructuredOutputsParams(regex="a" * 5000), "regex"),
+        (StructuredOutputsParams(choice=[]), "choice"),
+        (StructuredOutputsParams(choice=["ok", ""]), "choice"),
+    ],
+    ids=["10k-enum", "1MB-schema", "40-deep", "bad-json", "not-an-object", "long-regex", "no-choice", "empty-choice"],
+)
+def test_a_constraint_over_a_cap_is_refused_at_once(params, match):
+    started = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match=match) as refused:
+        params.check(ConstraintLimits())
+    assert refused.value.param == "structured_outputs"
+    assert time.perf_counter() - started < 1.0
+
+
+# ---- the llguidance backend --------------------------------------------------------------
+def test_a_json_schema_admits_a_valid_object_and_refuses_an_invalid_one(backend, tokenizer):
+    params = StructuredOutputsParams(json=PERSON)
+    assert follow(backend, tokenizer, params, '{"name":"Ada","age":36}')
+    assert not follow(backend, tokenizer, params, '{"name":"Ada","age":-3}')  # below minimum
+    assert not follow(backend, tokenizer, params, '{"name":"Ada","age":36,"x":1}')  # additionalProperties
+    assert not follow(backend, tokenizer, params, '{"age":36}')  # name is required
+
+
+def test_regex_choice_json_object_and_lark_grammar(backend, tokenizer):
+    assert follow(backend, tokenizer, StructuredOutputsParams(regex=r"\d{3}-\d{4}"), "555-1234")
+    assert not follow(backend, tokenizer, StructuredOutputsParams(regex=r"\d{3}-\d{4}"), "555-12345")
+    choice = StructuredOutputsParams(choice=["positive", "negative"])
+    assert follow(backend, tokenizer, choice, "negative") and not follow(backend, tokenizer, choice, "neutral")
+    assert follow(backend, tokenizer, StructuredOutputsParams(json_object=True), '{"a":[1,2]}')
+    assert not follow(backend, tokenizer, StructuredOutputsParams(json_object=True), "[1,2]")
+    grammar = 'start: "yes" | "no"'
+    assert follow(backend, tokenizer, StructuredOutputsParams(grammar=grammar), "yes")
+
+
+def test_forced_tokens_and_rollback(backend, tokenizer):
+    matcher = backend.compile(StructuredOutputsParams(regex="constant-prefix-[0-9]")).matcher()
+    forced = matcher.forced_tokens()
+    assert tokenizer.decode(forced) and "constant-prefix-".startswith(tokenizer.decode(forced))
+    before = allowed(matcher, backend.vocab_size)
+    assert matcher.accept_token(forced[0])
+    matcher.rollback(1)
+    assert allowed(matcher, backend.vocab_size) == before
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        StructuredOutputsParams(regex="(unclosed"),
+        StructuredOutputsParams(json={"type": "nonsense"}),
+        StructuredOutputsParams(grammar="start: undefined_rule"),
+    ],
+    ids=["bad-regex", "bad-schema", "bad-grammar"],
+)
+def test_a_constraint_the_backend_cannot_compile_is_a_400_naming_it(backend, params):
+    with pytest.raises(InvalidRequestError, match=f"the {params.kind} cannot be used") as refused:
+        backend.compile(params)
+    assert refused.value.param == "structured_outputs" and "\n" not in str(refused.value)
+
+
+# ---- the bitmask on logits -------------------------------------------------------------
+def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_rows_named():
+    vocab = 70  # not a multiple of 32: the last word is partly padding
+    bitmask = allocate_bitmask(3, vocab)
+    allowed_ids = {0: {0, 31, 32, 69}, 2: {5}}
+    for row, ids in allowed_ids.items():
+        bitmask[row] = 0
+        for t in ids:
+            bitmask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(3, vocab)
+    original = logits.clone()
+    apply_bitmask(logits, bitmask, rows=[0, 2])
+    for row in range(3):
+        kept = set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist())
+        assert kept == allowed_ids.get(row, set(range(vocab)))
+        assert torch.equal(logits[row][list(kept)], original[row][list(kept)])
+
+
+# ---- the compiler -----------------------------------------------------------------------
+def test_the_compiler_caches_by_constraint_and_compiles_off_the_calling_thread(backend):
+    compiler = GrammarCompiler(backend)
+    threads: list[str] = []
+    real = backend.compile
+
+    def recording(params):
+        threads.append(threading.current_thread().name)
+        return real(params)
+
+    backend.compile = recording
+    try:
+        first = compiler.submit(StructuredOutputsParams(json=PERSON))
+        again = compiler.submit(StructuredOutputsParams(json=json.dumps(PERSON)))
+        assert again is first and first.result(timeout=30) is not None
+        bad = compiler.submit(StructuredOutputsParams(regex="(unclosed"))
+        with pytest.raises(InvalidRequestError):
+            bad.result(timeout=30)
+        assert compiler.submit(StructuredOutputsParams(regex="(unclosed")) is not bad  # failures are not cached
+    finally:
+        backend.compile = real
+        compiler.shutdown()
+    assert threads and all(name.startswith("cb-serve-grammar") for name in threads)
+    assert len(compiler.take_compile_seconds()) >= 2
