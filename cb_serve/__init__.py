@@ -23,6 +23,7 @@ from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
 from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from cb_serve.stats import EngineStats, StepPhases, StepStats
+from cb_serve.structured_outputs.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -32,6 +33,7 @@ __all__ = [
     "PrefixDigest",
     "prefix_block_hashes",
     "SamplingParams",
+    "StructuredOutputsParams",
     "PromptType",
     "TextPrompt",
     "TokensPrompt",

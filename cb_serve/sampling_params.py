@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from cb_serve.errors import InvalidRequestError
+from cb_serve.structured_outputs.params import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -44,6 +45,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
     # Filled in by the engine from the tokenizer; not a user knob.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -90,6 +92,8 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings.")
         ids_ok = all(is_int(t) and t >= 0 for t in self.stop_token_ids)
         check(ids_ok, "stop_token_ids", "stop_token_ids must be non-negative integers.")
+        so_ok = self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams)
+        check(so_ok, "structured_outputs", "structured_outputs must be a StructuredOutputsParams.")
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -84,6 +85,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] = []
         self.num_preemptions = 0
+        self.matcher: Any = None  # its GrammarMatcher when the request constrains its output
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -124,7 +126,10 @@ class Sequence:
         return self.status.is_finished
 
     def banned_token_ids(self) -> list[int]:
-        """Token ids the sampler must not pick yet: stop tokens and EOS before ``min_tokens``."""
+        """Token ids the sampler must not pick yet: stop tokens and EOS before ``min_tokens`` (a
+        constrained sequence: none, its grammar decides where the output ends)."""
+        if self.matcher is not None:
+            return []
         return self.min_tokens_banned if self.num_output_tokens < self.params.min_tokens else []
 
     def append_token(self, token_id: int, now: float) -> None:

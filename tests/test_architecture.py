@@ -49,11 +49,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+LEAF_MODULES = {"cb_serve.structured_outputs.params"}  # SamplingParams carries the constraint
+
+
 def group(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "root"
-    return "leaf" if parts[1] in LEAVES else parts[1]
+    return "leaf" if parts[1] in LEAVES or module in LEAF_MODULES else parts[1]
 
 
 def is_module(name: str) -> bool:

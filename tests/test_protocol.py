@@ -77,9 +77,9 @@ def test_numbers_stand_for_floats_and_messages_ignore_response_fields():
 @pytest.mark.parametrize("model", list(VALID))
 def test_unknown_top_level_fields_are_refused_by_name(model):
     with pytest.raises(ValidationError) as refused:
-        model.model_validate({**VALID[model], "structured_outputs": {"regex": "(a"}})
+        model.model_validate({**VALID[model], "guided_decoding_backend": "xgrammar"})
     error = refused.value.errors()[0]
-    assert error["type"] == "extra_forbidden" and error["loc"] == ("structured_outputs",)
+    assert error["type"] == "extra_forbidden" and error["loc"] == ("guided_decoding_backend",)
 
 
 def test_openai_fields_that_change_nothing_are_accepted_and_those_that_would_are_unsupported():

@@ -262,7 +262,31 @@ HOSTILE = [
     (
         "an unknown field",
         C,
+        body(prompt="x", guided_decoding_backend="xgrammar"),
+        400,
+        "invalid_request_error",
+        "guided_decoding_backend",
+        {},
+    ),
+    (
+        "a regex that does not compile",
+        C,
         body(prompt="x", structured_outputs={"regex": "(a"}),
+        400,
+        "invalid_request_error",
+        "structured_outputs",
+        {},
+    ),
+    (
+        "a 10k-member enum",
+        CHAT,
+        chat(
+            user(),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "e", "schema": {"enum": list(range(10_000))}},
+            },
+        ),
         400,
         "invalid_request_error",
         "structured_outputs",
@@ -621,3 +645,45 @@ def test_cancel_then_retry_with_the_same_request_id_gets_its_own_tokens(server):
                 wrong.append((round_, "streamed" if streamed else "non-streamed", got))
     assert not wrong, f"{len(wrong)} of 6 retries got other tokens than the request alone ({want}): {wrong}"
     wait_until_idle(server)
+
+
+def test_structured_outputs_through_the_openai_client(server):
+    """Issue 23 (the engine part): ``client.beta.chat.completions.parse`` with a pydantic model
+    returns a parsed object; vLLM's ``structured_outputs`` choice and regex and OpenAI's
+    ``json_object`` hold; a ``max_tokens`` cut is ``length``."""
+    import re
+
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population: int
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Describe Paris as JSON with its name, country and population."}]
+    parsed = client.beta.chat.completions.parse(
+        model=model, messages=messages, response_format=City, max_tokens=120, temperature=0
+    )
+    assert isinstance(parsed.choices[0].message.parsed, City), parsed.choices[0].message.content
+    assert parsed.choices[0].finish_reason == "stop"
+    choice = client.completions.create(
+        model=model, prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )  # fmt: skip
+    assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+    phone = client.completions.create(
+        model=model, prompt="A phone number:", max_tokens=20, temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}},
+    )  # fmt: skip
+    assert re.fullmatch(r"\d{3}-\d{4}", phone.choices[0].text), phone.choices[0].text
+    obj = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=120, temperature=0, response_format={"type": "json_object"}
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    cut = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=3, temperature=0, response_format={"type": "json_object"}
+    )
+    assert cut.choices[0].finish_reason == "length"

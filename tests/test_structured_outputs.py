@@ -147,13 +147,13 @@ def test_a_constraint_the_backend_cannot_compile_is_a_400_naming_it(backend, par
 
 # ---- the bitmask on logits -------------------------------------------------------------
 def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_rows_named():
+    """Bitmask row i masks logits row rows[i]; the other rows are untouched."""
     vocab = 70  # not a multiple of 32: the last word is partly padding
-    bitmask = allocate_bitmask(3, vocab)
     allowed_ids = {0: {0, 31, 32, 69}, 2: {5}}
-    for row, ids in allowed_ids.items():
-        bitmask[row] = 0
+    bitmask = torch.zeros(len(allowed_ids), (vocab + 31) // 32, dtype=torch.int32)
+    for i, ids in enumerate(allowed_ids.values()):
         for t in ids:
-            bitmask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+            bitmask[i, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
     logits = torch.randn(3, vocab)
     original = logits.clone()
     apply_bitmask(logits, bitmask, rows=[0, 2])
@@ -165,7 +165,7 @@ def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_rows_named():
 
 # ---- the compiler -----------------------------------------------------------------------
 def test_the_compiler_caches_by_constraint_and_compiles_off_the_calling_thread(backend):
-    compiler = GrammarCompiler(backend)
+    compiler = GrammarCompiler(lambda: backend)
     threads: list[str] = []
     real = backend.compile
 

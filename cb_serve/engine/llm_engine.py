@@ -12,6 +12,7 @@ import torch
 from cb_serve.attention import get_attention_backend
 from cb_serve.config import EngineConfig
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.grammar_admission import GrammarAdmission
 from cb_serve.engine.inspector import Inspector, queue_rows
 from cb_serve.engine.kv_cache_sizing import num_kv_blocks
 from cb_serve.engine.processor import InputProcessor
@@ -21,6 +22,7 @@ from cb_serve.engine.trace import trace_events
 from cb_serve.errors import (
     EngineFatalError,
     EngineOverloadedError,
+    InvalidRequestError,
     RequestFailedError,
     StepFailedError,
 )
@@ -42,6 +44,7 @@ MAX_DEFAULT_MODEL_LEN = 8192
 # A step failure fails its requests and the engine goes on; this many in a row mean the
 # engine itself is broken (a sticky device error, say), so it stops and the replica is replaced.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+GRAMMAR_POLL_S = 0.01  # the longest a step with nothing to run waits for a grammar being compiled
 
 StepListener = Callable[[StepStats, list[RequestOutput]], None]
 
@@ -120,6 +123,7 @@ class LLMEngine:
         eos = eos_token_ids(self.hf_config, self.tokenizer)
         self.processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size, eos, config)
         self.faults = FaultInjector.from_config(config.fault_injection)
+        self.grammars = GrammarAdmission(self.tokenizer, self.hf_config.vocab_size)  # structured outputs
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: tuple[StepListener, ...] = ()
         self.ended_since_step: list[str] = []
@@ -200,6 +204,9 @@ class LLMEngine:
         if self.inspector is not None:
             arrival = state.seqs[0].times.arrival
             self.inspector.on_arrival(request_id, arrival, len(processed.prompt_token_ids), len(state.seqs))
+        if processed.params.structured_outputs is not None:
+            self.grammars.add(state)  # scheduled once its grammar is compiled (off this thread)
+            return
         for seq in state.seqs:
             self.scheduler.add(seq)
 
@@ -224,9 +231,12 @@ class LLMEngine:
         ``EngineFatalError`` escapes, also raised after ``MAX_CONSECUTIVE_STEP_FAILURES``
         failed steps in a row."""
         start = time.monotonic()
+        refused = [self._refuse(r, e) for r, e in self.grammars.admit(self.scheduler)]
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if not refused:
+                self.grammars.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar is compiled
+            return refused
         scheduled = time.monotonic()
         before = None if self.inspector is None else [(s.num_computed_tokens, s.num_tokens) for s in sched.seqs]
         num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk)
@@ -244,11 +254,11 @@ class LLMEngine:
         except EngineFatalError:
             raise
         except Exception as e:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
-            return self._fail_step(sched, e)
+            return refused + self._fail_step(sched, e)
         self.consecutive_step_failures = 0
         now = time.monotonic()
         changed, failed = self._append_sampled(inp.sampling_seqs, sampled, now)
-        outputs = self._make_outputs(changed, failed)
+        outputs = refused + self._make_outputs(changed, failed)
         phases = StepPhases(scheduled - start, prepared - scheduled, now - prepared, time.monotonic() - now)
         self._record_step(sched, num_decode_tokens, phases, outputs)
         if self.inspector is not None:
@@ -325,9 +335,26 @@ class LLMEngine:
         completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
         return RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
 
+    def _refuse(self, request_id: str, error: InvalidRequestError) -> RequestOutput:
+        """Ends a request whose constraint could not be compiled: its final output carries ``error``
+        (a 400 for its client), and nothing of it was ever scheduled."""
+        state = self.requests.pop(request_id)
+        self._end_unscheduled(state.seqs, SequenceStatus.FINISHED_ERROR)
+        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
+
+    def _end_unscheduled(self, seqs: list[Sequence], status: SequenceStatus) -> None:
+        for seq in seqs:
+            seq.status = status
+        if self.inspector is not None:
+            self.inspector.on_finished_outside_step(seqs, status.finish_reason, self.num_steps)
+
     def _end_outside_step(self, seqs: list[Sequence], status: SequenceStatus) -> None:
         """Ends the unfinished ``seqs`` (abort, or a failure), freeing their KV blocks."""
         unfinished = [seq for seq in seqs if not seq.is_finished]
+        if unfinished and self.grammars.drop(unfinished[0].request_id):  # never scheduled: nothing to free
+            self._end_unscheduled(unfinished, status)
+            return
         for seq in unfinished:
             self.scheduler.finish(seq, status)
         if self.inspector is not None:
@@ -343,8 +370,12 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(state.with_token_text(logprobs))
             seq.cumulative_logprob += logprobs[token_id].logprob
+        if seq.matcher is not None and not seq.matcher.accept_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id}, which its mask allowed")
         at_limit = seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
         decision = state.stop_checker.update(token_id, seq.num_output_tokens, at_limit, state.detokenizers[seq.index])
+        if decision is None and seq.matcher is not None and seq.matcher.is_terminated:
+            decision = ("stop", None)  # the grammar is complete
         if decision is not None:
             reason, seq.stop_reason = decision
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH

@@ -11,6 +11,9 @@ from cb_serve.errors import InvalidRequestError
 from cb_serve.inputs import PromptType, parse_prompt
 from cb_serve.model_executor import loader
 from cb_serve.sampling_params import SamplingParams
+from cb_serve.structured_outputs.params import ConstraintLimits
+
+CONSTRAINT_LIMITS = ConstraintLimits()  # what a client's constraint must fit before it is compiled
 
 
 @dataclass
@@ -90,6 +93,8 @@ class InputProcessor:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise InvalidRequestError(f"stop_token_ids {bad_stop[:8]} are out of vocabulary.", "stop_token_ids")
+        if params.structured_outputs is not None:
+            params.structured_outputs.check(CONSTRAINT_LIMITS)
         if params.logprobs is not None and params.logprobs > c.max_logprobs:
             raise InvalidRequestError(f"logprobs is limited to {c.max_logprobs}, got {params.logprobs}.", "logprobs")
 

@@ -12,6 +12,7 @@ from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplerOutput, SamplingBatch
 from cb_serve.sequence import SchedulerOutput, Sequence
+from cb_serve.structured_outputs.bitmask_filler import BitmaskFiller
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler()
+        self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.graph_runner: DecodeGraphRunner | None = None
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
@@ -121,6 +123,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> SamplerOutput | None:
+        constrained = [(row, seq.matcher) for row, seq in enumerate(inp.sampling_seqs) if seq.matcher is not None]
+        masks = self.bitmasks.start(constrained)  # filled while the forward pass runs
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(inp.input_ids.shape[0], inp.meta):
             hidden = graphs.run(inp.input_ids, inp.positions, inp.meta)
@@ -129,4 +133,7 @@ class ModelRunner:
         if not inp.sampling_seqs:
             return None
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        return self.sampler(logits, SamplingBatch.from_seqs(inp.sampling_seqs))
+        batch = SamplingBatch.from_seqs(inp.sampling_seqs)
+        if masks is not None:
+            batch.grammar = masks.result()
+        return self.sampler(logits, batch)

@@ -8,6 +8,7 @@ import torch
 
 from cb_serve.outputs import Logprob
 from cb_serve.sequence import Sequence
+from cb_serve.structured_outputs.base import apply_bitmask
 
 
 @dataclass
@@ -22,6 +23,7 @@ class SamplingBatch:
     num_logprobs: list[int | None]
     banned: list[tuple[int, list[int]]]  # (row, token ids that may not be sampled yet: min_tokens)
     all_greedy: bool
+    grammar: tuple[list[int], torch.Tensor] | None = None  # (rows, bitmask) of the constrained rows
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence]) -> SamplingBatch:
@@ -57,6 +59,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         for row, token_ids in batch.banned:
             logits[row, token_ids] = float("-inf")
+        if batch.grammar is not None:  # before temperature and every filter; logprobs are of the raw logits
+            apply_bitmask(logits, batch.grammar[1], batch.grammar[0])
         greedy = logits.max(dim=-1).indices  # the first maximum, like argmax, and faster on CPU
         if batch.all_greedy:
             sampled = greedy

@@ -17,11 +17,40 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cb_serve import SEED_MAX, SEED_MIN, InvalidRequestError, RequestOutputKind, SamplingParams
+from cb_serve import (
+    SEED_MAX,
+    SEED_MIN,
+    InvalidRequestError,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 16
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_LOGPROBS = 20
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extra: exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def to_params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=bool(self.json_object),
+        )
 
 
 class StreamOptions(BaseModel):
@@ -59,6 +88,7 @@ class _SamplingRequest(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     return_timeline: bool = False  # cb-serve: the response carries the request's timeline (batch inspector)
+    structured_outputs: StructuredOutputs | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -106,6 +136,9 @@ class _SamplingRequest(BaseModel):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def constraint(self) -> StructuredOutputsParams | None:
+        return self.structured_outputs.to_params() if self.structured_outputs is not None else None
+
     def to_sampling_params(self, default_max_tokens: int | None, max_tokens_cap: int | None) -> SamplingParams:
         """Raises ``InvalidRequestError`` (a ValueError naming the parameter) when out of range."""
         max_tokens = self.requested_max_tokens() or default_max_tokens
@@ -129,6 +162,7 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=self.constraint(),
         )
 
 
@@ -242,8 +276,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            out.append(("response_format", "response formats other than text"))
+        if self.response_format is not None and self.response_format.get("type", "text") not in RESPONSE_FORMATS:
+            out.append(("response_format", "response formats other than text, json_object and json_schema"))
         if self.tools and self.tool_choice != "none":
             out.append(("tools", "tool calling (only tool_choice 'none' is accepted)"))
         if self.functions and self.function_call != "none":
@@ -264,6 +298,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM), not both."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "text":
+            return super().constraint()
+        if self.structured_outputs is not None:
+            raise InvalidRequestError("Give response_format or structured_outputs, not both.", "response_format")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        spec = self.response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequestError("response_format.json_schema must be an object with a schema.", "response_format")
+        return StructuredOutputsParams(json=spec.get("schema", {}))
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:

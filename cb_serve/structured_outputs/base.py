@@ -72,12 +72,12 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
-    """Sets the logits of disallowed tokens to -inf in place, in ``rows`` of ``logits`` (all when
-    None) from the same rows of ``bitmask``; the rows not named are untouched."""
+    """Sets the logits of disallowed tokens to -inf in place: ``bitmask`` row ``i`` masks
+    ``logits`` row ``rows[i]`` (row ``i`` when ``rows`` is None); the rows not named are untouched."""
     if rows is not None and not rows:
         return
     vocab = logits.shape[-1]
-    words = bitmask if rows is None else bitmask[rows]
+    words = bitmask if rows is None else bitmask[: len(rows)]
     allowed = ((words[:, :, None] >> _BITS.to(words.device)) & 1).reshape(words.shape[0], -1)[:, :vocab]
     allowed = allowed.to(logits.device, non_blocking=True).bool()
     if rows is None:

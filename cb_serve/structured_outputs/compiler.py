@@ -8,6 +8,7 @@ import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend
 from cb_serve.structured_outputs.params import ConstraintLimits, StructuredOutputsParams
@@ -18,9 +19,13 @@ class GrammarCompiler:
     on the worker thread. A compile that fails is not cached (its future carries the
     ``InvalidRequestError``)."""
 
-    def __init__(self, backend: GrammarBackend, limits: ConstraintLimits | None = None, max_cached: int = 512) -> None:
+    def __init__(
+        self, make_backend: Callable[[], GrammarBackend], limits: ConstraintLimits | None = None, max_cached: int = 512
+    ) -> None:
+        """``make_backend`` is called once, on the worker thread (wrapping a tokenizer can take a second)."""
         assert max_cached > 0
-        self.backend = backend
+        self._make_backend = make_backend
+        self.backend: GrammarBackend | None = None
         self.limits = limits or ConstraintLimits()
         self.max_cached = max_cached
         self._cache: OrderedDict[str, concurrent.futures.Future[CompiledGrammar]] = OrderedDict()
@@ -42,6 +47,8 @@ class GrammarCompiler:
         return future
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        if self.backend is None:
+            self.backend = self._make_backend()
         start = time.perf_counter()
         try:
             return self.backend.compile(params)

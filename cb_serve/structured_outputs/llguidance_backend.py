@@ -55,12 +55,19 @@ class LLGuidanceMatcher(GrammarMatcher):
 
 
 class LLGuidanceGrammar(CompiledGrammar):
+    """Holds a matcher at the start of the grammar; each sequence gets a copy (``deep_copy``
+    shares the compiled grammar: cheap, no compile work on the engine's thread)."""
+
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
-        self._tokenizer, self._grammar = tokenizer, grammar
-        self._limits = llguidance.LLParserLimits(**LIMITS)
+        limits = llguidance.LLParserLimits(**LIMITS)
+        self._start = LLGuidanceMatcher(llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits))
+
+    @property
+    def error(self) -> str | None:
+        return self._start.error
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0, limits=self._limits))
+        return LLGuidanceMatcher(self._start._m.deep_copy())
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -81,10 +88,9 @@ class LLGuidanceBackend(GrammarBackend):
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=limits)
         if error:
             raise unusable(params.kind, error)
-        compiled = LLGuidanceGrammar(self.tokenizer, grammar)
-        probe = compiled.matcher()  # builds the lexer: errors found only then are the request's too
-        if probe.error:
-            raise unusable(params.kind, probe.error)
+        compiled = LLGuidanceGrammar(self.tokenizer, grammar)  # builds the lexer: its errors are the request's too
+        if compiled.error:
+            raise unusable(params.kind, compiled.error)
         return compiled
 
     @staticmethod
