@@ -133,11 +133,20 @@ HOSTILE = [
     ("80,000 stop strings", C, STOP_FLOOD, 400, "invalid_request_error", "stop", {}),
     ("chat message without content", CHAT, chat({"role": "user"}), 400, "invalid_request_error", "messages.0", {}),
     (
-        "response_format json_object",
+        "response_format of an unknown type",
         CHAT,
-        chat(user(), response_format={"type": "json_object"}),
+        chat(user(), response_format={"type": "xml"}),
         400,
         "unsupported",
+        "response_format",
+        {},
+    ),
+    (
+        "response_format json_schema without a schema object",
+        CHAT,
+        chat(user(), response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "nope"}}),
+        400,
+        "invalid_request_error",
         "response_format",
         {},
     ),
@@ -462,7 +471,7 @@ def log_lines_naming(request_id: str, deployment: str) -> list[str]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_x_request_id_is_the_response_id_engine_request_id_and_log_id(server, stream):
     request_id = f"client-trace:{uuid.uuid4().hex}-{int(stream)}"
-    body = {"prompt": "Name a color.", "max_tokens": 4, "stream": stream}
+    body = {"prompt": "Name a color.", "max_tokens": 4, "ignore_eos": True, "stream": stream}  # ends with length
     r = httpx.post(f"{server}/v1/completions", json=body, headers={**AUTH, "x-request-id": request_id}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"] == request_id
     if stream:
@@ -653,12 +662,12 @@ def test_structured_outputs_through_the_openai_client(server):
     ``json_object`` hold; a ``max_tokens`` cut is ``length``."""
     import re
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
-    class City(BaseModel):
-        name: str
-        country: str
-        population: int
+    class City(BaseModel):  # bounded, so the object fits in max_tokens whatever the model writes
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population: int = Field(ge=0, le=10**10)
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=120, max_retries=0)
     model = client.models.list().data[0].id
