@@ -52,9 +52,12 @@ def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **co
     return directory
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: list[int], stop_at_eos: bool = False):
+def hf_greedy(
+    model_dir, prompts: list[list[int]], max_tokens: list[int], stop_at_eos: bool = False, logits_processor=None
+):
     """Greedy continuations from HF ``model.generate`` (float32, one prompt at a time, no
-    padding), with the logits of every step for the top-2 tie rule."""
+    padding), with the logits of every step for the top-2 tie rule. ``logits_processor``:
+    HF logits processors, for one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
     model = (
@@ -76,6 +79,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: list[int], stop_a
                 output_logits=True,
                 return_dict_in_generate=True,
                 pad_token_id=0,
+                logits_processor=logits_processor,
             )
         results.append((out.sequences[0, len(ids) :].tolist(), torch.stack(out.logits)[:, 0]))
     return results

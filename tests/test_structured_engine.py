@@ -71,22 +71,14 @@ def llm(llama):
 
 
 def hf_constrained(model_dir, tokenizer, prompt: list[int], params: StructuredOutputsParams, max_tokens: int):
-    from transformers import AutoModelForCausalLM, LogitsProcessorList
+    from models import hf_greedy
+    from transformers import AutoConfig, LogitsProcessorList
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    lltok = llguidance_hf.from_tokenizer(tokenizer, n_vocab=model.config.vocab_size)
+    vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    lltok = llguidance_hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
     processor = LLGuidanceLogitsProcessor(lltok, grammar_text(params), len(prompt))
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([processor]),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    ((tokens, _),) = hf_greedy(model_dir, [prompt], [max_tokens], True, LogitsProcessorList([processor]))
+    return tokens
 
 
 def greedy(constraint: StructuredOutputsParams | None, max_tokens: int = 40, **kw) -> SamplingParams:
