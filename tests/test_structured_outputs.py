@@ -185,5 +185,4 @@ def test_the_compiler_caches_by_constraint_and_compiles_off_the_calling_thread(b
     finally:
         backend.compile = real
         compiler.shutdown()
-    assert threads and all(name.startswith("cb-serve-grammar") for name in threads)
-    assert len(compiler.take_compile_seconds()) >= 2
+    assert len(threads) >= 2 and all(name.startswith("cb-serve-grammar") for name in threads)

@@ -1475,11 +1475,8 @@ def _large_schema(target_bytes: int) -> Schema:
 
 # Schemas a server must refuse (400) in bounded time, or compile under its caps: never a 500 or a stall.
 HOSTILE_SCHEMAS: list[tuple[str, Schema]] = [
-    # Seen with SmolLM2's tokenizer on a 2-core Xeon (bench/grammar_backends.py --hostile): both backends
-    # compile the two reference schemas in milliseconds (neither inlines references, neither sees that
-    # ref_recursion_unsatisfiable has no finite instance); enum_10k: llguidance ~16 ms, xgrammar ~0.7 s;
-    # large_1mb: llguidance ~2 s, xgrammar ~93 s (at ~1.2 MB llguidance refuses it: "schema too large");
-    # both refuse invalid_schema and invalid_regex within 2 ms, with a message that names the problem.
+    # What each backend does with them (bench/grammar_backends.py --hostile): bench/RESULTS.md. Neither
+    # inlines references, and neither sees that ref_recursion_unsatisfiable has no finite instance.
     ("ref_bomb_exponential", _ref_bomb(48)),  # 2**48 nodes if a compiler inlines references
     (
         "ref_recursion_unsatisfiable",  # a required self-reference: no finite instance exists

@@ -34,7 +34,7 @@ class GrammarAdmission:
     @property
     def compiler(self) -> GrammarCompiler:
         if self._compiler is None:
-            self._compiler = GrammarCompiler(self._make_backend, self.limits)
+            self._compiler = GrammarCompiler(self._make_backend)
         return self._compiler
 
     def add(self, state: RequestState) -> None:

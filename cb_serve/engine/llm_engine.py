@@ -90,6 +90,12 @@ def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _error_output(state: RequestState, error: Exception) -> RequestOutput:
+    """The final output of a request that failed: no text, finish reason ``error``, and ``error``."""
+    completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
+    return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
+
+
 class LLMEngine:
     """One model on one device. Not thread-safe: drive it from one thread (see AsyncLLM)."""
 
@@ -332,16 +338,14 @@ class LLMEngine:
         self.num_failed_requests += 1
         state = self.requests.pop(request_id)
         self._end_outside_step(state.seqs, SequenceStatus.FINISHED_ERROR)
-        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
+        return _error_output(state, error)
 
     def _refuse(self, request_id: str, error: InvalidRequestError) -> RequestOutput:
         """Ends a request whose constraint could not be compiled: its final output carries ``error``
         (a 400 for its client), and nothing of it was ever scheduled."""
         state = self.requests.pop(request_id)
         self._end_unscheduled(state.seqs, SequenceStatus.FINISHED_ERROR)
-        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
+        return _error_output(state, error)
 
     def _end_unscheduled(self, seqs: list[Sequence], status: SequenceStatus) -> None:
         for seq in seqs:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import time
 
 import torch
 
@@ -21,7 +20,6 @@ class BitmaskFiller:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cb-serve-bitmask")
-        self.fill_seconds: list[float] = []  # per step with constrained rows, since the last take
 
     def start(self, matchers: list[tuple[int, GrammarMatcher]]) -> concurrent.futures.Future | None:
         if not matchers:
@@ -29,7 +27,6 @@ class BitmaskFiller:
         return self._pool.submit(self._fill, matchers)
 
     def _fill(self, matchers: list[tuple[int, GrammarMatcher]]) -> tuple[list[int], torch.Tensor]:
-        start = time.perf_counter()
         bitmask = allocate_bitmask(len(matchers), self.vocab_size)
         for i, (_, matcher) in enumerate(matchers):
             try:
@@ -37,9 +34,4 @@ class BitmaskFiller:
             except Exception:  # noqa: BLE001 - that row stays unmasked; its request fails when it accepts
                 logger.exception("filling a grammar bitmask failed")
                 bitmask[i] = -1
-        self.fill_seconds.append(time.perf_counter() - start)
         return [row for row, _ in matchers], bitmask
-
-    def take_fill_seconds(self) -> list[float]:
-        taken, self.fill_seconds = self.fill_seconds, []
-        return taken

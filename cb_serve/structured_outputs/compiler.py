@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend
-from cb_serve.structured_outputs.params import ConstraintLimits, StructuredOutputsParams
+from cb_serve.structured_outputs.params import StructuredOutputsParams
 
 
 class GrammarCompiler:
@@ -19,19 +18,15 @@ class GrammarCompiler:
     on the worker thread. A compile that fails is not cached (its future carries the
     ``InvalidRequestError``)."""
 
-    def __init__(
-        self, make_backend: Callable[[], GrammarBackend], limits: ConstraintLimits | None = None, max_cached: int = 512
-    ) -> None:
+    def __init__(self, make_backend: Callable[[], GrammarBackend], max_cached: int = 512) -> None:
         """``make_backend`` is called once, on the worker thread (wrapping a tokenizer can take a second)."""
         assert max_cached > 0
         self._make_backend = make_backend
         self.backend: GrammarBackend | None = None
-        self.limits = limits or ConstraintLimits()
         self.max_cached = max_cached
         self._cache: OrderedDict[str, concurrent.futures.Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cb-serve-grammar")
-        self.compile_seconds: list[float] = []  # since the last take_compile_seconds() (metrics)
 
     def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future[CompiledGrammar]:
         key = params.key()
@@ -49,21 +44,13 @@ class GrammarCompiler:
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         if self.backend is None:
             self.backend = self._make_backend()
-        start = time.perf_counter()
-        try:
-            return self.backend.compile(params)
-        finally:
-            self.compile_seconds.append(time.perf_counter() - start)
+        return self.backend.compile(params)
 
     def _forget_failure(self, key: str, future: concurrent.futures.Future) -> None:
         if future.cancelled() or future.exception() is not None:
             with self._lock:
                 if self._cache.get(key) is future:
                     del self._cache[key]
-
-    def take_compile_seconds(self) -> list[float]:
-        taken, self.compile_seconds = self.compile_seconds, []
-        return taken
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -64,14 +64,11 @@ class StructuredOutputsParams:
 
     def key(self) -> str:
         """The constraint as canonical text: what compiled grammars are cached by."""
+        kind = self.kind
         value = (
-            self.schema()
-            if self.kind == "json"
-            else list(self.choice or ())
-            if self.kind == "choice"
-            else (getattr(self, self.kind))
+            self.schema() if kind == "json" else list(self.choice or ()) if kind == "choice" else getattr(self, kind)
         )
-        return json.dumps([self.kind, value], sort_keys=True, separators=(",", ":"))
+        return json.dumps([kind, value], sort_keys=True, separators=(",", ":"))
 
     def schema(self) -> dict[str, Any] | bool:
         """The JSON schema (``json`` only), parsed."""
