@@ -23,7 +23,9 @@ from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
 from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from cb_serve.stats import EngineStats, StepPhases, StepStats
-from cb_serve.structured_outputs.params import StructuredOutputsParams
+from cb_serve.structured_outputs.params import ConstraintLimits, StructuredOutputsParams
+from cb_serve.tool_format import tool_call_constraint
+from cb_serve.tool_parser import ParsedToolCall, ToolCallParser
 
 __all__ = [
     "LLM",
@@ -34,6 +36,10 @@ __all__ = [
     "prefix_block_hashes",
     "SamplingParams",
     "StructuredOutputsParams",
+    "ConstraintLimits",
+    "tool_call_constraint",
+    "ToolCallParser",
+    "ParsedToolCall",
     "PromptType",
     "TextPrompt",
     "TokensPrompt",

@@ -59,6 +59,9 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
+    enable_jump_forward: bool = _arg(
+        True, "Structured outputs: append the tokens a grammar forces without a forward pass of their own."
+    )
     attention_backend: str = _arg(
         "auto",
         "Attention backend: auto (flash_attn on CUDA if installed, else triton; cpu on CPU; else torch), "

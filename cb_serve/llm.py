@@ -60,14 +60,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Applies the model's chat template to each conversation (with ``tools``: OpenAI tool
+        objects, rendered by the template or the built-in tool prompt), then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages: ChatMessages, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, tools)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -132,8 +132,9 @@ class Sequence:
             return []
         return self.min_tokens_banned if self.num_output_tokens < self.params.min_tokens else []
 
-    def append_token(self, token_id: int, now: float) -> None:
-        assert self.num_computed_tokens == self.num_tokens, "sample only after catching up"
+    def append_token(self, token_id: int, now: float, forced: bool = False) -> None:
+        """A sampled token (the sequence caught up), or one its grammar ``forced`` after it (jump-forward)."""
+        assert forced or self.num_computed_tokens == self.num_tokens, "sample only after catching up"
         self.token_ids.append(token_id)
         if self.times.first_token is None:
             self.times.first_token = now

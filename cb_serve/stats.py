@@ -35,6 +35,15 @@ class StepStats:
     # finished output passed to the step listeners (aborted, or failed with their step): an
     # observer that keeps per-request state forgets them.
     ended_request_ids: tuple[str, ...] = ()
+    # Structured outputs (grammar-constrained sampling).
+    num_constrained_seqs: int = 0  # sampling rows of this step that carry a grammar matcher
+    grammar_fill_s: float = 0.0  # the bitmask filler thread's wall seconds on this step's masks (0: none)
+    grammar_wait_s: float = 0.0  # sampling's wall seconds waiting for those masks after the forward
+    # Handed over once, like ended_request_ids: the seconds of the grammar compiles that completed,
+    # and the requests added with a constraint, since the previous step.
+    grammar_compile_s: tuple[float, ...] = ()
+    num_constrained_requests: int = 0
+    jump_forward_tokens: int = 0  # tokens a grammar forced after this step's sampling (no forward pass of their own)
 
     @property
     def budget_fill(self) -> float:
@@ -62,8 +71,13 @@ class EngineStats:
     max_batch_seqs: int = 0  # most sequences in one step so far
     # Requests (not sequences: n > 1 gives a request n of them), counted as vLLM counts them: a
     # request runs while any of its sequences is in the running batch, and waits otherwise.
+    # Requests waiting for their grammar to compile count as waiting, as in vLLM (its scheduler's
+    # waiting queue holds them, WAITING_FOR_FSM): num_waiting, num_waiting_tokens and
+    # num_requests_waiting include them.
     num_requests_running: int = 0
     num_requests_waiting: int = 0
+    num_requests_waiting_grammar: int = 0  # of num_requests_waiting: those whose grammar is compiling
+    num_constrained_requests: int = 0  # requests added with a constraint (structured outputs), cumulative
 
     @property
     def kv_cache_usage(self) -> float:

@@ -29,6 +29,8 @@ LEAVES = {
     "sampling_params",
     "sequence",
     "stats",
+    "tool_format",
+    "tool_parser",
 }
 # The cb_serve.* groups each group may import (besides itself and the leaves).
 ALLOWED = {
@@ -49,7 +51,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-LEAF_MODULES = {"cb_serve.structured_outputs.params"}  # SamplingParams carries the constraint
+# SamplingParams carries the constraint.
+LEAF_MODULES = {"cb_serve.structured_outputs.params", "cb_serve.structured_outputs.schema_bounds"}
 
 
 def group(module: str) -> str:

@@ -196,3 +196,30 @@ def test_kernels_reject_bad_layouts():
         )
     with pytest.raises(RuntimeError, match="position out of range"):
         cpu_ops.rotary_embedding(q, torch.tensor([0, 99]), torch.randn(10, 8), torch.randn(10, 8))
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 33, 31])
+def test_apply_token_bitmask_equals_the_pytorch_path(vocab):
+    """The grammar mask in C++ (AVX-512 masked stores, or the bit loop) blocks exactly the tokens
+    ``apply_bitmask`` blocks, on the named rows only, never past the vocabulary."""
+    from cb_serve.structured_outputs.base import allocate_bitmask, apply_bitmask
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(7, vocab)
+    bitmask = allocate_bitmask(4, vocab)
+    bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, dtype=torch.int32))
+    bitmask[1] = -1  # all allowed
+    bitmask[2] = 0  # all blocked
+    rows = [5, 0, 3]
+    expected = logits.clone()
+    apply_bitmask(expected, bitmask, rows)
+    got = logits.clone()
+    cpu_ops.apply_token_bitmask(got, bitmask, rows)
+    assert torch.equal(got, expected)
+    wide = torch.randn(3, vocab + 64)
+    window = wide[:, :vocab]  # rows strided wider than the vocabulary: the columns after it stay
+    before = wide[:, vocab:].clone()
+    cpu_ops.apply_token_bitmask(window, bitmask, [2])
+    assert torch.equal(wide[:, vocab:], before)
+    with pytest.raises(RuntimeError):
+        cpu_ops.apply_token_bitmask(logits, bitmask, [7])

@@ -42,6 +42,8 @@ SERVE_SERIES = (
     "ray_serve_num_ongoing_requests_at_replicas",
 )
 GPU_SERIES = ("ray_node_gpus_utilization", "ray_node_gram_used", "ray_node_gram_available")
+# Engine metrics nothing feeds yet: Ray exports a counter only after its first (positive) increment.
+UNFED_METRICS: dict[str, str] = {}  # metrics no workload here can feed (name: why)
 # Forces chunked prefill (budget < prompt), preemption (few blocks) and prefix-cache hits.
 ENGINE_ARGS = dict(
     block_size=16,
@@ -122,6 +124,9 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     assert all(0 < f <= 1 for f in fills) and max(m["batch_num_seqs"].all()) > 1
     assert m["kv_cache_blocks_total"].all()[-1] == 40 and 0 <= m["kv_cache_usage_perc"].all()[-1] <= 1
     assert metrics._last_token == {}  # finished requests are forgotten
+    for name in ("structured_output_requests", "grammar_compile_seconds", "grammar_bitmask_fill_seconds"):
+        assert not m[name].all(), name  # no constrained request (tests/test_structured_metrics.py has them)
+    assert set(m["num_requests_waiting_grammar"].all()) == {0}
 
 
 def test_an_aborted_request_is_forgotten(random_model_dir):
@@ -232,6 +237,7 @@ def test_dashboard_is_importable_with_a_datasource_variable():
 # ---- acceptance: Ray's metrics export port -> a real Prometheus -> every dashboard query ----------
 
 N_REQUESTS = 16  # after a warm-up of 4
+N_CONSTRAINED = 2  # structured-output requests after them (1 after the warm-up)
 SERVE_ENGINE_ARGS = {**ENGINE_ARGS, "num_gpu_blocks": 32}  # 4 running sequences per replica already preempt
 SHARED = "You are a helpful assistant. Answer briefly and precisely, in plain English. " * 3  # > 2 KV blocks
 
@@ -425,6 +431,27 @@ async def workload(base_url: str, n_requests: int, max_tokens: int | None = None
     return sum(tokens), len(tokens)
 
 
+async def constrained_workload(base_url: str, tags: list[str]) -> tuple[int, int]:
+    """One completion per tag, in turn, each constrained to its own choice (so each compiles a
+    grammar), all in one session: they go to one replica, whose structured-output series then
+    grow after their first sample (what rate() counts). Returns (completion tokens, requests)."""
+    client = openai_client(base_url)
+    tokens = 0
+    for tag in tags:
+        choice = [f"yes {tag}", f"no {tag}"]
+        out = await client.completions.create(
+            model="tiny",
+            prompt=f"{SHARED} Yes or no?",
+            max_tokens=16,
+            temperature=0.0,
+            user="structured-outputs",  # the session
+            extra_body={"structured_outputs": {"choice": choice}},
+        )
+        assert out.choices[0].text in choice and out.choices[0].finish_reason == "stop", out
+        tokens += out.usage.completion_tokens
+    return tokens, len(tags)
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, PromQL) for every target of every panel (rows included)."""
 
@@ -460,29 +487,37 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
 
     base_url, prom = stack
 
-    def counted(tokens: int, n: int) -> bool:
+    def counted(tokens: int, n: int, constrained: int) -> bool:
         return (
             prom.scalar("sum(ray_cb_serve_generation_tokens_total)") == tokens
             and prom.scalar("sum(ray_cb_serve_time_to_first_token_seconds_count)") == n
             and prom.scalar("sum(ray_cb_serve_e2e_request_latency_seconds_count)") == n
             and prom.scalar("sum(ray_cb_serve_router_requests_total)") == n
+            and prom.scalar("sum(ray_cb_serve_structured_output_requests_total)") == constrained
         )
+
+    def run_workload(n_requests: int, tags: list[str], max_tokens: int | None = None) -> tuple[int, int]:
+        tokens, n = asyncio.run(workload(base_url, n_requests, max_tokens))
+        more_tokens, more = asyncio.run(constrained_workload(base_url, tags))
+        return tokens + more_tokens, n + more
 
     # Series appear at their first sample and rate() counts only increases after it: a warm-up
     # (and the rejections) first, so the main workload shows up in every rate() of the dashboard.
     started = time.time()
     asyncio.run(rejected_requests(base_url))
-    tokens, n = asyncio.run(workload(base_url, 4, max_tokens=4))
-    wait_for("Prometheus to see the warm-up", lambda: counted(tokens, n), timeout=90)
-    more_tokens, more = asyncio.run(workload(base_url, N_REQUESTS))
-    tokens, n = tokens + more_tokens, n + more
-    wait_for("the last scrape to count the whole workload", lambda: counted(tokens, n), timeout=90)
+    tokens, n = run_workload(4, ["w"], max_tokens=4)
+    wait_for("Prometheus to see the warm-up", lambda: counted(tokens, n, 1), timeout=90)
+    tags = [str(i) for i in range(N_CONSTRAINED)]
+    more_tokens, more = run_workload(N_REQUESTS, tags)
+    tokens, n, constrained = tokens + more_tokens, n + more, 1 + N_CONSTRAINED
+    wait_for("the last scrape to count the whole workload", lambda: counted(tokens, n, constrained), timeout=90)
     # Acceptance 1: exactly what the clients received, and one latency observation per request.
     assert prom.scalar("sum(ray_cb_serve_generation_tokens_total)") == tokens
     assert prom.scalar("sum(ray_cb_serve_time_to_first_token_seconds_count)") == n
     assert prom.scalar("sum(ray_cb_serve_e2e_request_latency_seconds_count)") == n
     assert prom.scalar("sum(ray_cb_serve_request_queue_time_seconds_count)") == n
-    assert prom.scalar('sum(ray_cb_serve_request_success_total{finished_reason="length"})') == n
+    assert prom.scalar('sum(ray_cb_serve_request_success_total{finished_reason="length"})') == n - constrained
+    assert prom.scalar('sum(ray_cb_serve_request_success_total{finished_reason="stop"})') == constrained  # grammars
     assert prom.scalar("sum(ray_cb_serve_inter_token_latency_seconds_count)") == tokens - n
     kv = prom.query("ray_cb_serve_kv_cache_usage_perc")
     assert len(kv) == 2 and all(0 <= v <= 1 for _, v in kv), kv  # one series per engine replica
@@ -507,9 +542,18 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     replicas = {labels["replica"] for labels, _ in kv}
     routed = {labels["engine_replica"] for labels, _ in prom.query("ray_cb_serve_router_requests_total")}
     assert routed <= replicas, "the router's engine_replica label must match the engine metrics' replica label"
+    # Structured outputs: each constraint is its own, so compiled once wherever it went.
+    assert prom.scalar("sum(ray_cb_serve_grammar_compile_seconds_count)") == constrained
+    fills = prom.scalar("sum(ray_cb_serve_grammar_bitmask_fill_seconds_count)")
+    assert fills and fills == prom.scalar("sum(ray_cb_serve_grammar_bitmask_wait_seconds_count)")
+    assert fills < steps  # only steps with constrained sequences
+    assert prom.scalar("sum(ray_cb_serve_num_requests_waiting_grammar)") == 0
 
     for name, (kind, _) in (ENGINE_METRICS | ROUTER_METRICS).items():  # the names Ray really exports
         series = exported_name(name) + ("_count" if kind == "histogram" else "")
+        if name in UNFED_METRICS:
+            assert not prom.query(series), f"{series} has data now: drop it from UNFED_METRICS"
+            continue
         assert prom.query(series), f"no series {series}"
     # Ray Serve's series: both engine replicas healthy, under Serve's replica label (the engine
     # metrics' replica label), the autoscaler's target (min = max = 2), and its queue gauges.
@@ -520,9 +564,12 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
         assert prom.query(f'{series}{{deployment="EngineReplica"}}'), f"no series {series}"
 
     # Acceptance 2: every query of every panel returns data, evaluated now that every sample is in,
-    # over windows covering the workload; only the GPU panels may be empty, and only without a GPU.
+    # over windows covering the workload; only the GPU panels may be empty, and only without a GPU,
+    # and those of UNFED_METRICS.
     # Then the cluster filter: a RayCluster that is not there leaves every panel empty.
-    allowed_empty = {} if gpu_present() else dict.fromkeys(GPU_SERIES, "no GPU on this machine")
+    allowed_empty = {exported_name(name): why for name, why in UNFED_METRICS.items()}
+    if not gpu_present():
+        allowed_empty |= dict.fromkeys(GPU_SERIES, "no GPU on this machine")
     at = time.time()
     window = f"{math.ceil(at - started) + 15}s"
     queries = dashboard_queries()
@@ -538,7 +585,7 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
         else:
             missing[f"{title}: {substitute(expr, window)}"] = result
     assert not missing, f"dashboard queries without data: {missing}"
-    assert set(empty_as_allowed) <= {"GPU utilization", "GPU memory"}, empty_as_allowed
+    assert set(empty_as_allowed) <= {"GPU utilization", "GPU memory", "Jump-forward tokens"}, empty_as_allowed
     for title, expr in queries:
         assert not prom.query(substitute(expr, window, ray_io_cluster="no-such-cluster"), at=at), title
 

@@ -123,6 +123,18 @@ def chunked(data: bytes, piece: int = 64 * 1024):
 
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+# A JSON schema of about a megabyte (within the body limit): over the schema size cap.
+MB_SCHEMA = chat(
+    user(),
+    response_format={
+        "type": "json_schema",
+        "json_schema": {
+            "name": "big",
+            "schema": {"type": "object", "properties": {f"p{i:06d}": {"type": "string"} for i in range(32_000)}},
+        },
+    },
+)
 XRID_LONG, XRID_SPACE = {"x-request-id": "a" * 129}, {"x-request-id": "two words"}
 # (case, path, body, status, error type, param, extra headers). Everything a client controls,
 # wrong: each gets its documented 4xx with an OpenAI error object and no internals. The first
@@ -151,12 +163,46 @@ HOSTILE = [
         {},
     ),
     (
-        "tools with tool_choice auto",
+        "tool_choice naming a tool not in tools",
         CHAT,
-        chat(user(), tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"),
+        chat(user(), tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
         400,
-        "unsupported",
-        "tools",
+        "invalid_request_error",
+        "tool_choice",
+        {},
+    ),
+    (
+        "tool_choice required without tools",
+        CHAT,
+        chat(user(), tool_choice="required"),
+        400,
+        "invalid_request_error",
+        "tool_choice",
+        {},
+    ),
+    (
+        "a tool named with a space",
+        CHAT,
+        chat(user(), tools=[{"type": "function", "function": {"name": "a b"}}]),
+        400,
+        "invalid_request_error",
+        "tools.0",
+        {},
+    ),
+    ("a 1 MB schema", CHAT, MB_SCHEMA, 400, "invalid_request_error", "structured_outputs", {}),
+    (
+        "deep $ref recursion",
+        CHAT,
+        chat(
+            user(),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
+            },
+        ),
+        400,
+        "invalid_request_error",
+        "structured_outputs",
         {},
     ),
     ("logit_bias", C, body(prompt="hi", logit_bias={"50": 10}), 400, "unsupported", "logit_bias", {}),
@@ -330,9 +376,9 @@ HOSTILE = [
         {},
     ),
     (
-        "tool message",
+        "function message (the deprecated form of tools)",
         CHAT,
-        chat(user(), {"role": "tool", "content": "42", "tool_call_id": "c1"}),
+        chat(user(), {"role": "function", "name": "f", "content": "42"}),
         400,
         "unsupported",
         "messages.1",
@@ -696,3 +742,141 @@ def test_structured_outputs_through_the_openai_client(server):
         model=model, messages=messages, max_tokens=3, temperature=0, response_format={"type": "json_object"}
     )
     assert cut.choices[0].finish_reason == "length"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+CLOCK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a timezone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 30}}, "required": ["tz"]},
+    },
+}
+# SmolLM2-135M follows a call it is shown (the built-in tool prompt: its template has no tools).
+SHOWN_CALL = (
+    "Reply with exactly this and nothing else:\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+
+
+def streamed_calls(stream) -> tuple[str, list[dict], str | None]:
+    """(content, calls, finish_reason) of a streamed chat completion, assembled from its deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_calls_through_the_openai_client(server):
+    """Issue 23: tools with tool_choice named, required and auto, streamed and not; every enforced
+    call's arguments validate against the tool's schema; the call and a ``tool`` result go back
+    in a second turn; pydantic tools through ``beta.chat.completions.parse``."""
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    model = client.models.list().data[0].id
+    ask = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    tools = [WEATHER_TOOL, CLOCK_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(
+        model=model, messages=ask, tools=tools, tool_choice=named, max_tokens=60, temperature=0
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_") and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_time"])
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+
+    stream = client.chat.completions.create(
+        model=model, messages=ask, tools=tools, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=60, temperature=0, stream=True,
+    )  # fmt: skip
+    content, calls, finish = streamed_calls(stream)
+    assert len(calls) == 1 and finish == "tool_calls" and not content, (content, calls, finish)
+    jsonschema.validate(json.loads(calls[0]["arguments"]), schemas[calls[0]["name"]])
+
+    shown = [{"role": "user", "content": SHOWN_CALL}]
+    auto = client.chat.completions.create(model=model, messages=shown, tools=tools, max_tokens=60, temperature=0)
+    (call,) = auto.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert auto.choices[0].finish_reason == "tool_calls"
+    stream = client.chat.completions.create(
+        model=model, messages=shown, tools=tools, max_tokens=60, temperature=0, stream=True
+    )
+    _, calls, finish = streamed_calls(stream)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls" and calls[0]["id"].startswith("call_")
+    none = client.chat.completions.create(
+        model=model, messages=shown, tools=tools, tool_choice="none", max_tokens=60, temperature=0
+    )
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+
+    second = [*shown, auto.choices[0].message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]  # fmt: skip
+    answer = client.chat.completions.create(model=model, messages=second, tools=tools, max_tokens=30, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=30)
+
+    parsed = client.beta.chat.completions.parse(
+        model=model, messages=ask, tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}}, max_tokens=60, temperature=0,
+    )  # fmt: skip
+    assert isinstance(parsed.choices[0].message.tool_calls[0].function.parsed_arguments, GetWeather)
+
+
+def test_the_schema_suite_through_serve(server):
+    """Issue 23, acceptance 1: the 41 real-world schemas of ``cb_serve/benchmarks/json_schemas.py``
+    as ``response_format`` json_schema, concurrently, three sampled choices each: every output
+    that completed validates against its schema (formats included), and at least 30 schemas have
+    one. (The 135M model loops inside some long strings until ``max_tokens``: those choices end
+    with ``length``.)"""
+    import jsonschema
+
+    from cb_serve.benchmarks.json_schemas import SCHEMAS
+
+    model = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0).models.list().data[0].id
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=600, max_retries=0)
+
+    async def one(name: str, schema: dict):
+        content = f"Write one example {name.replace('_', ' ')} as a JSON object. Keep strings short."
+        fmt = {"type": "json_schema", "json_schema": {"name": name[:64], "schema": schema}}
+        return await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], response_format=fmt,
+            n=3, temperature=0.7, seed=1, max_tokens=300,
+        )  # fmt: skip
+
+    async def run_all():
+        return await asyncio.gather(*(one(name, schema) for name, schema in SCHEMAS))
+
+    responses = asyncio.run(run_all())
+    validated = set()
+    for (name, schema), response in zip(SCHEMAS, responses):
+        for choice in response.choices:
+            assert choice.finish_reason in ("stop", "length"), (name, choice.finish_reason)
+            if choice.finish_reason == "stop":
+                value = json.loads(choice.message.content)
+                jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+                validated.add(name)
+    assert len(SCHEMAS) >= 30 and len(validated) >= 30, sorted(set(dict(SCHEMAS)) - validated)

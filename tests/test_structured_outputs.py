@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,3 +187,40 @@ def test_the_compiler_caches_by_constraint_and_compiles_off_the_calling_thread(b
         backend.compile = real
         compiler.shutdown()
     assert len(threads) >= 2 and all(name.startswith("cb-serve-grammar") for name in threads)
+
+
+def test_the_compile_deadline_counts_compiling_only(backend):
+    """A compile over ``compile_timeout_s`` refuses its request (a 400); the request queued behind
+    it is not charged for the wait, nor for the backend's one-off setup."""
+    from cb_serve.engine.grammar_admission import GrammarAdmission
+    from cb_serve.structured_outputs.params import ConstraintLimits
+
+    slow, fast = StructuredOutputsParams(regex="slow+"), StructuredOutputsParams(regex="fast+")
+    real = backend.compile
+
+    def compile_(params):
+        time.sleep(0.6 if params == slow else 0.0)
+        return real(params)
+
+    def setup():
+        time.sleep(0.5)  # as wrapping a tokenizer does
+        return backend
+
+    admission = GrammarAdmission(None, backend.vocab_size, ConstraintLimits(compile_timeout_s=0.3))
+    admission._make_backend = setup
+    backend.compile = compile_
+    try:
+        states = {rid: SimpleNamespace(request_id=rid, params=SimpleNamespace(structured_outputs=c), seqs=[])
+                  for rid, c in (("slow", slow), ("fast", fast))}  # fmt: skip
+        for state in states.values():
+            admission.add(state)
+        refused: list = []
+        deadline = time.monotonic() + 10
+        while admission.waiting and time.monotonic() < deadline:
+            refused += admission.admit(SimpleNamespace(add=lambda seq: None))
+            time.sleep(0.02)
+    finally:
+        backend.compile = real
+        admission.compiler.shutdown()
+    assert [(rid, "compiling took over" in str(e)) for rid, e in refused] == [("slow", True)]
+    assert not admission.waiting  # the fast one was admitted after waiting over the deadline

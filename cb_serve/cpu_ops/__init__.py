@@ -49,6 +49,7 @@ OPS = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "apply_token_bitmask",
     "pack_decode_weight",
     "decode_gemm",
 )
@@ -191,6 +192,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     torch.ops.cb_serve.silu_and_mul(out, x)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: ``structured_outputs.base.apply_bitmask`` for float32 logits on the CPU."""
+    torch.ops.cb_serve.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
 
 
 def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:

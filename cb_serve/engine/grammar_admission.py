@@ -8,10 +8,12 @@ import concurrent.futures
 import functools
 import logging
 import time
+from collections.abc import Iterator
 
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler
 from cb_serve.errors import InvalidRequestError
+from cb_serve.sequence import Sequence
 from cb_serve.structured_outputs.compiler import GrammarCompiler
 from cb_serve.structured_outputs.params import PARAM, ConstraintLimits
 
@@ -29,7 +31,8 @@ class GrammarAdmission:
         self.limits = limits or ConstraintLimits()
         self._make_backend = functools.partial(_llguidance_backend, tokenizer, vocab_size)
         self._compiler: GrammarCompiler | None = None  # made on the first constrained request
-        self.waiting: dict[str, tuple[RequestState, concurrent.futures.Future, float]] = {}
+        # request id -> (state, compiled grammar's future, constraint key, when it was added)
+        self.waiting: dict[str, tuple[RequestState, concurrent.futures.Future, str, float]] = {}
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -38,8 +41,9 @@ class GrammarAdmission:
         return self._compiler
 
     def add(self, state: RequestState) -> None:
-        future = self.compiler.submit(state.params.structured_outputs)
-        self.waiting[state.request_id] = (state, future, time.monotonic() + self.limits.compile_timeout_s)
+        constraint = state.params.structured_outputs
+        future = self.compiler.submit(constraint)
+        self.waiting[state.request_id] = (state, future, constraint.key(), time.monotonic())
 
     def drop(self, request_id: str) -> bool:
         """Forgets a waiting request (aborted, failed); whether it was waiting."""
@@ -47,12 +51,14 @@ class GrammarAdmission:
 
     def admit(self, scheduler: Scheduler) -> list[tuple[str, InvalidRequestError]]:
         """Schedules the requests whose grammar is ready; returns those refused (their constraint
-        did not compile, or not within ``compile_timeout_s``), which stay in the engine's table."""
+        did not compile, or not within ``compile_timeout_s`` of compiling: the backend's one-off
+        setup and the wait behind other compiles do not count), which stay in the engine's table."""
         refused: list[tuple[str, InvalidRequestError]] = []
         now = time.monotonic()
-        for request_id, (state, future, deadline) in list(self.waiting.items()):
+        for request_id, (state, future, key, added) in list(self.waiting.items()):
             if not future.done():
-                if now > deadline:
+                since = self.compiler.compiling_since(key)
+                if since is not None and now > max(since, added) + self.limits.compile_timeout_s:
                     del self.waiting[request_id]
                     message = f"{PARAM}: compiling took over {self.limits.compile_timeout_s} s."
                     refused.append((request_id, InvalidRequestError(message, PARAM)))
@@ -71,8 +77,16 @@ class GrammarAdmission:
                 scheduler.add(seq)
         return refused
 
+    def drain_compile_times(self) -> tuple[float, ...]:
+        """The seconds of the grammar compiles that succeeded since the previous call, each given once."""
+        return () if self._compiler is None else self._compiler.drain_compile_times()
+
+    def waiting_seqs(self) -> Iterator[Sequence]:
+        """The sequences of the requests waiting for their grammar."""
+        return (seq for state, *_ in self.waiting.values() for seq in state.seqs)
+
     def wait(self, timeout_s: float) -> None:
         """Blocks until a waiting grammar is ready, at most ``timeout_s`` (none waiting: returns)."""
-        futures = [future for _, future, _ in self.waiting.values()]
+        futures = [future for _, future, *_ in self.waiting.values()]
         if futures:
             concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)

@@ -34,6 +34,8 @@ class ScheduledSeq:
     target: int  # tokens the sequence had when scheduled: caught up when computed reaches it
     is_decode: bool
     chunk: int  # 1, 2, ... for prefill chunks; 0 for decodes
+    constrained: bool = False  # carries a grammar matcher (structured outputs)
+    forced: int = 0  # of the tokens, those a grammar forced (jump-forward) after the previous step's sample
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -46,6 +48,8 @@ class ScheduledSeq:
             "kind": "decode" if self.is_decode else "prefill",
             "chunk": self.chunk,
             "last_chunk": not self.is_decode and self.computed_before + self.num_tokens == self.target,
+            "constrained": self.constrained,
+            "forced": self.forced,
         }
 
 
@@ -64,6 +68,8 @@ class StepRecord:
     kv_cached_free: int
     num_running: int
     num_waiting: int
+    grammar_fill_s: float = 0.0  # the bitmask filler's seconds for the constrained rows (0: none)
+    grammar_wait_s: float = 0.0  # sampling's wait for those bitmasks after the forward
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -83,6 +89,8 @@ class StepRecord:
             "kv": {"used": self.kv_used, "free": self.kv_free, "cached_free": self.kv_cached_free},
             "running": self.num_running,
             "waiting": self.num_waiting,
+            "grammar_fill_s": self.grammar_fill_s,
+            "grammar_wait_s": self.grammar_wait_s,
         }
 
 
@@ -94,6 +102,7 @@ class RequestTimeline:
     arrival: float  # wall clock
     num_prompt_tokens: int
     num_seqs: int
+    constrained: bool = False  # its output follows a grammar (structured outputs)
     events: list[dict[str, Any]] = field(default_factory=list)
     decodes: dict[int, list[float]] = field(default_factory=dict)  # seq -> [steps, first step, last step, t0, t1]
     first_token: float | None = None
@@ -110,6 +119,7 @@ class RequestTimeline:
             "arrival": self.arrival,
             "prompt_tokens": self.num_prompt_tokens,
             "n": self.num_seqs,
+            "constrained": self.constrained,
             "queue_wait_s": None if first_scheduled is None else first_scheduled - self.arrival,
             "time_to_first_token_s": None if self.first_token is None else self.first_token - self.arrival,
             "first_token": self.first_token,
@@ -141,8 +151,11 @@ class Inspector:
         return monotonic + self.wall_offset
 
     # ---- recording (engine thread) ------------------------------------------------
-    def on_arrival(self, request_id: str, arrival: float, num_prompt_tokens: int, num_seqs: int) -> None:
-        self.live[request_id] = RequestTimeline(request_id, self.wall(arrival), num_prompt_tokens, num_seqs)
+    def on_arrival(
+        self, request_id: str, arrival: float, num_prompt_tokens: int, num_seqs: int, constrained: bool = False
+    ) -> None:
+        tl = RequestTimeline(request_id, self.wall(arrival), num_prompt_tokens, num_seqs, constrained)
+        self.live[request_id] = tl
 
     def on_step(
         self,
@@ -153,9 +166,11 @@ class Inspector:
         before: list[tuple[int, int]],
         num_running: int,
         num_waiting: int,
+        grammar_s: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         """After a successful step: ``before[i]`` is (computed tokens, tokens) of ``sched.seqs[i]``
-        when it was scheduled. Sequences that finished in the step are already marked finished."""
+        when it was scheduled; ``grammar_s`` the step's bitmask (fill, wait) seconds. Sequences
+        that finished in the step are already marked finished."""
         t0, t1 = self.wall(start), self.wall(start + duration_s)
         first_admitted = len(sched.seqs) - sched.num_admitted
         scheduled: list[ScheduledSeq] = []
@@ -165,7 +180,11 @@ class Inspector:
             tl = self.live.get(seq.request_id)
             is_decode = n == 1 and computed >= seq.num_prompt_tokens
             chunk = 0 if is_decode else 1 if i >= first_admitted else self._next_chunk(tl, seq.index)
-            scheduled.append(ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk))
+            grammar = seq.matcher is not None
+            forced = n - 1 if grammar and n > 1 and computed >= seq.num_prompt_tokens else 0  # a sample + forced tokens
+            scheduled.append(
+                ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk, grammar, forced)
+            )
             if i >= first_admitted:
                 admitted.append((seq.request_id, seq.index))
             if seq.is_finished:
@@ -193,6 +212,7 @@ class Inspector:
                 bm.num_cached_free,
                 num_running,
                 num_waiting,
+                *grammar_s,
             )  # fmt: skip
         )
 

@@ -37,6 +37,7 @@ from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 from cb_serve.stats import EngineStats, StepPhases, StepStats
+from cb_serve.structured_outputs.jump_forward import JumpForward
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ MAX_DEFAULT_MODEL_LEN = 8192
 # A step failure fails its requests and the engine goes on; this many in a row mean the
 # engine itself is broken (a sticky device error, say), so it stops and the replica is replaced.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+MAX_JUMP_TOKENS = 64  # forced tokens appended to one sequence between two steps
 GRAMMAR_POLL_S = 0.01  # the longest a step with nothing to run waits for a grammar being compiled
 
 StepListener = Callable[[StepStats, list[RequestOutput]], None]
@@ -130,9 +132,12 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.max_model_len, self.hf_config.vocab_size, eos, config)
         self.faults = FaultInjector.from_config(config.fault_injection)
         self.grammars = GrammarAdmission(self.tokenizer, self.hf_config.vocab_size)  # structured outputs
+        self.jump = JumpForward(self.hf_config.vocab_size) if config.enable_jump_forward else None
+        self.jump_forward_since_step = self.jump_forward_tokens = 0
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: tuple[StepListener, ...] = ()
         self.ended_since_step: list[str] = []
+        self.constrained_since_step = self.num_constrained_requests = 0  # requests added with a constraint
         self.consecutive_step_failures = 0
         self.num_failed_steps = self.num_failed_requests = self.max_batch_seqs = 0
         self.num_steps = self.prompt_tokens = self.generation_tokens = 0
@@ -207,10 +212,13 @@ class LLMEngine:
             faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
         state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic(), faults)
         self.requests[request_id] = state
+        constrained = processed.params.structured_outputs is not None
         if self.inspector is not None:
-            arrival = state.seqs[0].times.arrival
-            self.inspector.on_arrival(request_id, arrival, len(processed.prompt_token_ids), len(state.seqs))
-        if processed.params.structured_outputs is not None:
+            arrival, num_prompt_tokens = state.seqs[0].times.arrival, len(processed.prompt_token_ids)
+            self.inspector.on_arrival(request_id, arrival, num_prompt_tokens, len(state.seqs), constrained)
+        if constrained:
+            self.num_constrained_requests += 1
+            self.constrained_since_step += 1
             self.grammars.add(state)  # scheduled once its grammar is compiled (off this thread)
             return
         for seq in state.seqs:
@@ -268,8 +276,9 @@ class LLMEngine:
         phases = StepPhases(scheduled - start, prepared - scheduled, now - prepared, time.monotonic() - now)
         self._record_step(sched, num_decode_tokens, phases, outputs)
         if self.inspector is not None:
-            s = self.scheduler
-            self.inspector.on_step(self.num_steps, start, phases.total_s, sched, before, len(s.running), len(s.waiting))
+            s, g = self.scheduler, self.runner.last_grammar_timing
+            running, waiting, grammar_s = len(s.running), len(s.waiting), (g.fill_s, g.wait_s)
+            self.inspector.on_step(self.num_steps, start, phases.total_s, sched, before, running, waiting, grammar_s)
         return outputs
 
     def _append_sampled(
@@ -286,6 +295,8 @@ class LLMEngine:
                 continue
             try:
                 self._append_token(seq, token_id, logprobs, now)
+                if logprobs is None:  # forced tokens have no logprobs of their own
+                    self._jump_forward(seq, now)
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 failed[seq.request_id] = e
             changed.setdefault(seq.request_id, set()).add(seq.index)
@@ -364,8 +375,10 @@ class LLMEngine:
         if self.inspector is not None:
             self.inspector.on_finished_outside_step(unfinished, status.finish_reason, self.num_steps)
 
-    def _append_token(self, seq: Sequence, token_id: int, logprobs: dict | None, now: float) -> None:
-        seq.append_token(token_id, now)
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprobs: dict | None, now: float, forced: bool = False
+    ) -> None:
+        seq.append_token(token_id, now, forced)
         self.generation_tokens += 1
         state = self.requests[seq.request_id]
         if not state.prompt_tokens_counted:
@@ -385,12 +398,28 @@ class LLMEngine:
             status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
             self.scheduler.finish(seq, status)
 
+    def _jump_forward(self, seq: Sequence, now: float) -> None:
+        """Appends the tokens the grammar forces next, each the only one its mask admits
+        (``JumpForward``): they join the sequence's next step as a chunk, with no step of their own."""
+        jump = self.jump
+        if jump is None or seq.matcher is None or seq.is_finished:
+            return
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens, MAX_JUMP_TOKENS)
+        for token_id in jump.candidates(seq.matcher, room):
+            if not jump.is_only_choice(seq.matcher, token_id):
+                break
+            self._append_token(seq, token_id, None, now, forced=True)
+            self.jump_forward_since_step += 1
+            if seq.is_finished:
+                break
+
     def _record_step(
         self, sched: SchedulerOutput, num_decode_tokens: int, phases: StepPhases, outputs: list[RequestOutput]
     ) -> None:
         self.num_steps += 1
         self.step_seconds += phases.total_s
         self.scheduling_seconds += phases.schedule_s + phases.prepare_s
+        grammar = self.runner.last_grammar_timing
         stats = StepStats(
             num_seqs=len(sched.seqs),
             num_decode_tokens=num_decode_tokens,
@@ -401,8 +430,16 @@ class LLMEngine:
             duration_s=phases.total_s,
             phases=phases,
             ended_request_ids=tuple(self.ended_since_step),
+            num_constrained_seqs=grammar.num_seqs,
+            grammar_fill_s=grammar.fill_s,
+            grammar_wait_s=grammar.wait_s,
+            grammar_compile_s=self.grammars.drain_compile_times(),
+            num_constrained_requests=self.constrained_since_step,
+            jump_forward_tokens=self.jump_forward_since_step,
         )
         self.ended_since_step.clear()
+        self.jump_forward_tokens += self.jump_forward_since_step
+        self.constrained_since_step = self.jump_forward_since_step = 0
         self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
         for listener in self.step_listeners:
             try:
@@ -443,12 +480,15 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler
-        waiting_tokens = sum(seq.num_uncomputed_tokens for seq in s.waiting)
+        compiling = list(self.grammars.waiting_seqs())  # waiting, as vLLM counts them (see EngineStats)
+        waiting_tokens = sum(seq.num_uncomputed_tokens for seq in [*s.waiting, *compiling])
         waiting_tokens += sum(seq.num_uncomputed_tokens for seq in s.running if seq.num_uncomputed_tokens > 1)
         running_requests = {seq.request_id for seq in s.running}
+        waiting_requests = {seq.request_id for seq in s.waiting} - running_requests
+        num_waiting_grammar = len(self.grammars.waiting)
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + len(compiling),
             num_waiting_tokens=waiting_tokens,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_blocks,
@@ -465,5 +505,7 @@ class LLMEngine:
             num_failed_requests=self.num_failed_requests,
             max_batch_seqs=self.max_batch_seqs,
             num_requests_running=len(running_requests),
-            num_requests_waiting=len({seq.request_id for seq in s.waiting} - running_requests),
+            num_requests_waiting=len(waiting_requests) + num_waiting_grammar,
+            num_requests_waiting_grammar=num_waiting_grammar,
+            num_constrained_requests=self.num_constrained_requests,
         )

@@ -12,6 +12,7 @@ from cb_serve.inputs import PromptType, parse_prompt
 from cb_serve.model_executor import loader
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.structured_outputs.params import ConstraintLimits
+from cb_serve.tool_format import render_builtin, template_supports_tools
 
 CONSTRAINT_LIMITS = ConstraintLimits()  # what a client's constraint must fit before it is compiled
 
@@ -106,14 +107,26 @@ def encode_text(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template."""
+def apply_chat_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template. With ``tools``, or
+    tool calls and results in the history, a template that does not render tools gets the
+    conversation in the built-in tool format (``tool_format.render_builtin``)."""
     if not messages:
         raise InvalidRequestError("messages is empty.", "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError("This model's tokenizer has no chat template.", "messages")
+    kwargs = {}
+    if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        if template_supports_tools(tokenizer):
+            kwargs["tools"] = tools or None
+        else:
+            messages = render_builtin(messages, tools)
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+        )
     except Exception as e:  # template errors (bad roles, order) are the caller's input
         raise InvalidRequestError(f"The chat template rejected the messages: {e}", "messages") from e
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -132,6 +145,8 @@ class PromptEncoder:
         with self._lock:
             return encode_text(self.tokenizer, prompt)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         with self._lock:
-            return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools)

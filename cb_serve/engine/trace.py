@@ -35,6 +35,9 @@ def trace_events(
             "admitted": len(r.admitted),
             "preempted": len(r.preempted),
             "finished": len(r.finished),
+            "constrained": sum(s.constrained for s in r.seqs),
+            "grammar_fill_s": r.grammar_fill_s,
+            "grammar_wait_s": r.grammar_wait_s,
         }
         ts = _us(r.start)
         events.append(

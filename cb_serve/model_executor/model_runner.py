@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +27,16 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # last scheduled token of each sequence that samples
     sampling_seqs: list[Sequence]
+
+
+class GrammarTiming(NamedTuple):
+    """One step's structured-output cost: its constrained sampling rows, the filler thread's wall
+    seconds on their bitmask, and the wall seconds sampling then waited for it (what the forward
+    pass did not hide)."""
+
+    num_seqs: int = 0
+    fill_s: float = 0.0
+    wait_s: float = 0.0
 
 
 class ModelRunner:
@@ -54,6 +66,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
+        self.last_grammar_timing = GrammarTiming()  # of the latest execute()
         self.graph_runner: DecodeGraphRunner | None = None
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
@@ -123,6 +136,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> SamplerOutput | None:
+        self.last_grammar_timing = GrammarTiming()
         constrained = [(row, seq.matcher) for row, seq in enumerate(inp.sampling_seqs) if seq.matcher is not None]
         masks = self.bitmasks.start(constrained)  # filled while the forward pass runs
         graphs = self.graph_runner
@@ -135,5 +149,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         batch = SamplingBatch.from_seqs(inp.sampling_seqs)
         if masks is not None:
-            batch.grammar = masks.result()
+            waited = time.perf_counter()
+            rows, bitmask, fill_s = masks.result()
+            batch.grammar = (rows, bitmask)
+            self.last_grammar_timing = GrammarTiming(len(rows), fill_s, time.perf_counter() - waited)
         return self.sampler(logits, batch)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cb_serve import cpu_ops
 from cb_serve.outputs import Logprob
 from cb_serve.sequence import Sequence
 from cb_serve.structured_outputs.base import apply_bitmask
@@ -51,6 +52,14 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]  # per row: top-k tokens and the sampled one (no text yet)
 
 
+def apply_grammar(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """``apply_bitmask``, in one pass of C++ for float32 logits on the CPU."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.available():
+        cpu_ops.apply_token_bitmask(logits, bitmask, rows)
+    else:
+        apply_bitmask(logits, bitmask, rows)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits``: float32 ``[N, vocab]`` (modified in place)."""
@@ -60,7 +69,7 @@ class Sampler:
         for row, token_ids in batch.banned:
             logits[row, token_ids] = float("-inf")
         if batch.grammar is not None:  # before temperature and every filter; logprobs are of the raw logits
-            apply_bitmask(logits, batch.grammar[1], batch.grammar[0])
+            apply_grammar(logits, batch.grammar[1], batch.grammar[0])
         greedy = logits.max(dim=-1).indices  # the first maximum, like argmax, and faster on CPU
         if batch.all_greedy:
             sampled = greedy

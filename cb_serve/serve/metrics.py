@@ -9,9 +9,10 @@ to counters, and labels every series with the Serve ``deployment``, ``replica`` 
 
 Cost on the engine: ``EngineMetrics`` adds one step listener that appends ``(StepStats,
 outputs)`` to a deque (O(1), in the engine thread). A daemon thread drains it every
-``interval_s`` and does the recording: per step two histogram observations, per request
-and token what the latency histograms need, and counters as deltas of the engine's own
-cumulative ``EngineStats`` (no per-token counting).
+``interval_s`` and does the recording: per step two histogram observations (two more on steps
+with constrained sequences, and one per grammar compiled), per request and token what the
+latency histograms need, and counters as deltas of the engine's own cumulative ``EngineStats``
+(no per-token counting).
 """
 
 from __future__ import annotations
@@ -34,13 +35,20 @@ LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.1
 LATENCY_BUCKETS += [1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
 FILL_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 SEQS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+# Seconds: a grammar compile, from a cached-tokenizer regex to a schema near the compile timeout.
+COMPILE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+# Seconds: one step's bitmask fill (or the wait for it), from a few rows of a regex to a large batch.
+MASK_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 
 # name without prefix -> (type, description); the buckets of histograms are in BUCKETS.
 ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "num_requests_running": ("gauge", "Requests with a sequence in the running batch (as vLLM counts them)."),
-    "num_requests_waiting": ("gauge", "Requests waiting to be scheduled (new or preempted), none of them running."),
+    "num_requests_waiting": (
+        "gauge",
+        "Requests waiting to be scheduled (new, preempted, or waiting for their grammar), none of them running.",
+    ),
     "num_seqs_running": ("gauge", "Sequences in the running batch (a request with n > 1 has n)."),
-    "num_seqs_waiting": ("gauge", "Sequences waiting to be scheduled (new or preempted)."),
+    "num_seqs_waiting": ("gauge", "Sequences waiting to be scheduled (new, preempted, or waiting for their grammar)."),
     "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks in use (0 to 1)."),
     "kv_cache_blocks_used": ("gauge", "KV-cache blocks in use."),
     "kv_cache_blocks_total": ("gauge", "KV-cache blocks of the replica."),
@@ -56,6 +64,18 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "request_queue_time_seconds": ("histogram", "Arrival in the engine to first scheduled."),
     "batch_token_fill_ratio": ("histogram", "Per step: tokens scheduled over the token budget."),
     "batch_num_seqs": ("histogram", "Per step: sequences in the batch."),
+    "structured_output_requests": ("counter", "Requests with a structured-output constraint (grammar)."),
+    "num_requests_waiting_grammar": ("gauge", "Requests waiting for their grammar to compile (of those waiting)."),
+    "grammar_compile_seconds": ("histogram", "Compiling one grammar (cache hits are not compiles)."),
+    "grammar_bitmask_fill_seconds": (
+        "histogram",
+        "Per step with constrained sequences: filling their token bitmasks (on its own thread, beside the forward).",
+    ),
+    "grammar_bitmask_wait_seconds": (
+        "histogram",
+        "Per step with constrained sequences: sampling waiting for the bitmasks after the forward.",
+    ),
+    "jump_forward_tokens": ("counter", "Tokens a grammar forced, appended without a step of their own (jump-forward)."),
 }
 ROUTER_METRICS: dict[str, tuple[str, str]] = {
     "router_requests": ("counter", "Requests the router sent to each engine replica (label engine_replica)."),
@@ -76,11 +96,22 @@ BUCKETS: dict[str, list[float]] = {
     "request_queue_time_seconds": LATENCY_BUCKETS,
     "batch_token_fill_ratio": FILL_BUCKETS,
     "batch_num_seqs": SEQS_BUCKETS,
+    "grammar_compile_seconds": COMPILE_BUCKETS,
+    "grammar_bitmask_fill_seconds": MASK_BUCKETS,
+    "grammar_bitmask_wait_seconds": MASK_BUCKETS,
 }
 # vLLM's label for the served model, and ours from before it (the same value): dashboards and
 # alerts written for vLLM's series filter on model_name.
 MODEL_TAGS = ("model_name", "model")
-_COUNTER_FIELDS = ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+# counter -> the cumulative EngineStats field it follows
+_COUNTER_FIELDS = {
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+    "num_preemptions": "num_preemptions",
+    "prefix_cache_queries": "prefix_cache_queries",
+    "prefix_cache_hits": "prefix_cache_hits",
+    "structured_output_requests": "num_constrained_requests",
+}
 
 
 def exported_name(name: str) -> str:
@@ -123,7 +154,7 @@ class EngineMetrics:
             for name in ENGINE_METRICS
         }
         self._engine = engine
-        self._counted = {f: 0 for f in _COUNTER_FIELDS}
+        self._counted = dict.fromkeys(_COUNTER_FIELDS, 0)
         self._steps: deque[tuple[StepStats, list[RequestOutput]]] = deque(maxlen=self.MAX_PENDING_STEPS)
         self._last_token: dict[str, float] = {}  # request id -> its latest token time (monotonic)
         self._lock = threading.Lock()  # one flush at a time (the thread and close())
@@ -162,6 +193,7 @@ class EngineMetrics:
         m = self.m
         m["batch_token_fill_ratio"].observe(step.budget_fill)
         m["batch_num_seqs"].observe(step.num_seqs)
+        self._record_grammar(step)
         for request_id in step.ended_request_ids:
             self._last_token.pop(request_id, None)
         for out in outputs:
@@ -187,6 +219,17 @@ class EngineMetrics:
             else:
                 self._last_token[out.request_id] = t.last_token_time
 
+    def _record_grammar(self, step: StepStats) -> None:
+        """Structured outputs: the step's compiles, and its mask fill and wait if it had constrained rows."""
+        m = self.m
+        for seconds in step.grammar_compile_s:
+            m["grammar_compile_seconds"].observe(seconds)
+        if step.num_constrained_seqs:
+            m["grammar_bitmask_fill_seconds"].observe(step.grammar_fill_s)
+            m["grammar_bitmask_wait_seconds"].observe(step.grammar_wait_s)
+        if step.jump_forward_tokens:
+            m["jump_forward_tokens"].inc(step.jump_forward_tokens)
+
     def _record_stats(self, s: EngineStats) -> None:
         m = self.m
         m["num_requests_running"].set(s.num_requests_running)
@@ -196,11 +239,12 @@ class EngineMetrics:
         m["kv_cache_usage_perc"].set(s.kv_cache_usage)
         m["kv_cache_blocks_used"].set(s.kv_blocks_used)
         m["kv_cache_blocks_total"].set(s.kv_blocks_total)
-        for field in _COUNTER_FIELDS:
+        m["num_requests_waiting_grammar"].set(s.num_requests_waiting_grammar)
+        for name, field in _COUNTER_FIELDS.items():
             value = getattr(s, field)
-            if value > self._counted[field]:
-                m[field].inc(value - self._counted[field])
-                self._counted[field] = value
+            if value > self._counted[name]:
+                m[name].inc(value - self._counted[name])
+                self._counted[name] = value
 
 
 class RouterMetrics:

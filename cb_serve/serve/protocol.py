@@ -13,6 +13,7 @@ fields they do not use (a client may send back a response message whole).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,13 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cb_serve import (
     SEED_MAX,
     SEED_MIN,
+    ConstraintLimits,
     InvalidRequestError,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
+    tool_call_constraint,
 )
 
 MAX_N = 16
+MAX_TOOLS = 128  # OpenAI's limit
+TOOL_LIMITS = ConstraintLimits()  # each tool's parameters schema, and all of them together
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_LOGPROBS = 20
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
@@ -213,34 +218,106 @@ class ContentPart(BaseModel):
         return self
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always fit the schema when a call is enforced
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            ok = isinstance(json.loads(v), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("function.arguments must be a JSON object, as text")
+        return v
+
+    def parsed(self) -> dict[str, Any]:
+        return json.loads(self.arguments)
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history (as a response gave it)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def to_template(self) -> dict[str, Any]:
+        function = {"name": self.function.name, "arguments": self.function.parsed()}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(BaseModel):
     """OpenAI's message schema: ``content`` is required except for an assistant message that
-    carries ``tool_calls`` (which, like tool messages, we refuse as unsupported)."""
+    carries ``tool_calls``."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
             raise ValueError(f"content is required in a {self.role} message")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
 
     def unsupported(self) -> str | None:
-        if self.role in ("tool", "function") or self.tool_calls or self.function_call:
-            return "tool and function calling"
+        if self.role == "function" or self.function_call:
+            return "function calling (the deprecated form: use tools)"
         if isinstance(self.content, list) and any(p.type != "text" for p in self.content):
             return "content parts other than text"
         return None
 
-    def to_template(self) -> dict[str, str]:
+    def to_template(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:  # arguments as objects: what chat templates render
+            message["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -250,8 +327,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -266,7 +344,6 @@ class ChatCompletionRequest(_SamplingRequest):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -278,8 +355,6 @@ class ChatCompletionRequest(_SamplingRequest):
         out = super().unsupported()
         if self.response_format is not None and self.response_format.get("type", "text") not in RESPONSE_FORMATS:
             out.append(("response_format", "response formats other than text, json_object and json_schema"))
-        if self.tools and self.tool_choice != "none":
-            out.append(("tools", "tool calling (only tool_choice 'none' is accepted)"))
         if self.functions and self.function_call != "none":
             out.append(("functions", "function calling"))
         if self.modalities is not None and self.modalities != ["text"]:
@@ -299,9 +374,52 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named`` (OpenAI's default: auto with tools)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (none for ``tool_choice: "none"``)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()] if self.tool_mode != "none" else None
+
+    def tool_constraint(self) -> StructuredOutputsParams | None:
+        """For ``required`` and named choices, the grammar of the calls; None otherwise."""
+        mode = self.tool_mode
+        if mode == "none" and self.tool_choice not in (None, "none"):
+            raise InvalidRequestError(f"tool_choice {self._choice_name()} needs tools.", "tool_choice")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools: function names must be unique.", "tools")
+        for tool in self.tools or ():
+            _check_tool_schema(tool.function.parameters)
+        if mode not in ("required", "named"):
+            return None
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        chosen = [t for t in self.tools or () if named is None or t.function.name == named]
+        if not chosen:
+            raise InvalidRequestError(f"tool_choice names {self._choice_name()}, which is not in tools.", "tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in chosen]
+        return tool_call_constraint(tools, parallel=mode == "required" and self.parallel_tool_calls is not False)
+
+    def _choice_name(self) -> str:
+        choice = self.tool_choice
+        return repr(choice.function.name if isinstance(choice, NamedToolChoice) else choice)[:80]
+
     def constraint(self) -> StructuredOutputsParams | None:
-        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM), not both."""
+        """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM), not both; a required or
+        named tool choice constrains the output to its calls."""
+        tools = self.tool_constraint()
         kind = (self.response_format or {}).get("type", "text")
+        if tools is not None:
+            if kind != "text" or self.structured_outputs is not None:
+                raise InvalidRequestError("A required or named tool_choice cannot be combined with "
+                                          "response_format or structured_outputs.", "tool_choice")  # fmt: skip
+            return tools
         if kind == "text":
             return super().constraint()
         if self.structured_outputs is not None:
@@ -312,6 +430,17 @@ class ChatCompletionRequest(_SamplingRequest):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise InvalidRequestError("response_format.json_schema must be an object with a schema.", "response_format")
         return StructuredOutputsParams(json=spec.get("schema", {}))
+
+
+def _check_tool_schema(parameters: dict[str, Any] | None) -> None:
+    """A tool's ``parameters`` within the constraint caps (400 naming ``tools`` if not)."""
+    if parameters is None:
+        return
+    try:
+        StructuredOutputsParams(json=parameters).check(TOOL_LIMITS)
+    except InvalidRequestError as e:
+        message = str(e).replace("structured_outputs: the schema", "tools: a parameters schema")
+        raise InvalidRequestError(message, "tools") from None
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from cb_serve.serve.inspect_api import InspectorRoutes, debug_routes
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from cb_serve.serve.replica_health import mark_unavailable
+from cb_serve.serve.responses import Choice, Usage
 
 logger = logging.getLogger(__name__)
 app = FastAPI(title="cb-serve", description="OpenAI-compatible API over continuous-batching engines.")
@@ -188,56 +189,6 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     return APIError(500, "Internal server error.", "internal_error").response()
 
 
-class _Usage:
-    def __init__(self, n: int) -> None:
-        self.prompt_tokens = 0
-        self.completion = [0] * n
-        self.cached = 0
-        self.timeline: dict[str, Any] | None = None
-
-    def add(self, chunk: dict[str, Any]) -> None:
-        self.timeline = chunk.get("timeline") or self.timeline
-        self.prompt_tokens = chunk["prompt_tokens"]
-        self.cached = chunk["cached_tokens"]
-        self.completion[chunk["index"]] += chunk["num_tokens"]
-
-    def body(self) -> dict[str, Any]:
-        total = sum(self.completion)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": total,
-            "total_tokens": self.prompt_tokens + total,
-            "prompt_tokens_details": {"cached_tokens": self.cached},
-        }
-
-
-def _completion_logprobs(entries: list[dict] | None) -> dict[str, Any] | None:
-    if not entries:
-        return None
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [dict(e["top"]) for e in entries],
-        "text_offset": [],
-    }
-
-
-def _chat_logprobs(entries: list[dict] | None) -> dict[str, Any] | None:
-    if not entries:
-        return None
-    return {
-        "content": [
-            {
-                "token": e["token"],
-                "logprob": e["logprob"],
-                "bytes": list(e["token"].encode()),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e["top"]],
-            }
-            for e in entries
-        ]
-    }
-
-
 app.include_router(debug_routes)
 
 
@@ -360,7 +311,8 @@ class Router(InspectorRoutes):
         req = await self._parse(request, ChatCompletionRequest)  # the API key first
         request_id = request_id_of(request, "chatcmpl")
         messages = [m.to_template() for m in req.messages]
-        token_ids = await self._encode(self.encoder.encode_chat, messages, req.add_generation_prompt)
+        tools = req.prompt_tools()
+        token_ids = await self._encode(self.encoder.encode_chat, messages, req.add_generation_prompt, tools)
         return await self._respond(request, request_id, req, ChatEngineRequest, token_ids, messages=messages)
 
     async def _encode(self, encode, *args) -> list[int]:
@@ -399,6 +351,7 @@ class Router(InspectorRoutes):
         )
         gen, first = await self._start(payload)
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
+        meta["tools"] = chat and req.tool_mode != "none"
         replica = first[0]["replica"] if first else None
         if replica:
             headers[REPLICA_HEADER] = replica
@@ -445,24 +398,16 @@ class Router(InspectorRoutes):
             gen.cancel()  # a client that went away aborts the engine request (no-op once finished)
 
     async def _sse(self, gen, first, meta: dict, n: int, include_usage: bool) -> AsyncIterator[str]:
-        chat, obj = meta["chat"], "chat.completion.chunk" if meta["chat"] else "text_completion"
+        obj = "chat.completion.chunk" if meta["chat"] else "text_completion"
         base = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"]}
-        usage = _Usage(n)
-        sent_role: set[int] = set()
+        usage = Usage(n)
+        choices = [Choice(i, meta["chat"], meta["tools"]) for i in range(n)]
         try:
             async for c in self._chunks(gen, first):
                 usage.add(c)
-                choice: dict[str, Any] = {"index": c["index"], "finish_reason": c["finish_reason"]}
-                if chat:
-                    delta: dict[str, Any] = {"content": c["text"]}
-                    if c["index"] not in sent_role:
-                        sent_role.add(c["index"])
-                        delta["role"] = "assistant"
-                    choice["delta"] = delta
-                    choice["logprobs"] = _chat_logprobs(c["logprobs"])
-                else:
-                    choice["text"] = c["text"]
-                    choice["logprobs"] = _completion_logprobs(c["logprobs"])
+                choice = choices[c["index"]].delta(c)
+                if choice is None:
+                    continue
                 extra = {"timeline": c["timeline"]} if "timeline" in c else {}
                 yield f"data: {json.dumps({**base, 'choices': [choice], **extra})}\n\n"
         except Exception as e:  # noqa: BLE001 - mid-stream failure: tell the client in-band, then [DONE]
@@ -474,35 +419,22 @@ class Router(InspectorRoutes):
         yield "data: [DONE]\n\n"
 
     async def _collect(self, gen, first, meta: dict, n: int) -> dict[str, Any]:
-        texts, logprobs, finish = [""] * n, [[] for _ in range(n)], [None] * n
-        usage = _Usage(n)
+        usage = Usage(n)
+        choices = [Choice(i, meta["chat"], meta["tools"]) for i in range(n)]
         try:
             async for c in self._chunks(gen, first):
                 usage.add(c)
-                i = c["index"]
-                texts[i] += c["text"]
-                logprobs[i] += c["logprobs"] or []
-                finish[i] = c["finish_reason"] or finish[i]
+                choices[c["index"]].add(c)
         except Exception as e:  # noqa: BLE001
             raise engine_error(e, meta["id"]) from None
         chat = meta["chat"]
-        choices = []
-        for i in range(n):
-            choice: dict[str, Any] = {"index": i, "finish_reason": finish[i]}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": texts[i]}
-                choice["logprobs"] = _chat_logprobs(logprobs[i]) if logprobs[i] else None
-            else:
-                choice["text"] = texts[i]
-                choice["logprobs"] = _completion_logprobs(logprobs[i]) if logprobs[i] else None
-            choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
         return {
             "id": meta["id"],
             "object": obj,
             "created": meta["created"],
             "model": meta["model"],
-            "choices": choices,
+            "choices": [c.body() for c in choices],
             "usage": usage.body(),
             **({"timeline": usage.timeline} if usage.timeline else {}),
         }

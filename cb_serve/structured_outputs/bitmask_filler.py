@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 
 import torch
 
@@ -15,7 +16,8 @@ logger = logging.getLogger(__name__)
 
 class BitmaskFiller:
     """``start`` the step's fill (None: no constrained row), then take ``result()`` before sampling:
-    ``(rows, bitmask)`` with bitmask row ``i`` for sampling row ``rows[i]``."""
+    ``(rows, bitmask, fill_s)`` with bitmask row ``i`` for sampling row ``rows[i]``, and the wall
+    seconds the fill took on this thread."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -26,7 +28,8 @@ class BitmaskFiller:
             return None
         return self._pool.submit(self._fill, matchers)
 
-    def _fill(self, matchers: list[tuple[int, GrammarMatcher]]) -> tuple[list[int], torch.Tensor]:
+    def _fill(self, matchers: list[tuple[int, GrammarMatcher]]) -> tuple[list[int], torch.Tensor, float]:
+        start = time.perf_counter()
         bitmask = allocate_bitmask(len(matchers), self.vocab_size)
         for i, (_, matcher) in enumerate(matchers):
             try:
@@ -34,4 +37,4 @@ class BitmaskFiller:
             except Exception:  # noqa: BLE001 - that row stays unmasked; its request fails when it accepts
                 logger.exception("filling a grammar bitmask failed")
                 bitmask[i] = -1
-        return [row for row, _ in matchers], bitmask
+        return [row for row, _ in matchers], bitmask, time.perf_counter() - start

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend
@@ -16,7 +17,8 @@ from cb_serve.structured_outputs.params import StructuredOutputsParams
 class GrammarCompiler:
     """``submit`` returns a future of the compiled grammar: a cached one at once, or one compiling
     on the worker thread. A compile that fails is not cached (its future carries the
-    ``InvalidRequestError``)."""
+    ``InvalidRequestError``). The wall seconds of each successful compile (the backend's one-off
+    tokenizer setup excluded; cache hits are none) wait in ``drain_compile_times``."""
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], max_cached: int = 512) -> None:
         """``make_backend`` is called once, on the worker thread (wrapping a tokenizer can take a second)."""
@@ -27,6 +29,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, concurrent.futures.Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cb-serve-grammar")
+        # Guarded by _lock: written by the worker, drained by the engine's steps (bounded, should none run).
+        self._compile_times: deque[float] = deque(maxlen=max_cached)
+        self._running: tuple[str, float] | None = None  # (key, monotonic start) of the compile in progress
 
     def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future[CompiledGrammar]:
         key = params.key()
@@ -35,16 +40,39 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._cache[key] = self._pool.submit(self._compile, params)
+            future = self._cache[key] = self._pool.submit(self._compile, params, key)
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
         future.add_done_callback(lambda f: self._forget_failure(key, f))
         return future
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+    def _compile(self, params: StructuredOutputsParams, key: str) -> CompiledGrammar:
         if self.backend is None:
             self.backend = self._make_backend()
-        return self.backend.compile(params)
+        start = time.perf_counter()
+        with self._lock:
+            self._running = (key, time.monotonic())
+        try:
+            compiled = self.backend.compile(params)
+        finally:
+            with self._lock:
+                self._running = None
+        with self._lock:
+            self._compile_times.append(time.perf_counter() - start)
+        return compiled
+
+    def compiling_since(self, key: str) -> float | None:
+        """When the compile of ``key`` began (monotonic), while it runs; None while it waits its turn."""
+        with self._lock:
+            running = self._running
+        return running[1] if running is not None and running[0] == key else None
+
+    def drain_compile_times(self) -> tuple[float, ...]:
+        """The seconds of the compiles that succeeded since the previous call, each given once."""
+        with self._lock:
+            times = tuple(self._compile_times)
+            self._compile_times.clear()
+        return times
 
     def _forget_failure(self, key: str, future: concurrent.futures.Future) -> None:
         if future.cancelled() or future.exception() is not None:

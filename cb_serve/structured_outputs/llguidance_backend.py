@@ -18,7 +18,7 @@ import llguidance.hf
 import torch
 
 from cb_serve.errors import InvalidRequestError
-from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend, GrammarMatcher
+from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend, GrammarMatcher, allocate_bitmask
 from cb_serve.structured_outputs.params import PARAM, StructuredOutputsParams
 
 # Parser resource limits (llguidance's own fuel): a grammar that needs more fails, it never stalls.
@@ -89,8 +89,11 @@ class LLGuidanceBackend(GrammarBackend):
         if error:
             raise unusable(params.kind, error)
         compiled = LLGuidanceGrammar(self.tokenizer, grammar)  # builds the lexer: its errors are the request's too
-        if compiled.error:
-            raise unusable(params.kind, compiled.error)
+        probe = compiled.matcher()  # the first mask, here rather than in a step: a grammar that fails it is a 400
+        probe.fill_bitmask(allocate_bitmask(1, self._vocab_size), 0)
+        error = compiled.error or probe.error
+        if error:
+            raise unusable(params.kind, error)
         return compiled
 
     @staticmethod

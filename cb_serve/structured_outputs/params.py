@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cb_serve.errors import InvalidRequestError
+from cb_serve.structured_outputs.schema_bounds import smallest_instance
 
 PARAM = "structured_outputs"
 
@@ -24,6 +25,7 @@ class ConstraintLimits:
     max_grammar_chars: int = 64 * 1024
     max_choices: int = 1024
     max_choice_chars: int = 4096
+    max_smallest_instance: int = 65_536  # values in the smallest output a schema allows ($ref bombs)
     compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -116,3 +118,6 @@ def check_schema(schema: Any, limits: ConstraintLimits) -> None:
         _cap(nodes <= limits.max_schema_nodes, f"the schema has more than {limits.max_schema_nodes} nodes")
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((child, depth + 1) for child in children)
+    smallest = smallest_instance(schema)
+    cap = limits.max_smallest_instance
+    _cap(smallest <= cap, f"the schema has no instance of at most {cap} values (a required $ref recursion?)")

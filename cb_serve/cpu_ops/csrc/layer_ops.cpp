@@ -12,6 +12,8 @@
 #include "vec_math.h"
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <type_traits>
 
 namespace {
@@ -136,6 +138,42 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   });
 }
 
+// Grammar bitmask (llguidance/xgrammar layout: bit j of int32 word k allows token 32k + j): the
+// blocked tokens of logits row rows[i] become -inf, per the bitmask's row i; other rows untouched.
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
+              "logits must be float32 [N, vocab] with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt,
+              "bitmask must be contiguous int32 [R, words]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+              rows.size(0) <= bitmask.size(0), "rows must be int64 [n <= R]");
+  const int64_t vocab = logits.size(1), words = bitmask.size(1);
+  TORCH_CHECK(words * 32 >= vocab, "the bitmask is narrower than the vocabulary");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < logits.size(0), "row out of range");
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* out = logits.data_ptr<float>() + row[i] * logits.stride(0);
+      const uint32_t* allowed = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()) + i * words;
+      for (int64_t k = 0; k * 32 < vocab; ++k) {
+        const int64_t base = k * 32;
+        uint32_t blocked = ~allowed[k];
+        if (vocab - base < 32) blocked &= (1u << (vocab - base)) - 1;  // no write past the vocabulary
+#if defined(__AVX512F__)
+        const __m512 fill = _mm512_set1_ps(neg_inf);
+        _mm512_mask_storeu_ps(out + base, static_cast<__mmask16>(blocked & 0xffff), fill);
+        _mm512_mask_storeu_ps(out + base + 16, static_cast<__mmask16>(blocked >> 16), fill);
+#else
+        for (; blocked; blocked &= blocked - 1) out[base + __builtin_ctz(blocked)] = neg_inf;
+#endif
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
@@ -143,6 +181,7 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
@@ -150,4 +189,5 @@ TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
 }

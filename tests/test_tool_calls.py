@@ -1,0 +1,264 @@
+"""Tool calling (issue 23): the ``<tool_call>`` parser (whole and streamed at every split), the
+built-in tool prompt for templates without tools, the request validation of tools and
+``tool_choice``, the response shapes (message and stream deltas), and, in the engine, required and
+named choices whose calls always parse and fit the tool's schema."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from cb_serve import InvalidRequestError, ToolCallParser, tool_call_constraint
+from cb_serve.engine.processor import apply_chat_template
+from cb_serve.serve.protocol import ChatCompletionRequest
+from cb_serve.serve.responses import Choice
+from cb_serve.tool_format import closed, render_builtin, template_supports_tools, tool_call_schema
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]},
+    },
+}
+TEXT = (
+    'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+)
+
+
+def parse_all(pieces: list[str]) -> tuple[str, list]:
+    parser = ToolCallParser()
+    content = "".join(parser.feed(p)[0] for p in pieces) + parser.finish()
+    return content, parser.calls
+
+
+def test_parser_whole_and_streamed_at_every_split_agree():
+    content, calls = parse_all([TEXT])
+    assert content == "Sure.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"tz": "UTC"}),
+    ]
+    for cut in range(1, len(TEXT)):
+        got_content, got = parse_all([TEXT[:cut], TEXT[cut:]])
+        assert got_content == content and [(c.name, c.arguments) for c in got] == [(c.name, c.arguments) for c in calls]
+    one_char = parse_all(list(TEXT))
+    assert one_char[0] == content and len(one_char[1]) == 2
+
+
+@pytest.mark.parametrize(
+    "text, content, names",
+    [
+        ("no calls at all, a < sign and <tool", "no calls at all, a < sign and <tool", []),
+        ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),  # stays content
+        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+        ('<tool_call>[{"name": "a", "arguments": {}}, {"name": "b"}]</tool_call>', "", ["a", "b"]),  # a list
+        ('<tool_call>\n{"name": "a", "arguments": {"x": 1', '<tool_call>\n{"name": "a", "arguments": {"x": 1', []),
+    ],
+)
+def test_parser_edge_cases(text, content, names):
+    got_content, calls = parse_all([text])
+    assert got_content == content and [c.name for c in calls] == names
+
+
+def test_call_ids_are_unique_and_openai_shaped():
+    _, calls = parse_all([TEXT])
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+    assert calls[0].to_openai(0) == {
+        "index": 0,
+        "id": calls[0].id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+
+
+def test_builtin_prompt_renders_tools_calls_and_results():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and the time?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "2", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "2", "content": "12:00"},
+    ]  # fmt: skip
+    out = render_builtin(messages, [WEATHER, CLOCK])
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\n# Tools") and '"name": "get_time"' in out[0]["content"]
+    assert parse_all([out[2]["content"]])[1][1].name == "get_time"
+    assert out[3]["content"] == "<tool_response>\n18C\n</tool_response>\n<tool_response>\n12:00\n</tool_response>"
+    assert all(set(m) == {"role", "content"} for m in out)
+
+
+def test_chat_template_without_tools_gets_the_builtin_prompt(tokenizer):
+    assert not template_supports_tools(tokenizer)  # SmolLM2's template ignores tools
+    messages = [{"role": "user", "content": "hi"}]
+    with_tools = tokenizer.decode(apply_chat_template(tokenizer, messages, tools=[WEATHER]))
+    assert "<tools>" in with_tools and "get_weather" in with_tools
+    assert apply_chat_template(tokenizer, messages, tools=None) == apply_chat_template(tokenizer, messages)
+
+
+def test_chat_template_with_tools_renders_them_itself(tokenizer):
+    class ToolTemplate:  # a template that renders tools (as Qwen2.5's does): given them, not the built-in prompt
+        chat_template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[-1].content }}"
+        seen = None
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None):
+            self.seen = (messages, tools)
+            return [1, 2, 3]
+
+    fake = ToolTemplate()
+    assert template_supports_tools(fake)
+    messages = [{"role": "user", "content": "hi"}]
+    apply_chat_template(fake, messages, tools=[WEATHER])
+    assert fake.seen == (messages, [WEATHER])
+
+
+def request(**body) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+
+
+def test_tool_choice_modes_and_their_constraints():
+    assert request().tool_mode == "none" and request(tools=[WEATHER]).tool_mode == "auto"
+    assert request(tools=[WEATHER]).constraint() is None  # auto: the model chooses; the text is parsed
+    assert request(tools=[WEATHER], tool_choice="none").prompt_tools() is None
+    required = request(tools=[WEATHER, CLOCK], tool_choice="required").constraint()
+    assert required.kind == "grammar" and '("\\n" call)*' in required.grammar
+    single = request(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False).constraint()
+    assert '("\\n" call)*' not in single.grammar
+    named = request(tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert "get_time" in named.constraint().grammar and "get_weather" not in named.constraint().grammar
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "deep", "parameters": {"a": [[[[[[[[[[[[[[[[[[[[
+            [[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}}}]}, "tools"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_invalid_requests(body, param):
+    with pytest.raises(InvalidRequestError) as e:
+        request(**body).to_sampling_params(16, None)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+        {"tools": [{"type": "retrieval"}]},
+        {"tool_choice": "sometimes"},
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
+        {
+            "messages": [
+                {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+            ]
+        },  # noqa: E501
+    ],
+)
+def test_malformed_tools_fail_validation(body):
+    with pytest.raises(ValueError):
+        request(**body)
+
+
+def test_history_with_tool_calls_and_results_is_accepted():
+    req = request(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "20C"},
+    ], tools=[WEATHER])  # fmt: skip
+    assert req.unsupported() == []
+    rendered = [m.to_template() for m in req.messages]
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
+    assert rendered[2] == {"role": "tool", "content": "20C", "tool_call_id": "c1"}
+    assert request(messages=[{"role": "function", "name": "f", "content": "x"}]).unsupported()
+
+
+def chunks(text: str, finish: str = "stop", size: int = 7) -> list[dict]:
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    return [
+        {"index": 0, "text": p, "logprobs": None, "finish_reason": finish if i == len(pieces) - 1 else None}
+        for i, p in enumerate(pieces)
+    ]
+
+
+def test_response_message_and_stream_deltas_carry_the_calls():
+    whole = Choice(0, chat=True, tools=True)
+    for c in chunks(TEXT):
+        whole.add(c)
+    body = whole.body()
+    assert body["finish_reason"] == "tool_calls" and body["message"]["content"] == "Sure.\n"
+    assert [c["function"]["name"] for c in body["message"]["tool_calls"]] == ["get_weather", "get_time"]
+    streamed = Choice(0, chat=True, tools=True)
+    deltas = [d for d in (streamed.delta(c) for c in chunks(TEXT)) if d is not None]
+    assert deltas[0]["delta"]["role"] == "assistant"
+    assert "".join(d["delta"]["content"] or "" for d in deltas) == "Sure.\n"
+    calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+    assert [(t["index"], t["function"]["name"]) for t in calls] == [(0, "get_weather"), (1, "get_time")]
+    assert all("<tool_call>" not in (d["delta"]["content"] or "") for d in deltas)
+    assert deltas[-1]["finish_reason"] == "tool_calls" and all(d["finish_reason"] is None for d in deltas[:-1])
+    cut = Choice(0, chat=True, tools=True)
+    for c in chunks(TEXT[:60], finish="length"):
+        cut.add(c)
+    assert cut.body()["finish_reason"] == "length" and "tool_calls" not in cut.body()["message"]
+
+
+def test_tool_call_schema_keeps_refs_and_closes_plain_objects():
+    kids, x = {"type": "array", "items": {"$ref": "#"}}, {"$ref": "#/$defs/X"}
+    node = {"type": "object", "properties": {"kids": kids, "x": x}, "$defs": {"X": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "tree", "parameters": node}}
+    schema = tool_call_schema([tool, WEATHER])
+    call = {"name": "tree", "arguments": {"x": 1, "kids": [{"x": 2, "kids": []}]}}
+    jsonschema.validate(call, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "tree", "arguments": {"x": "one"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "arguments": {"city": "Paris", "invented": 1}}, schema)
+    assert closed({"anyOf": [{"type": "object"}]}) == {"anyOf": [{"type": "object"}]}
+
+
+@pytest.mark.parametrize("mode", ["named", "required"])
+def test_enforced_calls_parse_and_fit_the_schema_in_the_engine(tiny_llm, mode):
+    """A random model under the grammar: every call parses, names a given tool, and its arguments
+    validate against that tool's parameters (n = 3 sampled sequences and one greedy)."""
+    from cb_serve import SamplingParams
+
+    tools = [WEATHER, CLOCK]
+    chosen = [CLOCK] if mode == "named" else tools
+    constraint = tool_call_constraint(chosen, parallel=mode == "required")
+    params = [
+        SamplingParams(temperature=0, max_tokens=120, structured_outputs=constraint),
+        SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=120, structured_outputs=constraint),
+    ]
+    outs = tiny_llm.chat([[{"role": "user", "content": "Paris?"}]] * 2, params, tools=tools, use_tqdm=False)
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for out in (o for r in outs for o in r.outputs):
+        _, calls = parse_all([out.text])
+        assert calls, out.text
+        if out.finish_reason == "stop":
+            assert out.text.endswith("</tool_call>")
+        for call in calls:
+            assert call.name in {t["function"]["name"] for t in chosen}
+            jsonschema.validate(json.loads(call.arguments), by_name[call.name])
