@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import pickle
-import platform
 import re
 import statistics
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from cb_serve.benchmarks.cpu_accounting import Timer
+from cb_serve.benchmarks.report import cpu_model_and_flags
 from cb_serve.prefix_hash import (
     BITS_PER_BLOCK,
     HASH_BYTES,
@@ -61,18 +61,9 @@ DELTA_NOTE = (
 # ---- helpers ------------------------------------------------------------------------------------------------
 def cpu_info() -> dict[str, Any]:
     """CPU model and whether it has AMX (Linux ``/proc/cpuinfo``)."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     return {
-        "model_name": model or platform.processor() or "unknown",
+        "model_name": model,
         "amx": any(f.startswith("amx") for f in flags),
         "amx_flags": sorted(f for f in flags if f.startswith("amx")),
         "num_cpus": os.cpu_count(),

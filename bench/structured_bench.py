@@ -53,7 +53,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,7 +65,7 @@ import cb_serve.model_executor.sampler as sampler_module
 from cb_serve import LLM, SamplingParams, StepStats
 from cb_serve.benchmarks.cpu_accounting import CONTENTION_WARNING, Timer
 from cb_serve.benchmarks.json_schemas import SCHEMAS
-from cb_serve.benchmarks.report import cb_serve_source, log, run_info, write_json
+from cb_serve.benchmarks.report import cb_serve_source, cpu_model_and_flags, log, run_info, write_json
 from cb_serve.config import EngineConfig
 from cb_serve.outputs import RequestOutput
 from cb_serve.structured_outputs import StructuredOutputsParams
@@ -105,16 +104,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # ---- environment ------------------------------------------------------------------------------------------------
 def cpu_info() -> dict[str, Any]:
     """The CPU model and the flags that pick cb-serve's kernels (``/proc/cpuinfo``), and torch's threads."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     return {
         "model_name": model,
         "amx_tile": "amx_tile" in flags,

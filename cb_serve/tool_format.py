@@ -82,7 +82,8 @@ def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         prefix = f"tool{i}"
         params = _relocate(closed(tool["function"].get("parameters") or NO_PARAMETERS), prefix)
         for key in ("$defs", "definitions"):
-            defs.update({f"{prefix}.{k}": v for k, v in (params.pop(key, None) or {}).items()})
+            own = params.pop(key, None)
+            defs.update({f"{prefix}.{k}": v for k, v in own.items()} if isinstance(own, dict) else {})
         defs[prefix] = params
         calls.append({
             "type": "object",
@@ -97,7 +98,8 @@ def closed(params: dict[str, Any]) -> dict[str, Any]:
     """``parameters`` without arguments it does not name: a plain object schema that says
     nothing of ``additionalProperties`` gets ``false``, as OpenAI's strict mode requires (every
     call still fits the schema as given; a small model no longer pads calls with invented keys)."""
-    plain = params.get("type") == "object" and not any(k in params for k in ("allOf", "anyOf", "oneOf", "$ref"))
+    plain = params.get("type") == "object" and "properties" in params
+    plain = plain and not any(k in params for k in ("allOf", "anyOf", "oneOf", "$ref"))
     if plain and "additionalProperties" not in params and "patternProperties" not in params:
         return {**params, "additionalProperties": False}
     return params

@@ -64,6 +64,8 @@ class ToolCallParser:
         while True:
             if not self._in_block:
                 start = self._pending.find(TOOL_CALL_OPEN)
+                if start < 0 and self.calls and not self._pending.strip():
+                    break  # whitespace after a call: content only if more text follows
                 if start < 0:
                     keep = _partial_suffix(self._pending, TOOL_CALL_OPEN)
                     content.append(self._content(self._pending[: len(self._pending) - keep]))

@@ -121,3 +121,6 @@ def test_the_inspector_marks_forced_tokens(engines):
     seqs = [q for r in on.engine.inspector.steps if r.step_id > start for q in r.seqs]
     assert any(q.forced > 0 and q.constrained for q in seqs)
     assert all(q.forced == 0 for q in seqs if q.is_decode)
+    (request_id,) = {q.request_id for q in seqs}
+    timeline = on.engine.inspect("timeline", request_id=request_id)
+    assert timeline["first_token"] is not None  # forced tokens right after the first do not hide it

@@ -199,14 +199,14 @@ def test_the_compile_deadline_counts_compiling_only(backend):
     real = backend.compile
 
     def compile_(params):
-        time.sleep(0.6 if params == slow else 0.0)
+        time.sleep(0.8 if params == slow else 0.0)
         return real(params)
 
     def setup():
         time.sleep(0.5)  # as wrapping a tokenizer does
         return backend
 
-    admission = GrammarAdmission(None, backend.vocab_size, ConstraintLimits(compile_timeout_s=0.3))
+    admission = GrammarAdmission(None, backend.vocab_size, ConstraintLimits(compile_timeout_s=0.4))
     admission._make_backend = setup
     backend.compile = compile_
     try:
@@ -224,3 +224,34 @@ def test_the_compile_deadline_counts_compiling_only(backend):
         admission.compiler.shutdown()
     assert [(rid, "compiling took over" in str(e)) for rid, e in refused] == [("slow", True)]
     assert not admission.waiting  # the fast one was admitted after waiting over the deadline
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": ["object", "null"], "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+        {"properties": {"next": {"$ref": "#"}}, "required": ["next"]},  # no type: a scalar is an instance
+        {"type": ["array", "null"], "minItems": 1, "items": {"$ref": "#"}},
+        {"anyOf": [{"type": "object"}, {"type": "null"}], "properties": {"n": {"$ref": "#"}}, "required": ["n"]},
+        {"type": "object", "properties": [1], "required": "x"},  # malformed: no claim, no crash
+        {"allOf": 5, "anyOf": 3},
+        {"type": "array", "minItems": 2, "prefixItems": {"a": 1}},
+    ],
+)
+def test_schemas_with_small_instances_are_never_refused(schema):
+    from cb_serve.structured_outputs.schema_bounds import smallest_instance
+
+    assert smallest_instance(schema) <= 3
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+        {"type": "array", "minItems": 1, "items": {"$ref": "#"}},
+    ],
+)
+def test_schemas_without_a_finite_instance_are_refused(schema):
+    with pytest.raises(InvalidRequestError, match="no instance of at most"):
+        StructuredOutputsParams(json=schema).check(ConstraintLimits())

@@ -262,3 +262,37 @@ def test_enforced_calls_parse_and_fit_the_schema_in_the_engine(tiny_llm, mode):
         for call in calls:
             assert call.name in {t["function"]["name"] for t in chosen}
             jsonschema.validate(json.loads(call.arguments), by_name[call.name])
+
+
+def test_content_after_a_call_does_not_depend_on_the_chunking():
+    text = TEXT + "\n\nDone."
+    whole = parse_all([text])[0]
+    assert whole == "Sure.\n\n\nDone."
+    for cut in range(len(TEXT) - 5, len(text)):
+        assert parse_all([text[:cut], text[cut:]])[0] == whole
+    assert parse_all([TEXT, "\n", "\n"])[0] == "Sure.\n"  # trailing newlines after calls are not content
+
+
+def test_parallel_tool_calls_false_keeps_one_call_in_auto_too():
+    one = Choice(0, chat=True, tools=True, max_calls=1)
+    for c in chunks(TEXT):
+        one.add(c)
+    assert [c["function"]["name"] for c in one.body()["message"]["tool_calls"]] == ["get_weather"]
+    streamed = Choice(0, chat=True, tools=True, max_calls=1)
+    calls = [t for c in chunks(TEXT) if (d := streamed.delta(c)) for t in d["delta"].get("tool_calls", [])]
+    assert [t["function"]["name"] for t in calls] == ["get_weather"]
+
+
+def test_free_form_and_non_object_parameters():
+    free = {"type": "object"}  # any arguments: left open
+    assert closed(free) == free
+    with pytest.raises(InvalidRequestError) as e:
+        bad = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
+        request(tools=[bad]).to_sampling_params(16, None)
+    assert e.value.param == "tools"
+    big = {"type": "object", "properties": {f"p{i:05d}": {"type": "string"} for i in range(1500)}}
+    many = [{"type": "function", "function": {"name": f"t{i}", "parameters": big}} for i in range(3)]
+    with pytest.raises(InvalidRequestError) as e:  # each within the caps, together over the grammar's
+        request(tools=many, tool_choice="required").to_sampling_params(16, None)
+    assert e.value.param == "tools" and "together" in str(e.value)
+    assert request(tools=many).to_sampling_params(16, None).structured_outputs is None  # auto compiles nothing

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler
-from cb_serve.errors import InvalidRequestError
+from cb_serve.errors import EngineOverloadedError, InvalidRequestError
 from cb_serve.sequence import Sequence
 from cb_serve.structured_outputs.compiler import GrammarCompiler
 from cb_serve.structured_outputs.params import PARAM, ConstraintLimits
 
 logger = logging.getLogger(__name__)
+MAX_WAIT_FACTOR = 6  # a request waits at most this many compile timeouts for its grammar, queue included
 
 
 def _llguidance_backend(tokenizer, vocab_size: int):
@@ -49,19 +50,18 @@ class GrammarAdmission:
         """Forgets a waiting request (aborted, failed); whether it was waiting."""
         return self.waiting.pop(request_id, None) is not None
 
-    def admit(self, scheduler: Scheduler) -> list[tuple[str, InvalidRequestError]]:
+    def admit(self, scheduler: Scheduler) -> list[tuple[str, Exception]]:
         """Schedules the requests whose grammar is ready; returns those refused (their constraint
         did not compile, or not within ``compile_timeout_s`` of compiling: the backend's one-off
         setup and the wait behind other compiles do not count), which stay in the engine's table."""
-        refused: list[tuple[str, InvalidRequestError]] = []
+        refused: list[tuple[str, Exception]] = []
         now = time.monotonic()
         for request_id, (state, future, key, added) in list(self.waiting.items()):
             if not future.done():
-                since = self.compiler.compiling_since(key)
-                if since is not None and now > max(since, added) + self.limits.compile_timeout_s:
+                error = self._overdue(key, added, now)
+                if error is not None:
                     del self.waiting[request_id]
-                    message = f"{PARAM}: compiling took over {self.limits.compile_timeout_s} s."
-                    refused.append((request_id, InvalidRequestError(message, PARAM)))
+                    refused.append((request_id, error))
                 continue
             del self.waiting[request_id]
             error = future.exception()
@@ -76,6 +76,17 @@ class GrammarAdmission:
                 seq.matcher = compiled.matcher()
                 scheduler.add(seq)
         return refused
+
+    def _overdue(self, key: str, added: float, now: float) -> Exception | None:
+        """A 400 when the request's own compile ran over ``compile_timeout_s``; a 503 (retry) when
+        it waited ``MAX_WAIT_FACTOR`` times that behind other compiles."""
+        timeout = self.limits.compile_timeout_s
+        since = self.compiler.compiling_since(key)
+        if since is not None and now > max(since, added) + timeout:
+            return InvalidRequestError(f"{PARAM}: compiling took over {timeout} s.", PARAM)
+        if now > added + MAX_WAIT_FACTOR * timeout:
+            return EngineOverloadedError("The grammar compiler is busy with other requests' constraints; retry.")
+        return None
 
     def drain_compile_times(self) -> tuple[float, ...]:
         """The seconds of the grammar compiles that succeeded since the previous call, each given once."""

@@ -234,7 +234,8 @@ class Inspector:
         else:
             tl.add("prefill", t0, step=step_id, seq=seq.index, tokens=s.num_tokens, chunk=s.chunk, end=t1,
                    computed_after=s.computed_before + s.num_tokens, target=s.target)  # fmt: skip
-            if s.computed_before + s.num_tokens == s.target and seq.num_output_tokens == 1:
+            # The step that completed the prompt (jump-forward may have appended more than one token since).
+            if s.computed_before + s.num_tokens == s.target == seq.num_prompt_tokens:
                 if tl.first_token is None:
                     tl.first_token = t1
                 tl.add("first_token", t1, step=step_id, seq=seq.index)

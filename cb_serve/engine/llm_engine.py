@@ -22,7 +22,6 @@ from cb_serve.engine.trace import trace_events
 from cb_serve.errors import (
     EngineFatalError,
     EngineOverloadedError,
-    InvalidRequestError,
     RequestFailedError,
     StepFailedError,
 )
@@ -351,9 +350,9 @@ class LLMEngine:
         self._end_outside_step(state.seqs, SequenceStatus.FINISHED_ERROR)
         return _error_output(state, error)
 
-    def _refuse(self, request_id: str, error: InvalidRequestError) -> RequestOutput:
+    def _refuse(self, request_id: str, error: Exception) -> RequestOutput:
         """Ends a request whose constraint could not be compiled: its final output carries ``error``
-        (a 400 for its client), and nothing of it was ever scheduled."""
+        (a 400, or a 503 when the compiler was too busy for its client), and nothing of it was ever scheduled."""
         state = self.requests.pop(request_id)
         self._end_unscheduled(state.seqs, SequenceStatus.FINISHED_ERROR)
         return _error_output(state, error)

@@ -207,10 +207,12 @@ class EngineMetrics:
                 m["time_to_first_token_seconds"].observe(t.first_token_time - t.arrival_time)
                 if t.first_scheduled_time is not None:
                     m["request_queue_time_seconds"].observe(t.first_scheduled_time - t.arrival_time)
-            else:  # each completion in a DELTA output advanced by one token this step
-                itl = t.last_token_time - prev
-                for _ in out.outputs:
-                    m["inter_token_latency_seconds"].observe(itl)
+            # Each completion of a DELTA output advanced by its new tokens: one sampled, maybe more a
+            # grammar forced (jump-forward); the step's interval is shared among them, per token.
+            for c in out.outputs:
+                new = max(1, len(c.token_ids)) - (prev is None)
+                for _ in range(new):
+                    m["inter_token_latency_seconds"].observe(0.0 if prev is None else (t.last_token_time - prev) / new)
             if out.finished:
                 self._last_token.pop(out.request_id, None)
                 m["e2e_request_latency_seconds"].observe((t.finished_time or t.last_token_time) - t.arrival_time)

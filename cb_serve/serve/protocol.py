@@ -37,10 +37,14 @@ MAX_LOGPROBS = 20
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
-class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs`` extra: exactly one constraint."""
+class Strict(BaseModel):
+    """JSON types as OpenAI takes them, and no field it does not know."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StructuredOutputs(Strict):
+    """vLLM's ``structured_outputs`` extra: exactly one constraint."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -69,10 +73,8 @@ def _set(value: Any) -> bool:
     return value is not None and value != [] and value != {} and value is not False and value != ""
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(Strict):
     """Fields shared by completions and chat completions, plus vLLM's extras."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -218,31 +220,23 @@ class ContentPart(BaseModel):
         return self
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
+class FunctionDefinition(Strict):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # the arguments always fit the schema when a call is enforced
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
+class ToolDefinition(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
@@ -404,7 +398,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if not chosen:
             raise InvalidRequestError(f"tool_choice names {self._choice_name()}, which is not in tools.", "tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in chosen]
-        return tool_call_constraint(tools, parallel=mode == "required" and self.parallel_tool_calls is not False)
+        constraint = tool_call_constraint(tools, parallel=mode == "required" and self.parallel_tool_calls is not False)
+        cap = TOOL_LIMITS.max_grammar_chars
+        if len(constraint.grammar or "") > cap:
+            raise InvalidRequestError(f"tools: the chosen tools' schemas together exceed {cap} characters.", "tools")
+        return constraint
 
     def _choice_name(self) -> str:
         choice = self.tool_choice
@@ -436,6 +434,8 @@ def _check_tool_schema(parameters: dict[str, Any] | None) -> None:
     """A tool's ``parameters`` within the constraint caps (400 naming ``tools`` if not)."""
     if parameters is None:
         return
+    if parameters.get("type", "object") != "object":
+        raise InvalidRequestError("tools: a function's parameters must be an object schema.", "tools")
     try:
         StructuredOutputsParams(json=parameters).check(TOOL_LIMITS)
     except InvalidRequestError as e:

@@ -63,8 +63,9 @@ class Choice:
     the text become ``tool_calls`` (whole calls: a stream sends each call in one delta once its
     block closes), and a choice that called a tool and stopped finishes with ``tool_calls``."""
 
-    def __init__(self, index: int, chat: bool, tools: bool = False) -> None:
-        self.index, self.chat = index, chat
+    def __init__(self, index: int, chat: bool, tools: bool = False, max_calls: int | None = None) -> None:
+        """``max_calls``: the calls kept (1 for ``parallel_tool_calls: false``; later ones are dropped)."""
+        self.index, self.chat, self.max_calls = index, chat, max_calls
         self.parser = ToolCallParser() if tools else None
         self.text, self.logprobs, self.finish_reason = "", [], None
         self._sent_role = False
@@ -77,6 +78,7 @@ class Choice:
             return chunk["text"], []
         first = len(self.parser.calls)
         text, calls = self.parser.feed(chunk["text"])
+        calls = calls[: max(0, self.max_calls - first)] if self.max_calls is not None else calls
         if chunk["finish_reason"]:
             text += self.parser.finish()
         if self.parser.calls and self.finish_reason == "stop":
@@ -116,5 +118,5 @@ class Choice:
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
         if self.parser is not None and self.parser.calls:
             message["content"] = self.text or None
-            message["tool_calls"] = [c.to_openai() for c in self.parser.calls]
+            message["tool_calls"] = [c.to_openai() for c in self.parser.calls[: self.max_calls]]
         return {**choice, "message": message, "logprobs": chat_logprobs(self.logprobs)}

@@ -352,6 +352,7 @@ class Router(InspectorRoutes):
         gen, first = await self._start(payload)
         meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
         meta["tools"] = chat and req.tool_mode != "none"
+        meta["max_calls"] = 1 if chat and req.parallel_tool_calls is False else None
         replica = first[0]["replica"] if first else None
         if replica:
             headers[REPLICA_HEADER] = replica
@@ -401,7 +402,7 @@ class Router(InspectorRoutes):
         obj = "chat.completion.chunk" if meta["chat"] else "text_completion"
         base = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"]}
         usage = Usage(n)
-        choices = [Choice(i, meta["chat"], meta["tools"]) for i in range(n)]
+        choices = [Choice(i, meta["chat"], meta["tools"], meta["max_calls"]) for i in range(n)]
         try:
             async for c in self._chunks(gen, first):
                 usage.add(c)
@@ -420,7 +421,7 @@ class Router(InspectorRoutes):
 
     async def _collect(self, gen, first, meta: dict, n: int) -> dict[str, Any]:
         usage = Usage(n)
-        choices = [Choice(i, meta["chat"], meta["tools"]) for i in range(n)]
+        choices = [Choice(i, meta["chat"], meta["tools"], meta["max_calls"]) for i in range(n)]
         try:
             async for c in self._chunks(gen, first):
                 usage.add(c)

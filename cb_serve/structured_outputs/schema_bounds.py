@@ -19,7 +19,7 @@ def smallest_instance(schema: Any) -> float:
         seen: dict[str, float] = {}
         try:
             root = _size(schema, schema, estimates, seen)
-        except RecursionError:  # a reference chain thousands long: no claim
+        except (RecursionError, TypeError, ValueError):  # a reference chain thousands long, or odd values: no claim
             return 1.0
         if seen == estimates:
             return root
@@ -52,25 +52,44 @@ def _size(node: Any, root: Any, estimates: dict[str, float], seen: dict[str, flo
             seen[ref] = math.inf  # a cycle within this round reads the previous round's estimate
             seen[ref] = _size(_resolve(root, ref), root, estimates, seen)
         sizes.append(estimates.get(ref, math.inf))
-    for key in ("allOf",):
-        sizes += [_size(s, root, estimates, seen) for s in node.get(key) or []]
+    sizes += [_size(s, root, estimates, seen) for s in _list(node.get("allOf"))]
     for key in ("anyOf", "oneOf"):
-        options = [_size(s, root, estimates, seen) for s in node.get(key) or []]
+        options = [_size(s, root, estimates, seen) for s in _list(node.get(key))]
         if options:
             sizes.append(min(options))
     return max(sizes)
 
 
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
 def _own_size(node: dict[str, Any], root: Any, estimates: dict[str, float], seen: dict[str, float]) -> float:
-    if "const" in node or "enum" in node:
-        return 1.0 if node.get("enum", [None]) else math.inf
-    properties = node.get("properties") or {}
-    required = node.get("required") or []
-    if node.get("type") == "object" or properties or required:
-        return 1.0 + sum(_size(properties.get(k, True), root, estimates, seen) for k in required if isinstance(k, str))
+    """The smallest instance by the node's own keywords: 1 when it may be a scalar or null (object
+    keywords bind objects only, ``minItems`` arrays only)."""
+    if "const" in node:
+        return 1.0
+    if "enum" in node:
+        return math.inf if node["enum"] == [] else 1.0
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else _list(types) if types is not None else None
+    if types is None or not types or any(t not in ("object", "array") for t in types):
+        return 1.0
+    options = []
+    if "object" in types:
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = [k for k in _list(node.get("required")) if isinstance(k, str)]
+        options.append(1.0 + sum(_size(properties.get(k, True), root, estimates, seen) for k in required))
+    if "array" in types:
+        options.append(_array_size(node, root, estimates, seen))
+    return min(options)
+
+
+def _array_size(node: dict[str, Any], root: Any, estimates: dict[str, float], seen: dict[str, float]) -> float:
     min_items = node.get("minItems", 0)
-    if isinstance(min_items, int) and min_items > 0:
-        prefix = node.get("prefixItems") or []
-        items = [prefix[i] if i < len(prefix) else node.get("items", True) for i in range(min(min_items, 1024))]
-        return 1.0 + sum(_size(item, root, estimates, seen) for item in items) + max(0, min_items - 1024)
-    return 1.0
+    if not isinstance(min_items, int) or min_items <= 0:
+        return 1.0
+    prefix = _list(node.get("prefixItems"))
+    items = node.get("items", True)
+    first = [prefix[i] if i < len(prefix) else items for i in range(min(min_items, 1024))]
+    return 1.0 + sum(_size(item, root, estimates, seen) for item in first) + max(0, min_items - 1024)
