@@ -498,8 +498,14 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
 
     def run_workload(n_requests: int, tags: list[str], max_tokens: int | None = None) -> tuple[int, int]:
         tokens, n = asyncio.run(workload(base_url, n_requests, max_tokens))
-        more_tokens, more = asyncio.run(constrained_workload(base_url, tags))
-        return tokens + more_tokens, n + more
+        for tag in tags:  # one at a time, each scraped before the next: whichever replica serves them,
+            # a structured-output series that already had a sample grows (what rate() counts)
+            before = prom.scalar("sum(ray_cb_serve_structured_output_requests_total)") or 0
+            more_tokens, more = asyncio.run(constrained_workload(base_url, [tag]))
+            tokens, n = tokens + more_tokens, n + more
+            wait_for("Prometheus to see a constrained request", lambda b=before: prom.scalar(
+                "sum(ray_cb_serve_structured_output_requests_total)") == b + 1, timeout=90)  # fmt: skip
+        return tokens, n
 
     # Series appear at their first sample and rate() counts only increases after it: a warm-up
     # (and the rejections) first, so the main workload shows up in every rate() of the dashboard.
