@@ -66,7 +66,7 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
 
 def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype):
     """The attention backend and the KV block size; raises if the backend cannot serve them."""
-    backend = get_attention_backend(config.attention_backend, device)
+    backend = get_attention_backend(config.attention_backend, device, dtype, config.block_size)
     block_size = config.block_size or max(16, backend.block_size_multiple)
     if block_size % backend.block_size_multiple:
         raise ValueError(
