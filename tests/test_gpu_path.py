@@ -140,3 +140,31 @@ def test_cuda_graphs_match_hf_greedy(random_model_dir, tokenizer):
     outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     for i, ((ref, logits), ours) in enumerate(zip(hf_greedy(model, prompts, lens), outputs)):
         assert_greedy_match(ours, ref, logits.cpu(), context=f"request {i}")
+
+
+@pytest.mark.parametrize(
+    "device, dtype, block_size, available, expected",
+    [
+        ("cuda", torch.bfloat16, None, (True, True, False), "flash_attn"),
+        ("cuda", torch.float16, 512, (True, True, False), "flash_attn"),
+        ("cuda", torch.float32, None, (True, True, False), "triton"),  # FA2 serves fp16/bf16 only
+        ("cuda", torch.bfloat16, 16, (True, True, False), "triton"),  # FA2's paged KV: multiples of 256
+        ("cuda", torch.float32, None, (True, False, False), "torch"),
+        ("cpu", torch.float32, 16, (False, False, True), "cpu"),
+        ("cpu", torch.float32, 16, (False, False, False), "torch"),
+    ],
+)
+def test_auto_backend_choice_by_device_dtype_and_block_size(device, dtype, block_size, available, expected):
+    """Issue 24 (1, 4): ``auto`` never picks flash-attn for float32 weights or a block size it
+    cannot page, so ``LLM(model, dtype="float32")`` and the tests' block_size=16 run on a GPU host
+    that has flash-attn installed."""
+    from cb_serve.attention import auto_backend_name
+
+    assert auto_backend_name(device, dtype, block_size, *available) == expected
+
+
+def test_flash_attn_asked_for_with_float32_is_a_clear_error():
+    from cb_serve.attention import get_attention_backend
+
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        get_attention_backend("flash_attn", torch.device("cpu"), torch.float32)
