@@ -10,6 +10,7 @@ from typing import Any
 from cb_serve.fault_injection import FaultInjector
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
+EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 
 
@@ -39,6 +40,17 @@ class EngineConfig:
         choices=DTYPES,
     )
     device: str = _arg("auto", "Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    tensor_parallel_size: int = _arg(
+        1,
+        "Shard the model over this many devices (Megatron-style: heads, MLP columns and vocabulary split; "
+        "one worker process or Ray actor per extra rank; gloo on CPU, NCCL on CUDA).",
+    )
+    distributed_executor_backend: str = _arg(
+        "auto",
+        "How tensor-parallel workers start: mp (spawned processes), ray (actors in the current placement "
+        "group), or auto (ray inside a Ray worker such as a Serve replica, else mp).",
+        choices=EXECUTOR_BACKENDS,
+    )
     max_model_len: int | None = _arg(
         None, "Longest prompt + completion in tokens; defaults to the model's max_position_embeddings (capped at 8192)."
     )
@@ -103,6 +115,7 @@ class EngineConfig:
             "max_stop_strings": self.max_stop_strings,
             "max_stop_string_len": self.max_stop_string_len,
             "max_stop_token_ids": self.max_stop_token_ids,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -118,6 +131,8 @@ class EngineConfig:
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"Unknown {name} {getattr(self, name)!r}.")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"Unknown distributed_executor_backend {self.distributed_executor_backend!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
 

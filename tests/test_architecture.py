@@ -2,7 +2,8 @@
 
 - shared leaf modules (configs, errors, outputs, prefix hashes, sampling params, sequences, stats)
   import only each other;
-- ``attention/`` and ``cpu_ops/`` sit below ``model_executor/``, which sits below ``engine/``:
+- ``attention/``, ``cpu_ops/`` and ``distributed/`` sit below ``model_executor/``, which sits below
+  ``executor/`` (tensor-parallel workers) and ``engine/``:
   nothing imports upwards, so ``engine/`` and ``model_executor/`` never import each other in a circle;
 - ``serve/`` uses only the public API (``from cb_serve import <name in __all__>``) and no private
   attribute of anything but its own objects;
@@ -38,8 +39,10 @@ ALLOWED = {
     "cpu_ops": set(),
     "attention": {"cpu_ops"},
     "structured_outputs": set(),  # constraint backends: below the sampler and the engine
-    "model_executor": {"attention", "cpu_ops", "structured_outputs"},
-    "engine": {"attention", "cpu_ops", "model_executor", "structured_outputs"},
+    "distributed": set(),  # tensor-parallel shards and communicator: below the model
+    "model_executor": {"attention", "cpu_ops", "distributed", "structured_outputs"},
+    "executor": {"distributed", "model_executor"},  # tensor-parallel worker processes, driven by the engine
+    "engine": {"attention", "cpu_ops", "distributed", "executor", "model_executor", "structured_outputs"},
     "llm": {"engine"},
     "cli": {"engine", "root", "llm", "benchmarks"},
     "benchmarks": {"model_executor", "root"},  # the serving benchmark: an HTTP client and the HF baseline

@@ -13,12 +13,12 @@ schema = pytest.importorskip("ray.serve.schema")
 
 from ray.serve.config import AutoscalingConfig  # noqa: E402
 
-from cb_serve.serve.app import AppArgs, build_app  # noqa: E402
+from cb_serve.serve.app import AppArgs, build_app, engine_replica_options, tensor_parallel_bundles  # noqa: E402
 from cb_serve.serve.engine_replica import EngineReplica  # noqa: E402
 from cb_serve.serve.router import Router  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-CONFIGS = ["config.yaml", "config.gpu.yaml"]
+CONFIGS = ["config.yaml", "config.gpu.yaml", "config.tp.yaml"]
 
 
 def load(name: str) -> dict:
@@ -69,3 +69,26 @@ def test_app_args_reject_unknown_keys_and_bad_values():
         AppArgs.model_validate({"routr": {}})
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"engine_replica": {"num_replica": 2}})
+
+
+def test_tp_config_declares_one_gpu_bundle_per_rank_on_one_node():
+    config = schema.ServeDeploySchema.model_validate(load("config.tp.yaml"))
+    (app,) = config.applications
+    size = AppArgs.model_validate(app.args).engine["tensor_parallel_size"]
+    engine = next(d for d in app.deployments if d.name == EngineReplica.name)
+    bundles = engine.placement_group_bundles
+    assert size > 1 and len(bundles) == size and all(b.get("GPU") == 1 for b in bundles)
+    assert engine.placement_group_strategy == "STRICT_PACK"
+    first = bundles[0]  # the replica's own resources must fit in it
+    assert engine.ray_actor_options.num_gpus <= first["GPU"] and engine.ray_actor_options.num_cpus <= first["CPU"]
+
+
+def test_tensor_parallel_bundles_follow_the_replica_resources():
+    assert tensor_parallel_bundles(2, {"num_cpus": 1}) == [{"CPU": 1}, {"CPU": 1}]
+    assert tensor_parallel_bundles(4, {"num_gpus": 1, "num_cpus": 2}) == [{"CPU": 2, "GPU": 1}] + [{"GPU": 1}] * 3
+    derived = engine_replica_options(AppArgs.model_validate({"engine": {"tensor_parallel_size": 2}}))
+    assert derived["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
+    assert derived["placement_group_strategy"] == "STRICT_PACK"
+    assert "placement_group_bundles" not in engine_replica_options(AppArgs.model_validate({}))
+    given = {"engine": {"tensor_parallel_size": 2}, "engine_replica": {"placement_group_bundles": [{"CPU": 3}] * 2}}
+    assert engine_replica_options(AppArgs.model_validate(given))["placement_group_bundles"] == [{"CPU": 3}] * 2

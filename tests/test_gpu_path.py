@@ -5,8 +5,13 @@ graphs, where a GPU is present."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import importlib.util
 import os
+import threading
+import weakref
 
 import pytest
 import torch
@@ -168,3 +173,400 @@ def test_flash_attn_asked_for_with_float32_is_a_clear_error():
 
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         get_attention_backend("flash_attn", torch.device("cpu"), torch.float32)
+
+
+# ---- issue 24 (2): the engine's device is the current one where graphs and Triton kernels run ----
+
+
+def forbid_cuda(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("touched CUDA on a CPU engine")
+
+    for name in ("device", "set_device", "current_device", "synchronize", "Stream", "graph", "CUDAGraph"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+
+
+def test_device_context_leaves_cuda_alone_off_cuda(monkeypatch):
+    from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device, device_context
+
+    forbid_cuda(monkeypatch)
+    cpu = torch.device("cpu")
+    with device_context(cpu):
+        pass
+    bind_thread_to_device(cpu)
+    assert concrete_device(cpu) == cpu
+
+
+class FakeCuda:
+    """Stands in for ``torch.cuda``'s device selection, streams and graphs: records which device
+    was current at each call."""
+
+    def __init__(self, monkeypatch, current: int = 0) -> None:
+        self.current = current
+        self.log: list[tuple] = []
+        fake = self
+
+        class Device:
+            def __init__(self, device):
+                self.idx = device.index if device.index is not None else fake.current
+
+            def __enter__(self):
+                self.prev, fake.current = fake.current, self.idx
+
+            def __exit__(self, *exc):
+                fake.current = self.prev
+
+        class Stream:
+            def __init__(self, device=None):
+                self.device = torch.device(device)
+                fake.log.append(("stream", self.device, fake.current))
+
+        class Graph:
+            def replay(self):
+                fake.log.append(("replay", fake.current))
+
+        class Capture:
+            def __init__(self, graph, pool=None, stream=None):
+                self.stream = stream
+
+            def __enter__(self):
+                fake.log.append(("capture", self.stream and self.stream.device, fake.current))
+
+            def __exit__(self, *exc):
+                fake.log.append(("capture end", fake.current))
+
+        monkeypatch.setattr(torch.cuda, "device", Device)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capture)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: fake.log.append(("sync", fake.current)))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.current)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: setattr(fake, "current", device.index))
+
+
+def test_device_context_selects_the_engine_gpu(monkeypatch):
+    from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device, device_context
+
+    cuda = FakeCuda(monkeypatch, current=0)
+    with device_context(torch.device("cuda", 1)):
+        assert cuda.current == 1
+    assert cuda.current == 0  # restored
+    with device_context(torch.device("cuda")):  # bare "cuda": the current device
+        assert cuda.current == 0
+    cuda.current = 3
+    assert concrete_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert concrete_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    bind_thread_to_device(torch.device("cuda", 2))
+    assert cuda.current == 2
+
+
+def test_graphs_are_captured_and_replayed_on_the_runner_gpu(monkeypatch):
+    """A runner for cuda:1 driven from a thread whose current device is 0: every warmup, capture
+    and replay runs with cuda:1 current, on one capture stream made on cuda:1 (torch.cuda.graph's
+    default stream belongs to whichever device was current when the process first captured)."""
+    cuda = FakeCuda(monkeypatch, current=0)
+    allocate = DecodeBuffers.allocate.__func__
+    monkeypatch.setattr(
+        DecodeBuffers,
+        "allocate",
+        classmethod(lambda cls, rows, width, device: allocate(cls, rows, width, torch.device("cpu"))),
+    )
+    forwards: list[int] = []
+
+    def forward(ids, pos, meta):
+        forwards.append(cuda.current)
+        return torch.zeros(ids.shape[0], 4)
+
+    gpu1 = torch.device("cuda", 1)
+    runner = DecodeGraphRunner(forward, [1, 2, 4], max_model_len=64, block_size=16, device=gpu1)
+    assert cuda.current == 0  # restored after capture
+    assert forwards == [1] * 6  # a warmup and a capture per size, all on cuda:1
+    streams = [entry for entry in cuda.log if entry[0] == "stream"]
+    assert streams == [("stream", gpu1, 1)]
+    assert [e for e in cuda.log if e[0] == "capture"] == [("capture", gpu1, 1)] * 3
+    assert all(e[-1] == 1 for e in cuda.log if e[0] in ("sync", "capture end"))
+    meta = decode_meta([5, 9, 3], [[1], [2], [3]], block_size=16)
+    out = runner.run(torch.tensor([1, 2, 3]), torch.tensor([4, 8, 2]), meta)
+    assert out.shape == (3, 4) and cuda.log[-1] == ("replay", 1) and cuda.current == 0
+
+
+def test_engine_thread_binds_the_engine_device(random_model_dir, monkeypatch):
+    """AsyncLLM's engine thread makes the engine's device its current one (per host thread) before
+    its first step; on CPU that call leaves CUDA alone (see above)."""
+    from cb_serve.engine import async_llm
+
+    bound: list[tuple[str, torch.device]] = []
+    done = threading.Event()
+
+    def spy(device):
+        bound.append((threading.current_thread().name, device))
+        done.set()
+
+    monkeypatch.setattr(async_llm, "bind_thread_to_device", spy)
+    engine = async_llm.AsyncLLM(
+        EngineConfig.from_kwargs(model=str(random_model_dir("llama")), max_model_len=128, num_gpu_blocks=32)
+    )
+    try:
+        assert done.wait(30)
+    finally:
+        engine.shutdown()
+    assert bound == [("cb-serve-engine", torch.device("cpu"))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_engine_on_a_second_gpu_matches_hf_greedy(random_model_dir, tokenizer):
+    """``device="cuda:1"`` while the calling thread's current device is 0: graphs and Triton
+    kernels run on cuda:1 (float32, top-2 tie rule)."""
+    from models import hf_greedy
+
+    model = str(random_model_dir("llama"))
+    llm = LLM(model, device="cuda:1", dtype="float32", max_model_len=256, max_num_seqs=8)
+    assert torch.cuda.current_device() == 0
+    assert llm.engine.runner.kv_caches[0].device == torch.device("cuda", 1)
+    prompts = [tokenizer.encode(f"Request {i}: " + "word " * (3 * i)) for i in range(6)]
+    lens = [4 + 3 * i for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    for i, ((ref, logits), ours) in enumerate(zip(hf_greedy(model, prompts, lens), outputs)):
+        assert_greedy_match(ours, ref, logits.cpu(), context=f"request {i}")
+
+
+# ---- issue 24 (3): KV-cache sizing sees the memory the weights really use ----
+
+
+def test_kv_sizing_frees_cached_memory_before_asking_what_is_free(monkeypatch):
+    from transformers import LlamaConfig
+
+    from cb_serve.engine.kv_cache_sizing import kv_cache_bytes_per_block, num_kv_blocks
+
+    calls: list[object] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def mem_get_info(device=None):
+        calls.append(("mem_get_info", device))
+        return 60 * GiB, 80 * GiB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    hf = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_key_value_heads=8)
+    config = EngineConfig(gpu_memory_utilization=0.9)
+    device = torch.device("cuda", 1)
+    num = num_kv_blocks(config, hf, 16, 4096, torch.bfloat16, torch.bfloat16, device)
+    assert calls == ["gc", "empty_cache", ("mem_get_info", device)]  # cached blocks returned first
+    budget = cuda_kv_cache_bytes(60 * GiB, 80 * GiB, 0.9, activation_bytes(hf, config, 2))
+    assert budget == int(0.9 * 80 * GiB - 20 * GiB - activation_bytes(hf, config, 2))
+    assert num == budget // kv_cache_bytes_per_block(hf, 16, torch.bfloat16) > 0
+
+
+class AllocationSpy:
+    """Records ``(shape, dtype)`` of every tensor made on a real device (not meta) while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                seen.extend(
+                    (tuple(t.shape), t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and not t.is_meta
+                )
+                return out
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loader_builds_weights_in_the_target_dtype(tmp_path, tokenizer, tied):
+    """With dtype=bfloat16 no float32 copy of a weight is ever allocated (the fused gate/up shape
+    is ours alone; the same spy sees it when the module is built in float32 and cast), every
+    parameter is bfloat16 and loaded, tied weights stay tied, and the RoPE tables stay float32."""
+    from models import make_random_model
+    from transformers import AutoModelForCausalLM
+
+    from cb_serve.attention import TorchAttentionBackend
+    from cb_serve.model_executor import loader
+
+    directory = make_random_model(tmp_path, "llama", tokenizer, tie_word_embeddings=tied)
+    source = loader.resolve_model_source(str(directory))
+    config = loader.load_config(source)
+    gate_up = (2 * config.intermediate_size, config.hidden_size)
+    backend, cpu = TorchAttentionBackend(), torch.device("cpu")
+    with AllocationSpy() as spy:
+        model = loader.load_model(source, config, backend, torch.bfloat16, cpu, max_model_len=64)
+    assert (gate_up, torch.float32) not in spy.seen
+    assert (gate_up, torch.bfloat16) in spy.seen
+    with AllocationSpy() as old_way:  # the detector sees a float32 build
+        with cpu:
+            loader.ARCHITECTURES["llama"](config, backend, model.rope_cos, model.rope_sin).to(torch.bfloat16)
+    assert (gate_up, torch.float32) in old_way.seen
+
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).state_dict()
+    assert torch.equal(model.embed_tokens.weight, hf["model.embed_tokens.weight"])
+    assert torch.equal(
+        model.layers[1].mlp.gate_up_proj.weight[: config.intermediate_size], hf["model.layers.1.mlp.gate_proj.weight"]
+    )
+    assert torch.equal(model.norm.weight, hf["model.norm.weight"])
+
+
+def test_build_module_refuses_a_constructor_tensor_it_cannot_allocate():
+    from cb_serve.model_executor.loader import build_module
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.table = torch.arange(4.0)  # neither parameter nor buffer
+
+    with pytest.raises(RuntimeError, match="register it as a buffer"):
+        build_module(Odd, torch.bfloat16, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_loading_in_bfloat16_never_holds_a_float32_copy_on_the_gpu(random_model_dir):
+    """The peak of device memory while loading is the bfloat16 weights (and the float32 RoPE
+    tables), not a float32 build of them as well."""
+    from cb_serve.attention import TorchAttentionBackend
+    from cb_serve.model_executor import loader
+
+    source = loader.resolve_model_source(str(random_model_dir("llama")))
+    config = loader.load_config(source)
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = loader.load_model(source, config, TorchAttentionBackend(), torch.bfloat16, device, max_model_len=256)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rope = 2 * model.rope_cos.numel() * 4
+    assert torch.cuda.max_memory_allocated() - before <= weights + 2 * rope + (1 << 20)
+
+
+# ---- issue 24 (5): the Triton tile plan is copied from pinned memory on CUDA ----
+
+
+def test_tile_plan_copy_is_pinned_only_on_cuda(monkeypatch):
+    import numpy as np
+
+    from cb_serve.attention.triton_backend import host_to_device
+
+    plan = np.arange(8, dtype=np.int32).reshape(4, 2)
+    calls: list[tuple] = []
+    to = torch.Tensor.to
+
+    def pin_memory(self):
+        calls.append(("pin",))
+        return self
+
+    def fake_to(self, device, non_blocking=False):
+        calls.append(("to", torch.device(device).type, non_blocking))
+        return to(self, "cpu")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    assert host_to_device(plan, torch.device("cpu")).tolist() == plan.tolist()
+    assert calls == [("to", "cpu", True)]  # CPU and the interpreter: no pinning
+    calls.clear()
+    assert host_to_device(plan, torch.device("cuda", 0)).tolist() == plan.tolist()
+    assert calls == [("pin",), ("to", "cuda", True)]
+
+
+# ---- issue 24 (6): an engine's tensors are freed when it is dropped, by reference counting ----
+
+
+@contextlib.contextmanager
+def collector_off():
+    """The garbage collector off: what the block frees, reference counting freed. Collected first:
+    a cycle made while transformers imported a module as the engine loaded (``torch.fx.wrap`` keeps
+    its own frame) holds every frame above it, the engine's constructor's too, until a collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_del_llm_frees_its_tensors_without_the_garbage_collector(random_model_dir, tokenizer, graphs):
+    """``del llm`` frees the engine, its weights, KV cache and graph runner at once (no cycle through
+    ``DecodeGraphRunner.forward``), after steps with a constrained request (the grammar compiler's
+    and bitmask filler's threads hold no part of the engine). With ``graphs``: the Triton backend
+    (interpreted on CPU) and a DecodeGraphRunner as the CUDA path has one (capture off)."""
+    from cb_serve.structured_outputs import StructuredOutputsParams
+
+    if graphs and (not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1"):
+        pytest.skip("needs triton run by its interpreter (TRITON_INTERPRET=1, set by conftest without CUDA)")
+    args = dict(max_model_len=128, num_gpu_blocks=32, block_size=16, max_num_seqs=4)
+    llm = LLM(str(random_model_dir("llama")), attention_backend="triton" if graphs else "auto", **args)
+    with collector_off():
+        runner = llm.engine.runner
+        if graphs:
+            runner.graph_runner = DecodeGraphRunner(
+                runner.forward, [1, 2, 4], 128, 16, llm.engine.device, capture=False
+            )
+        tensors = (runner.kv_caches[0], runner.model.embed_tokens.weight)
+        refs = [weakref.ref(x) for x in (llm.engine, runner, runner.graph_runner or runner, *tensors)]
+        del runner, tensors
+        choice = StructuredOutputsParams(choice=["alpha", "beta"])
+        params = [SamplingParams(max_tokens=3, temperature=0, structured_outputs=choice), SamplingParams(max_tokens=3)]
+        outputs = llm.generate([tokenizer.encode("One"), tokenizer.encode("Two words")], params, use_tqdm=False)
+        assert outputs[0].outputs[0].text in ("alpha", "beta") and len(outputs[1].outputs[0].token_ids) == 3
+        del llm, outputs
+        assert [ref() is None for ref in refs] == [True] * len(refs)
+
+
+def test_shut_down_async_engine_is_freed_without_the_garbage_collector(random_model_dir):
+    """After ``shutdown`` the engine thread has ended and let go of the AsyncLLM (its target is a
+    bound method): dropping the AsyncLLM frees the engine and its KV cache."""
+    from cb_serve.engine.async_llm import AsyncLLM
+
+    async def run(engine: AsyncLLM) -> None:
+        async for _ in engine.generate("hello", SamplingParams(max_tokens=3), "r1"):
+            pass
+
+    engine = AsyncLLM(
+        EngineConfig.from_kwargs(model=str(random_model_dir("llama")), max_model_len=128, num_gpu_blocks=32)
+    )
+    with collector_off():
+        asyncio.run(run(engine))
+        refs = [weakref.ref(x) for x in (engine, engine._engine, engine._engine.runner.kv_caches[0])]
+        engine.shutdown()
+        del engine
+        assert [ref() is None for ref in refs] == [True, True, True]
+
+
+def test_graph_runner_does_not_keep_its_model_runner_alive():
+    """The runner holds a bound-method forward weakly and says so once its object is gone; any
+    other callable it holds as is."""
+
+    class Owner:
+        def forward(self, ids, pos, meta):
+            return torch.zeros(ids.shape[0], 2)
+
+    owner = Owner()
+    owner.graphs = DecodeGraphRunner(owner.forward, [1, 2], 32, 16, torch.device("cpu"), capture=False)
+    meta = decode_meta([3], [[1]], block_size=16)
+    assert owner.graphs.run(torch.tensor([5]), torch.tensor([2]), meta).shape == (1, 2)
+    graphs, ref = owner.graphs, weakref.ref(owner)
+    del owner
+    assert ref() is None
+    with pytest.raises(RuntimeError, match="freed"):
+        graphs.run(torch.tensor([5]), torch.tensor([2]), meta)
+    plain = DecodeGraphRunner(
+        lambda ids, pos, meta: torch.ones(ids.shape[0], 2), [1], 32, 16, torch.device("cpu"), capture=False
+    )
+    assert plain.run(torch.tensor([5]), torch.tensor([2]), meta).sum() == 2

@@ -356,6 +356,16 @@ def build_tile_plan(query_lens: np.ndarray, seq_lens: np.ndarray, first_seq: int
     return np.stack([seq[order] + first_seq, q_off[order]], axis=1).astype(np.int32)
 
 
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``. A CUDA copy goes from pinned memory, so ``non_blocking`` really is
+    (from pageable memory the host waits for it); PyTorch's pinned-memory allocator keeps the
+    block until the copy is done, so the host tensor may go at once. Elsewhere a plain copy."""
+    host = torch.from_numpy(array)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Triton KV write plus paged attention (see the module docstring). ``num_splits`` fixes how many
     programs share one tile's KV range (1: never split); by default it follows the grid's occupancy,
@@ -405,7 +415,7 @@ class TritonAttentionBackend(AttentionBackend):
         if key not in meta.backend_cache:
             q_lens, seq_lens = np.asarray(meta.query_lens[num_decodes:]), np.asarray(meta.seq_lens[num_decodes:])
             plan = build_tile_plan(q_lens, seq_lens, num_decodes, block_m // group)
-            meta.backend_cache[key] = torch.from_numpy(plan).to(q.device, non_blocking=True)
+            meta.backend_cache[key] = host_to_device(plan, q.device)
         self._launch(out, q, *args, plan=meta.backend_cache[key], block_m=block_m, first_row=num_decodes)
         return out
 

@@ -32,6 +32,7 @@ from cb_serve.errors import (
     RequestFailedError,
 )
 from cb_serve.inputs import PromptType
+from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device
 from cb_serve.outputs import RequestOutput
 from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ class AsyncLLM:
         self.model_name = self._engine.model_name
         self.max_model_len = self._engine.max_model_len
         self.block_size = self._engine.block_size
+        self.worker_pids = self._engine.worker_pids  # tensor-parallel workers' processes
         # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
         self.tokenizer = copy.deepcopy(self._engine.tokenizer)
         self.processor = self._engine.processor.with_tokenizer(self.tokenizer)
@@ -68,6 +70,9 @@ class AsyncLLM:
         self._stats = self._engine.get_stats()
         self._digest = self._engine.cache_digest()
         self._digest_wanted = False
+        # The engine thread makes the engine's device its current one (Triton kernels launch on the
+        # current device): resolved here, in the thread whose current device bare "cuda" meant.
+        self._device = concrete_device(self._engine.device)
         self._thread = threading.Thread(target=self._loop, name="cb-serve-engine", daemon=True)
         self._thread.start()
 
@@ -144,6 +149,8 @@ class AsyncLLM:
             raise EngineDeadError(f"The engine loop died: {self.error!r}") from self.error
         if not self._thread.is_alive():
             raise EngineDeadError("The engine loop is not running.")
+        if dead := self._engine.dead_workers():  # found here even while no step runs
+            raise EngineDeadError(f"Tensor-parallel worker rank(s) {dead} died.")
 
     def shutdown(self) -> None:
         """Ends open streams with ``EngineShutdownError`` and stops the engine thread."""
@@ -151,11 +158,13 @@ class AsyncLLM:
         self._stop = True
         self._inbox.wake.set()
         self._thread.join(timeout=30)
+        self._engine.shutdown()
 
     # ---- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
         engine, wake = self._engine, self._inbox.wake
         try:
+            bind_thread_to_device(self._device)
             while not self._stop:
                 wake.clear()
                 self._drain_inbox()
@@ -263,3 +272,5 @@ class AsyncLLM:
             self._engine.abort_request(list(self._engine.requests))
         except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
             logger.exception("freeing the requests of the stopped engine failed")
+        if self.error is not None:
+            self._engine.shutdown()  # no step will run again: stop the tensor-parallel workers

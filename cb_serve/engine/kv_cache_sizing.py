@@ -3,6 +3,8 @@ left of the device's memory after the weights and one step's activations."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from cb_serve.config import EngineConfig
@@ -34,6 +36,15 @@ def cuda_kv_cache_bytes(free: int, total: int, utilization: float, activations: 
     return max(0, int(budget))
 
 
+def free_device_memory(device: torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes of a CUDA device, once unreachable tensors are freed and the caching
+    allocator has handed back the blocks it merely keeps (the loader's temporaries): ``mem_get_info``
+    asks the driver, which counts cached blocks as used."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)
+
+
 def num_kv_blocks(
     config: EngineConfig,
     hf_config,
@@ -51,7 +62,7 @@ def num_kv_blocks(
     elif config.kv_cache_memory:
         num = config.kv_cache_memory // per_block
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = free_device_memory(device)
         activations = activation_bytes(hf_config, config, dtype.itemsize)
         num = cuda_kv_cache_bytes(free, total, config.gpu_memory_utilization, activations) // per_block
     else:

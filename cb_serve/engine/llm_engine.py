@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from cb_serve.attention import get_attention_backend
 from cb_serve.config import EngineConfig
+from cb_serve.distributed.sharding import shard_for
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.grammar_admission import GrammarAdmission
 from cb_serve.engine.inspector import Inspector, queue_rows
@@ -25,11 +25,14 @@ from cb_serve.errors import (
     RequestFailedError,
     StepFailedError,
 )
+from cb_serve.executor.worker_pool import WorkerPool
 from cb_serve.fault_injection import FaultInjector
 from cb_serve.inputs import PromptType
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
+from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
+from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.model_executor.sampler import SamplerOutput
 from cb_serve.outputs import CompletionOutput, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest
@@ -40,7 +43,6 @@ from cb_serve.structured_outputs.jump_forward import JumpForward
 
 logger = logging.getLogger(__name__)
 
-MAX_DEFAULT_MODEL_LEN = 8192
 # A step failure fails its requests and the engine goes on; this many in a row mean the
 # engine itself is broken (a sticky device error, say), so it stops and the replica is replaced.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -55,30 +57,6 @@ def waiting_queue_full(num_waiting: int, num_running: int, config: EngineConfig)
     for one of the ``max_num_seqs`` running slots (queued requests fill free slots first)."""
     limit = config.max_waiting_requests
     return limit is not None and num_waiting >= limit + max(0, config.max_num_seqs - num_running)
-
-
-def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-    if config.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, getattr(torch, config.dtype)
-
-
-def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype):
-    """The attention backend and the KV block size; raises if the backend cannot serve them."""
-    backend = get_attention_backend(config.attention_backend, device, dtype, config.block_size)
-    block_size = config.block_size or max(16, backend.block_size_multiple)
-    if block_size % backend.block_size_multiple:
-        raise ValueError(
-            f"The {backend.name} backend needs block_size to be a multiple of "
-            f"{backend.block_size_multiple}, got {block_size}."
-        )
-    if kv_cache_dtype != dtype and not (backend.supports_narrow_kv_cache and dtype == torch.float32):
-        raise ValueError(
-            f"kv_cache_dtype={config.kv_cache_dtype} differs from the model dtype {dtype}: supported only "
-            f"under float32 weights with the cpu or torch attention backend (got {backend.name})."
-        )
-    return backend, block_size
 
 
 def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
@@ -105,16 +83,14 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.device, self.dtype = resolve_device_and_dtype(config)
-        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
-        self.source = loader.resolve_model_source(config.model)
-        self.hf_config = loader.load_config(self.source, config.trust_remote_code)
+        setup = ModelSetup.from_config(config)
+        self.device, self.dtype, self.kv_cache_dtype = setup.device, setup.dtype, setup.kv_cache_dtype
+        self.source, self.hf_config, self.max_model_len = setup.source, setup.hf_config, setup.max_model_len
+        self.backend, self.block_size = setup.backend, setup.block_size
         self.tokenizer = loader.load_tokenizer(self.source, config.tokenizer, config.trust_remote_code)
         self.model_name = self.source.name
-        max_positions = getattr(self.hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
-        self.max_model_len = config.max_model_len or min(max_positions, MAX_DEFAULT_MODEL_LEN)
-        self.backend, self.block_size = choose_backend(config, self.device, self.dtype, self.kv_cache_dtype)
-        self.runner = self._make_runner(self._load_model())
+        with device_context(self.device):  # load, KV sizing and graph capture on the engine's device
+            self.runner = self._make_runner(setup)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -142,32 +118,45 @@ class LLMEngine:
         self.num_steps = self.prompt_tokens = self.generation_tokens = 0
         self.step_seconds = self.scheduling_seconds = 0.0
 
-    def _load_model(self) -> torch.nn.Module:
+    def _make_runner(self, setup: ModelSetup) -> ModelRunner:
+        """Loads the model (this rank's shard, with the tensor-parallel workers started beside it),
+        sizes the KV cache with the memory the weights left, and captures CUDA graphs."""
         config = self.config
-        return loader.load_model(
-            self.source,
-            self.hf_config,
-            self.backend,
-            self.dtype,
-            self.device,
-            self.max_model_len,
-            config.trust_remote_code,
-        )
-
-    def _make_runner(self, model: torch.nn.Module) -> ModelRunner:
-        """Sizes the KV cache with the memory the loaded weights left, and captures CUDA graphs."""
-        config = self.config
-        self.num_blocks = num_kv_blocks(
-            config, self.hf_config, self.block_size, self.max_model_len, self.kv_cache_dtype, self.dtype, self.device
-        )
+        size = config.tensor_parallel_size
+        workers = None
+        if size > 1:
+            shard_for(self.hf_config, 0, size)  # raises before any worker starts if the heads cannot split
+            workers = WorkerPool(config, self.device)
+        try:
+            tp = workers.group if workers is not None else None
+            model = setup.load_model(shard_for(self.hf_config, 0, size), tp)
+            s = setup
+            self.num_blocks = num_kv_blocks(
+                config, s.hf_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device
+            )
+            if workers is not None:
+                workers.start(self.num_blocks)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
         graph_sizes = None
-        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager:
+        # Graphs are captured by one process; tensor-parallel ranks run eagerly (see the README).
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager and size == 1:
             graph_sizes = capture_sizes(config.max_num_seqs)
         runner = ModelRunner(
-            model, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device, graph_sizes, self.max_model_len
+            model,
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache_dtype,
+            self.device,
+            graph_sizes,
+            self.max_model_len,
+            workers,
         )
         logger.info(
-            "engine ready: model=%s device=%s dtype=%s kv cache %s backend=%s blocks=%d x %d tokens, cuda graphs %s",
+            "engine ready: model=%s device=%s dtype=%s kv cache %s backend=%s blocks=%d x %d tokens, cuda graphs %s, "
+            "tensor parallel %d",
             self.model_name,
             self.device,
             self.dtype,
@@ -176,8 +165,24 @@ class LLMEngine:
             self.num_blocks,
             self.block_size,
             graph_sizes and f"{len(graph_sizes)} sizes up to {graph_sizes[-1]}",
+            size,
         )
         return runner
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel workers (ranks 1..N-1; empty without tensor parallelism)."""
+        workers = self.runner.workers
+        return list(workers.pids) if workers is not None else []
+
+    def dead_workers(self) -> list[int]:
+        """Ranks of tensor-parallel workers that have died (safe from any thread)."""
+        workers = self.runner.workers
+        return workers.dead_workers() if workers is not None else []
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (nothing else needs stopping; idempotent)."""
+        self.runner.shutdown()
 
     def add_step_listener(self, listener: StepListener) -> None:
         """``listener(stats, outputs)`` runs on the engine's thread after every step, with the
@@ -260,9 +265,10 @@ class LLMEngine:
             if self.faults is not None:
                 kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
                 self.faults.before_step(self.num_steps + self.num_failed_steps + 1, kinds)
-            inp = self.runner.prepare(sched)
-            prepared = time.monotonic()
-            sampled = self.runner.execute(inp)
+            with device_context(self.device):  # Triton launches on the calling thread's current device
+                inp = self.runner.prepare(sched)
+                prepared = time.monotonic()
+                sampled = self.runner.execute(inp)
             self.scheduler.update_after_step(sched)
         except EngineFatalError:
             raise

@@ -9,18 +9,35 @@ batches above the largest size, run eagerly.
 
 ``capture=False`` runs the same padded static-buffer path without graphs: how the padding logic
 is tested on machines without CUDA.
+
+Capture and replay run with the runner's device current (``device_context``) and capture on a
+stream of that device: see ``device_context.py`` for why an engine on ``cuda:N`` needs both.
+The runner holds a bound-method ``forward`` weakly: its object (the ``ModelRunner``) owns the
+runner, and a strong reference back would make a cycle that only the garbage collector frees,
+so ``del llm`` would leave the weights, KV cache and graphs on the device until it ran.
 """
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from cb_serve.attention.base import AttentionMetadata
+from cb_serve.model_executor.device_context import device_context
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def weak_callable(fn: Callable) -> Callable[[], Callable | None]:
+    """A getter of ``fn`` that does not keep a bound method's object alive (None once it is
+    freed); any other callable is held as is."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
 
 
 def capture_sizes(max_num_seqs: int, largest: int = 256) -> list[int]:
@@ -108,9 +125,10 @@ class DecodeGraphRunner:
         device: torch.device,
         capture: bool = True,
     ) -> None:
-        self.forward = forward
+        self._forward = weak_callable(forward)
         self.sizes = sorted(sizes)
         self.capture = capture
+        self.device = device
         self.buffers = DecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device)
         self.metas = {size: self.buffers.metadata(size, max_model_len) for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -121,19 +139,29 @@ class DecodeGraphRunner:
     def can_run(self, num_rows: int, meta: AttentionMetadata) -> bool:
         return meta.max_seqlen_q == 1 and bucket_for(num_rows, self.sizes) is not None
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        forward = self._forward()
+        if forward is None:
+            raise RuntimeError("The model runner of these CUDA graphs has been freed.")
+        return forward(input_ids, positions, meta)
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        b = self.buffers
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            meta = self.metas[size]
-            self.forward(b.input_ids[:size], b.positions[:size], meta)  # warmup: lazy init, kernel compiles
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(b.input_ids[:size], b.positions[:size], meta)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        with device_context(self.device):
+            pool = torch.cuda.graph_pool_handle()
+            # One capture stream on our device for every size (sharing a pool wants the same stream);
+            # torch.cuda.graph's default one is made once per process, on whichever device was current.
+            stream = torch.cuda.Stream(self.device)
+            b = self.buffers
+            for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+                meta = self.metas[size]
+                self.forward(b.input_ids[:size], b.positions[:size], meta)  # warmup: lazy init, kernel compiles
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[size] = self.forward(b.input_ids[:size], b.positions[:size], meta)
+                self.graphs[size] = graph
+            torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of the step's rows (a view into the graph's output buffer: use it
@@ -144,5 +172,6 @@ class DecodeGraphRunner:
         self.buffers.load(input_ids, positions, meta, size)
         if not self.capture:
             return self.forward(self.buffers.input_ids[:size], self.buffers.positions[:size], self.metas[size])[:n]
-        self.graphs[size].replay()
+        with device_context(self.device):  # (replay also guards its capture device itself)
+            self.graphs[size].replay()
         return self.outputs[size][:n]

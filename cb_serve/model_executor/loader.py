@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cb_serve.attention.base import AttentionBackend
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
@@ -97,6 +101,32 @@ def rope_tables(hf_model, max_positions: int) -> tuple[torch.Tensor, torch.Tenso
     return cos[0].float(), sin[0].float()
 
 
+def build_module(make: Callable[[], torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """``make()`` built on the meta device, then its parameters (and meta buffers) allocated on
+    ``device``, floating ones in ``dtype``, uninitialized: the caller loads every weight. No
+    float32 copy of the weights is ever made on the device, so the caching allocator keeps none
+    that KV-cache sizing would count as used. Tensors handed to the constructor (the float32
+    RoPE tables) stay as they are. ``swap_tensors`` keeps each tensor's identity, so tied
+    weights stay tied (``Module.to_empty`` makes new parameters and unties them)."""
+    with torch.device("meta"):
+        module = make()
+    for tensor in [*module.parameters(), *module.buffers()]:  # each shared tensor once
+        if not tensor.is_meta:
+            continue
+        empty = torch.empty_like(tensor, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device=device)
+        if isinstance(tensor, torch.nn.Parameter):
+            empty = torch.nn.Parameter(empty, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, empty)
+    for name, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise RuntimeError(
+                    f"{type(sub).__name__} {name!r} keeps tensor {attr!r} as a plain attribute made in its "
+                    f"constructor: register it as a buffer (or make it in forward), so the loader allocates it."
+                )
+    return module
+
+
 def load_model(
     source: ModelSource,
     config,
@@ -105,9 +135,12 @@ def load_model(
     device: torch.device,
     max_model_len: int,
     trust_remote_code: bool = False,
+    shard: TensorParallelShard | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Loads weights through transformers (safetensors, sharded checkpoints, GGUF with
-    dequantization, hub downloads) and copies them into our compact module."""
+    dequantization, hub downloads) and copies them (``shard``'s slice of them under tensor
+    parallelism) into our compact module."""
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(
@@ -118,8 +151,8 @@ def load_model(
         **source.hf_kwargs(),
     )
     cos, sin = rope_tables(hf_model, max_model_len)
-    with torch.device(device):
-        model = ARCHITECTURES[config.model_type](hf_model.config, backend, cos, sin).to(dtype)
+    make = functools.partial(ARCHITECTURES[config.model_type], hf_model.config, backend, cos, sin, shard, tp)
+    model = build_module(make, dtype, device)
     model.load_hf_state_dict(hf_model.state_dict())
     if device.type == "cpu":
         model.prepare_for_cpu()

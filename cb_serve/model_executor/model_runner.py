@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from cb_serve.attention.base import AttentionMetadata
+from cb_serve.errors import EngineFatalError
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -17,16 +18,84 @@ from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.structured_outputs.bitmask_filler import BitmaskFiller
 
 
+class StepBroadcaster(Protocol):
+    """The driver's link to its tensor-parallel workers (``cb_serve.executor.worker_pool``)."""
+
+    pids: list[int]
+
+    def send_step(self, batch: StepBatch) -> None: ...
+
+    def dead_workers(self) -> list[int]: ...
+
+    def shutdown(self) -> None: ...
+
+
+INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
+INT32_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
+
+
+@dataclass
+class StepBatch:
+    """One step's flattened batch on the host (no padding), as numpy arrays: what the model
+    needs, and all that tensor-parallel workers receive (it pickles small)."""
+
+    num_decodes: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    arrays: dict[str, np.ndarray]  # INT64_FIELDS and INT32_FIELDS
+
+    @property
+    def num_sampling(self) -> int:
+        return len(self.arrays["logits_indices"])
+
+
 @dataclass
 class ModelInput:
-    """One step's flattened batch (no padding): ``input_ids`` / ``positions`` are ``[T]``."""
+    """One step's batch on the device: ``input_ids`` / ``positions`` are ``[T]``."""
 
-    seqs: list[Sequence]  # in batch order: single-token (decode) rows first
+    batch: StepBatch
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # last scheduled token of each sequence that samples
-    sampling_seqs: list[Sequence]
+    seqs: list[Sequence] = field(default_factory=list)  # in batch order: single-token (decode) rows first
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+
+
+class HostStaging:
+    """Moves a ``StepBatch`` to the device in one copy per dtype. On CUDA the copies come from
+    pinned buffers kept across steps (so they are truly asynchronous); reusing them is safe
+    because every step ends by reading its sampled tokens on the host, after its copies ran."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned: dict[torch.dtype, torch.Tensor] = {}
+
+    def to_device(self, batch: StepBatch) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for names, dtype in ((INT64_FIELDS, torch.int64), (INT32_FIELDS, torch.int32)):
+            arrays = [np.asarray(batch.arrays[n]) for n in names]
+            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(dtype_np(dtype)))
+            if self.device.type == "cuda":
+                flat = self._stage(flat).to(self.device, non_blocking=True)
+            offset = 0
+            for name, a in zip(names, arrays):
+                out[name] = flat[offset : offset + a.size].view(a.shape)
+                offset += a.size
+        return out
+
+    def _stage(self, flat: torch.Tensor) -> torch.Tensor:
+        buf = self.pinned.get(flat.dtype)
+        if buf is None or buf.numel() < flat.numel():
+            buf = torch.empty(max(1024, 1 << (flat.numel() - 1).bit_length()), dtype=flat.dtype).pin_memory()
+            self.pinned[flat.dtype] = buf
+        staged = buf[: flat.numel()]
+        staged.copy_(flat)
+        return staged
+
+
+def dtype_np(dtype: torch.dtype) -> type:
+    return np.int64 if dtype == torch.int64 else np.int32
 
 
 class GrammarTiming(NamedTuple):
@@ -40,7 +109,9 @@ class GrammarTiming(NamedTuple):
 
 
 class ModelRunner:
-    """Owns the model, its KV cache and (on CUDA) the decode CUDA graphs."""
+    """Owns the model, its KV cache and (on CUDA) the decode CUDA graphs. Under tensor parallelism
+    every rank has one, holding its shard's KV heads; the driver's also has the ``workers`` it
+    sends each step's batch to, and alone samples."""
 
     def __init__(
         self,
@@ -51,19 +122,17 @@ class ModelRunner:
         device: torch.device,
         cuda_graph_sizes: list[int] | None = None,
         max_model_len: int = 0,
+        workers: StepBroadcaster | None = None,
     ) -> None:
         cfg = model.config
-        head_dim = model.layers[0].self_attn.head_dim
+        attn = model.layers[0].self_attn
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.pin_memory = device.type == "cuda"  # host staging buffers, so copies are truly async
-        self.kv_caches = [
-            torch.zeros(
-                2, num_blocks, block_size, cfg.num_key_value_heads, head_dim, dtype=kv_cache_dtype, device=device
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.workers = workers
+        self.staging = HostStaging(device)
+        shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)  # this rank's KV heads
+        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.sampler = Sampler()
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.last_grammar_timing = GrammarTiming()  # of the latest execute()
@@ -107,46 +176,53 @@ class ModelRunner:
         slot_mapping += positions % self.block_size
 
         sampling = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens)) if end == seq.num_tokens]
-        dev = self.device
+        arrays = {
+            "input_ids": np.asarray(token_ids, dtype=np.int64),
+            "positions": positions,
+            "slot_mapping": slot_mapping,
+            "logits_indices": cu_q[1:][sampling] - 1,
+            "cu_seqlens_q": cu_q,
+            "cu_seqlens_k": cu_k,
+            "seqused_k": np.asarray(seq_lens),
+            "block_table": block_table,
+        }
+        batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
+        return self.to_device(batch, seqs, [seqs[i] for i in sampling])
 
-        def tensor(a, dtype=torch.int64) -> torch.Tensor:
-            host = torch.as_tensor(np.asarray(a), dtype=dtype)
-            return (host.pin_memory() if self.pin_memory else host).to(dev, non_blocking=True)
-
+    def to_device(
+        self, batch: StepBatch, seqs: list[Sequence] | None = None, sampling_seqs: list[Sequence] | None = None
+    ) -> ModelInput:
+        t = self.staging.to_device(batch)
         meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            cu_seqlens_q=tensor(cu_q, torch.int32),
-            cu_seqlens_k=tensor(cu_k, torch.int32),
-            seqused_k=tensor(seq_lens, torch.int32),
-            max_seqlen_q=max(query_lens),
-            max_seqlen_k=max(seq_lens),
-            block_table=tensor(block_table, torch.int32),
-            slot_mapping=tensor(slot_mapping),
+            num_decodes=batch.num_decodes,
+            query_lens=batch.query_lens,
+            seq_lens=batch.seq_lens,
+            cu_seqlens_q=t["cu_seqlens_q"],
+            cu_seqlens_k=t["cu_seqlens_k"],
+            seqused_k=t["seqused_k"],
+            max_seqlen_q=max(batch.query_lens),
+            max_seqlen_k=max(batch.seq_lens),
+            block_table=t["block_table"],
+            slot_mapping=t["slot_mapping"],
         )
-        return ModelInput(
-            seqs=seqs,
-            input_ids=tensor(token_ids),
-            positions=tensor(positions),
-            meta=meta,
-            logits_indices=tensor(cu_q[1:][sampling] - 1),
-            sampling_seqs=[seqs[i] for i in sampling],
-        )
+        ids, positions, logits_indices = t["input_ids"], t["positions"], t["logits_indices"]
+        return ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> SamplerOutput | None:
         self.last_grammar_timing = GrammarTiming()
         constrained = [(row, seq.matcher) for row, seq in enumerate(inp.sampling_seqs) if seq.matcher is not None]
         masks = self.bitmasks.start(constrained)  # filled while the forward pass runs
-        graphs = self.graph_runner
-        if graphs is not None and graphs.can_run(inp.input_ids.shape[0], inp.meta):
-            hidden = graphs.run(inp.input_ids, inp.positions, inp.meta)
+        if self.workers is None:
+            logits = self.compute_logits(inp)
         else:
-            hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
-        if not inp.sampling_seqs:
+            try:
+                self.workers.send_step(inp.batch)
+                logits = self.compute_logits(inp)
+            except Exception as e:  # a rank failed mid-step: the group cannot get back in step
+                raise EngineFatalError(f"a tensor-parallel step failed: {e}") from e
+        if logits is None:
             return None
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
         batch = SamplingBatch.from_seqs(inp.sampling_seqs)
         if masks is not None:
             waited = time.perf_counter()
@@ -154,3 +230,21 @@ class ModelRunner:
             batch.grammar = (rows, bitmask)
             self.last_grammar_timing = GrammarTiming(len(rows), fill_s, time.perf_counter() - waited)
         return self.sampler(logits, batch)
+
+    @torch.inference_mode()
+    def compute_logits(self, inp: ModelInput) -> torch.Tensor | None:
+        """The forward pass and the logits of the sampling rows (None when no row samples); what a
+        tensor-parallel worker runs for each step, in step with the driver's collectives."""
+        graphs = self.graph_runner
+        if graphs is not None and graphs.can_run(inp.input_ids.shape[0], inp.meta):
+            hidden = graphs.run(inp.input_ids, inp.positions, inp.meta)
+        else:
+            hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
+        if inp.batch.num_sampling == 0:
+            return None
+        return self.model.compute_logits(hidden[inp.logits_indices])
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()

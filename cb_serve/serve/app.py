@@ -30,6 +30,8 @@ class ReplicaOptions(BaseModel):
     health_check_timeout_s: float | None = Field(None, gt=0)
     graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
     ray_actor_options: dict[str, Any] | None = None
+    placement_group_bundles: list[dict[str, float]] | None = None
+    placement_group_strategy: str | None = None
 
 
 class RoutingSettings(BaseModel):
@@ -84,12 +86,33 @@ class AppArgs(BaseModel):
         return v
 
 
+def tensor_parallel_bundles(size: int, ray_actor_options: dict[str, Any] | None) -> list[dict[str, float]]:
+    """One placement-group bundle per tensor-parallel rank, as Ray Serve LLM declares them: the
+    first holds the replica (the resources of its ``ray_actor_options``), each other one worker
+    (``cb_serve.executor``): one GPU where the replica asks for GPUs, else one CPU."""
+    options = ray_actor_options or {}
+    gpus = options.get("num_gpus", 0)
+    first = {"CPU": options.get("num_cpus", 1), **({"GPU": gpus} if gpus else {})}
+    return [first] + [{"GPU": 1} if gpus else {"CPU": 1}] * (size - 1)
+
+
+def engine_replica_options(parsed: AppArgs) -> dict[str, Any]:
+    """The engine deployment's options; with ``tensor_parallel_size`` N > 1 and no bundles given,
+    a placement group of N bundles per replica (``STRICT_PACK``: one node, as NCCL wants)."""
+    options = parsed.engine_replica.model_dump(exclude_none=True)
+    size = parsed.engine.get("tensor_parallel_size", 1)
+    if size > 1 and "placement_group_bundles" not in options:
+        options["placement_group_bundles"] = tensor_parallel_bundles(size, options.get("ray_actor_options"))
+        options.setdefault("placement_group_strategy", "STRICT_PACK")
+    return options
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Router (HTTP ingress) in front of ``EngineReplica`` deployments, from validated ``args``."""
     parsed = AppArgs.model_validate(args or {})
     engine_args = {"model": parsed.model, **parsed.engine}
     engine = EngineReplica.options(
-        **parsed.engine_replica.model_dump(exclude_none=True),
+        **engine_replica_options(parsed),
         request_router_config=RequestRouterConfig(
             request_router_class=parsed.routing.request_router_class,
             request_routing_stats_period_s=parsed.routing_stats_period_s,

@@ -171,6 +171,10 @@ class EngineReplica:
         """Ray Serve's health check: raises once the engine loop died, so Serve replaces the replica."""
         self.engine.check_health()
 
+    async def worker_pids(self) -> list[int]:
+        """Process ids of this replica's tensor-parallel workers (fault tests, debugging)."""
+        return self.engine.worker_pids
+
     async def is_alive(self) -> bool:
         return self.engine.is_alive
 

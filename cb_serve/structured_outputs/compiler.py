@@ -5,8 +5,10 @@ without a running slot (the scheduler skips it)."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -43,7 +45,8 @@ class GrammarCompiler:
             future = self._cache[key] = self._pool.submit(self._compile, params, key)
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
-        future.add_done_callback(lambda f: self._forget_failure(key, f))
+        # Not a callback holding self: the cached future would keep its compiler (and its thread) in a cycle.
+        future.add_done_callback(functools.partial(_forget_failure, weakref.ref(self), key))
         return future
 
     def _compile(self, params: StructuredOutputsParams, key: str) -> CompiledGrammar:
@@ -82,3 +85,9 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _forget_failure(compiler: weakref.ref[GrammarCompiler], key: str, future: concurrent.futures.Future) -> None:
+    owner = compiler()
+    if owner is not None:
+        owner._forget_failure(key, future)

@@ -15,6 +15,8 @@ from torch import nn
 
 from cb_serve import cpu_ops
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.distributed.sharding import TensorParallelShard, single_shard
 from cb_serve.model_executor.linear import Linear
 
 
@@ -49,13 +51,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """This rank's heads (``shard``); the output projection's partial sums are reduced over ranks."""
+
     def __init__(
-        self, config, backend: AttentionBackend, sliding_window: int | None, qkv_bias: bool, o_bias: bool
+        self,
+        config,
+        backend: AttentionBackend,
+        sliding_window: int | None,
+        qkv_bias: bool,
+        o_bias: bool,
+        shard: TensorParallelShard,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = len(shard.q_heads)
+        self.num_kv_heads = len(shard.kv_heads)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -63,7 +74,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.use_cpu_ops = backend.supports_fused_cpu_ops
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias and shard.is_driver)  # added once
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -72,39 +84,42 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config, use_cpu_ops: bool = False) -> None:
+    """This rank's intermediate columns; the down projection's partial sums are reduced over ranks."""
+
+    def __init__(self, config, shard: TensorParallelShard, tp: TensorParallelGroup, use_cpu_ops: bool = False) -> None:
         super().__init__()
         self.use_cpu_ops = use_cpu_ops
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = len(shard.intermediate)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=bias and shard.is_driver)
+        self.tp = tp
         if config.hidden_act != "silu":
             raise ValueError(f"Unsupported activation {config.hidden_act!r} (only silu).")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.gate_up_proj(x)
         if self.use_cpu_ops:
-            return self.down_proj(cpu_ops.silu_and_mul(x))
+            return self.tp.all_reduce(self.down_proj(cpu_ops.silu_and_mul(x)))
         gate, up = x.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
     """Takes and returns ``(x, residual)``: the hidden state is ``residual + x``, and the add
     happens inside the next norm (HF: ``h = h + attn(norm(h)); h = h + mlp(norm(h))``)."""
 
-    def __init__(self, config, attention: Attention) -> None:
+    def __init__(self, config, attention: Attention, mlp: MLP) -> None:
         super().__init__()
         fused = attention.use_cpu_ops
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.mlp = MLP(config, fused)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta):
         if residual is None:
@@ -118,21 +133,38 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` takes flattened token ids and positions of a ragged batch and returns
-    hidden states; ``compute_logits`` runs the final norm and LM head on selected rows."""
+    hidden states; ``compute_logits`` runs the final norm and LM head on selected rows.
+    Under tensor parallelism (``shard``, ``tp``) it holds one rank's slice of every weight
+    (``cb_serve.distributed.sharding``) and every rank returns the full hidden states and logits."""
 
-    def __init__(self, config, backend: AttentionBackend, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
+    def __init__(
+        self,
+        config,
+        backend: AttentionBackend,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        shard: TensorParallelShard | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.shard = shard = shard or single_shard(config)
+        self.tp = tp = tp or TensorParallelGroup.single()
+        assert shard.size == tp.size and shard.rank == tp.rank
         qkv_bias, o_bias = self.attention_biases(config)
         windows = sliding_windows(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.use_cpu_ops = backend.supports_fused_cpu_ops
+        self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, Attention(config, backend, windows[i], qkv_bias, o_bias))
+            DecoderLayer(
+                config,
+                Attention(config, backend, windows[i], qkv_bias, o_bias, shard, tp),
+                MLP(config, shard, tp, self.use_cpu_ops),
+            )
             for i in range(config.num_hidden_layers)
         )
-        self.use_cpu_ops = backend.supports_fused_cpu_ops
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_cpu_ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, len(shard.vocab), bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cos", rope_cos, persistent=False)  # [max_positions, head_dim]
@@ -154,36 +186,51 @@ class LlamaForCausalLM(nn.Module):
         return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.tp.all_gather(self.lm_head(self.norm(hidden)))  # each rank's vocabulary rows
+        return logits[:, : self.config.vocab_size].float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy weights from an HF ``*ForCausalLM`` state dict, fusing q/k/v and gate/up."""
+        """Copy this rank's slice of the weights from an HF ``*ForCausalLM`` state dict, fusing
+        q/k/v and gate/up."""
         own = dict(self.named_parameters())
+        shard, head_dim = self.shard, self.layers[0].self_attn.head_dim
+        q = slice(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim)
+        kv = slice(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim)
+        mlp = slice(shard.intermediate.start, shard.intermediate.stop)
 
-        def put(name: str, *sources: str) -> None:
-            own[name].copy_(torch.cat([state[s] for s in sources], dim=0))
+        def put(name: str, *parts: torch.Tensor) -> None:
+            own[name].copy_(torch.cat(parts, dim=0))
 
-        put("embed_tokens.weight", "model.embed_tokens.weight")
-        put("norm.weight", "model.norm.weight")
+        def vocab_rows(weight: torch.Tensor) -> torch.Tensor:
+            rows = weight[shard.vocab.start : shard.vocab.stop]  # the last shard may run past the vocabulary
+            return torch.cat([rows, rows.new_zeros(len(shard.vocab) - len(rows), rows.shape[1])])
+
+        put("embed_tokens.weight", vocab_rows(state["model.embed_tokens.weight"]))
+        put("norm.weight", state["model.norm.weight"])
         if not getattr(self.config, "tie_word_embeddings", False):
-            put("lm_head.weight", "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight")
+            head = state["lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"]
+            put("lm_head.weight", vocab_rows(head))
         for i, layer in enumerate(self.layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            attn = src + "self_attn."
-            put(dst + "input_layernorm.weight", src + "input_layernorm.weight")
-            put(dst + "post_attention_layernorm.weight", src + "post_attention_layernorm.weight")
-            put(dst + "self_attn.qkv_proj.weight", *(attn + p + "_proj.weight" for p in "qkv"))
-            put(dst + "self_attn.o_proj.weight", attn + "o_proj.weight")
-            put(dst + "mlp.gate_up_proj.weight", src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight")
-            put(dst + "mlp.down_proj.weight", src + "mlp.down_proj.weight")
+            attn, w = src + "self_attn.", state.__getitem__
+            put(dst + "input_layernorm.weight", w(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", w(src + "post_attention_layernorm.weight"))
+            qkv = (w(attn + "q_proj.weight")[q], w(attn + "k_proj.weight")[kv], w(attn + "v_proj.weight")[kv])
+            put(dst + "self_attn.qkv_proj.weight", *qkv)
+            put(dst + "self_attn.o_proj.weight", w(attn + "o_proj.weight")[:, q])
+            gate_up = w(src + "mlp.gate_proj.weight")[mlp], w(src + "mlp.up_proj.weight")[mlp]
+            put(dst + "mlp.gate_up_proj.weight", *gate_up)
+            put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight")[:, mlp])
             if layer.self_attn.qkv_proj.bias is not None:
-                put(dst + "self_attn.qkv_proj.bias", *(attn + p + "_proj.bias" for p in "qkv"))
-            if layer.self_attn.o_proj.bias is not None:
-                put(dst + "self_attn.o_proj.bias", attn + "o_proj.bias")
+                qkv = (w(attn + "q_proj.bias")[q], w(attn + "k_proj.bias")[kv], w(attn + "v_proj.bias")[kv])
+                put(dst + "self_attn.qkv_proj.bias", *qkv)
+            if layer.self_attn.o_proj.bias is not None:  # the driver's alone: added once
+                put(dst + "self_attn.o_proj.bias", w(attn + "o_proj.bias"))
+            if layer.mlp.gate_up_proj.bias is not None:
+                put(dst + "mlp.gate_up_proj.bias", w(src + "mlp.gate_proj.bias")[mlp], w(src + "mlp.up_proj.bias")[mlp])
             if layer.mlp.down_proj.bias is not None:
-                put(dst + "mlp.gate_up_proj.bias", src + "mlp.gate_proj.bias", src + "mlp.up_proj.bias")
-                put(dst + "mlp.down_proj.bias", src + "mlp.down_proj.bias")
+                put(dst + "mlp.down_proj.bias", w(src + "mlp.down_proj.bias"))
 
     def prepare_for_cpu(self) -> None:
         """CPU weight layouts: projections stored transposed (plain NN GEMMs at prefill sizes)
@@ -202,6 +249,23 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
         return True, False
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows of this rank's vocabulary shard: a token outside it looks up zeros, and
+    the sum over ranks is the full lookup. One rank is a plain embedding."""
+
+    def __init__(self, shard: TensorParallelShard, hidden_size: int, tp: TensorParallelGroup) -> None:
+        super().__init__(len(shard.vocab), hidden_size)
+        self.vocab_start, self.tp = shard.vocab.start, tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class Rope:

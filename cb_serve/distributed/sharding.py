@@ -1,0 +1,74 @@
+"""Which slice of each weight a tensor-parallel rank holds (Megatron-style), as pure functions.
+
+- q/k/v and gate/up are split by output columns, o and down by input rows (their partial
+  outputs are summed across ranks); the embedding and LM head are split over the vocabulary.
+- Attention splits by KV head: each rank takes a contiguous run of KV heads and the query heads
+  that read them, so grouped-query attention stays within a rank. Counts need not divide evenly
+  (SmolLM2's 3 KV heads over 2 ranks: 2 and 1). With more ranks than KV heads, each KV head is
+  replicated on ``size // num_kv_heads`` ranks, which split its query heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def balanced_range(n: int, parts: int, index: int) -> range:
+    """Part ``index`` of ``range(n)`` cut into ``parts`` contiguous runs whose lengths differ by at most one."""
+    assert 0 <= index < parts
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
+@dataclass(frozen=True)
+class TensorParallelShard:
+    """Rank ``rank`` of ``size``: the heads, MLP columns and vocabulary rows it holds."""
+
+    rank: int
+    size: int
+    q_heads: range
+    kv_heads: range
+    intermediate: range
+    vocab: range  # rows of the vocabulary padded to a multiple of ``size`` (equal shards for all-gather)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def shard_for(config, rank: int, size: int) -> TensorParallelShard:
+    """Rank ``rank``'s shard of an HF Llama-family ``config``; raises ValueError when ``size``
+    ranks cannot split its heads."""
+    num_heads, num_kv = config.num_attention_heads, config.num_key_value_heads
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside tensor_parallel_size={size}.")
+    group = num_heads // num_kv
+    if size <= num_kv:
+        kv = balanced_range(num_kv, size, rank)
+        q = range(kv.start * group, kv.stop * group)
+    elif size % num_kv == 0 and size // num_kv <= group:
+        replicas = size // num_kv  # ranks sharing one KV head
+        head = rank // replicas
+        kv = range(head, head + 1)
+        within = balanced_range(group, replicas, rank % replicas)
+        q = range(head * group + within.start, head * group + within.stop)
+    else:
+        raise ValueError(
+            f"tensor_parallel_size={size} cannot split {num_heads} query / {num_kv} KV heads: it must be at most "
+            f"the KV head count, or a multiple of it no larger than the query head count."
+        )
+    padded_vocab = -(-config.vocab_size // size) * size
+    per_rank = padded_vocab // size
+    return TensorParallelShard(
+        rank=rank,
+        size=size,
+        q_heads=q,
+        kv_heads=kv,
+        intermediate=balanced_range(config.intermediate_size, size, rank),
+        vocab=range(rank * per_rank, (rank + 1) * per_rank),
+    )
+
+
+def single_shard(config) -> TensorParallelShard:
+    return shard_for(config, 0, 1)

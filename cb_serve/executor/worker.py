@@ -1,0 +1,77 @@
+"""A tensor-parallel worker (ranks 1..N-1): loads its shard, then runs each step the driver
+sends, in step with the driver's collectives, until the driver says stop or goes away."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+from multiprocessing.connection import Client
+
+import torch
+import torch.distributed as dist
+
+from cb_serve.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to join its driver (it pickles: workers are spawned processes or Ray actors)."""
+
+    config: EngineConfig
+    rank: int
+    size: int
+    device: str  # "cpu", or this worker's own GPU
+    host: str  # the driver's address: its control listener and its TCP store
+    control_port: int
+    store_port: int
+    authkey: bytes
+    num_threads: int | None = None
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Runs until the driver sends the stop message or closes its connection."""
+    from cb_serve.distributed.group import TensorParallelGroup
+    from cb_serve.distributed.sharding import shard_for
+    from cb_serve.model_executor.model_runner import ModelRunner
+    from cb_serve.model_executor.model_setup import ModelSetup
+
+    conn = Client((spec.host, spec.control_port), authkey=spec.authkey)
+    conn.send((spec.rank, os.getpid()))
+    try:
+        if spec.num_threads:
+            torch.set_num_threads(spec.num_threads)
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # collectives and kernels run on this worker's GPU
+        setup = ModelSetup.from_config(spec.config, device)
+        store = dist.TCPStore(spec.host, spec.store_port, spec.size, False, timeout=_timeout())
+        tp = TensorParallelGroup.connect(store, spec.rank, spec.size, device)
+        model = setup.load_model(shard_for(setup.hf_config, spec.rank, spec.size), tp)
+        num_blocks = conn.recv()
+        runner = ModelRunner(model, num_blocks, setup.block_size, setup.kv_cache_dtype, device)
+        conn.send("ready")
+        while payload := conn.recv_bytes():  # empty: stop
+            runner.compute_logits(runner.to_device(pickle.loads(payload)))
+    except EOFError:
+        logger.info("tensor-parallel worker %d: the driver went away", spec.rank)
+    finally:
+        conn.close()
+
+
+def _timeout():
+    import datetime
+
+    return datetime.timedelta(seconds=STORE_TIMEOUT_S)
+
+
+class RayWorker:
+    """A worker as a Ray actor (``ray.remote(RayWorker)``), placed in its replica's placement group."""
+
+    def run(self, spec: WorkerSpec) -> None:
+        worker_main(spec)

@@ -1,0 +1,201 @@
+"""The driver's side of tensor parallelism: it starts ranks 1..N-1 (spawned processes, or Ray
+actors in the replica's placement group), joins their process group as rank 0, and sends each
+step's batch to all of them once; the scheduler, block manager and sampler stay on the driver."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import pickle
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Listener
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from cb_serve.config import EngineConfig
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.errors import EngineFatalError
+from cb_serve.executor.worker import STORE_TIMEOUT_S, RayWorker, WorkerSpec, worker_main
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600  # loading a large model's shard
+T = TypeVar("T")
+
+
+def executor_backend(config: EngineConfig) -> str:
+    """``mp`` (spawned processes) or ``ray`` (actors): ``auto`` picks ray inside a Ray worker (a Serve replica)."""
+    if config.distributed_executor_backend != "auto":
+        return config.distributed_executor_backend
+    try:
+        import ray
+    except ImportError:
+        return "mp"
+    return "ray" if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE else "mp"
+
+
+def worker_devices(device: torch.device, size: int, backend: str) -> list[str]:
+    """Each worker rank's device: ``cpu``; on CUDA the GPUs after the driver's (``cuda:N``), or each
+    Ray actor's own GPU (Ray shows an actor only its GPUs, as ``cuda``)."""
+    if device.type != "cuda":
+        return ["cpu"] * (size - 1)
+    if backend == "ray":
+        return ["cuda"] * (size - 1)
+    first = device.index or 0
+    return [f"cuda:{first + rank}" for rank in range(1, size)]
+
+
+class WorkerPool:
+    """Ranks 1..N-1 of one engine. ``group`` is the driver's (rank 0) communicator."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        size = config.tensor_parallel_size
+        assert size > 1
+        self.size, self.backend = size, executor_backend(config)
+        host = "127.0.0.1" if self.backend == "mp" else _node_ip()
+        authkey = secrets.token_bytes(32)
+        self.listener = Listener((host, 0), authkey=authkey)
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        self.store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+        threads = config.num_threads or (max(1, (os.cpu_count() or 1) // size) if device.type == "cpu" else None)
+        specs = [
+            WorkerSpec(config, rank, size, dev, host, self.listener.address[1], self.store.port, authkey, threads)
+            for rank, dev in zip(range(1, size), worker_devices(device, size, self.backend))
+        ]
+        self.handles: list[Any] = _launch_ray(specs) if self.backend == "ray" else _launch_mp(specs)
+        self.conns: list[Connection] = []
+        self.pids: list[int] = []
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.handles, self.backend, self.listener)
+        hellos = self._await("connect", lambda: [self._accept() for _ in specs])
+        hellos.sort()
+        self.conns[:] = [conn for _, _, conn in hellos]
+        self.pids = [pid for _, pid, _ in hellos]
+        join = lambda: TensorParallelGroup.connect(self.store, 0, size, device)  # noqa: E731
+        self.group = self._await("join the process group", join)
+
+    def start(self, num_blocks: int) -> None:
+        """Has every worker allocate its KV cache of ``num_blocks`` blocks; returns once all are ready."""
+        for conn in self.conns:
+            conn.send(num_blocks)
+        answers = self._await("load the model", lambda: [conn.recv() for conn in self.conns])
+        assert answers == ["ready"] * len(self.conns), answers
+
+    def send_step(self, batch: Any) -> None:
+        payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(payload)
+        except OSError as e:
+            raise EngineFatalError(f"a tensor-parallel worker is gone ({self.dead_workers()})") from e
+
+    def dead_workers(self) -> list[int]:
+        """Ranks whose process or actor has ended."""
+        if self.backend == "ray":
+            import ray
+
+            done, _ = ray.wait(self.handles_refs, num_returns=len(self.handles_refs), timeout=0)
+            return [rank for rank, ref in enumerate(self.handles_refs, 1) if ref in done]
+        return [rank for rank, proc in enumerate(self.handles, 1) if not proc.is_alive()]
+
+    @property
+    def handles_refs(self) -> list[Any]:
+        return [ref for _, ref in self.handles]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _accept(self) -> tuple[int, int, Connection]:
+        conn = self.listener.accept()
+        rank, pid = conn.recv()
+        return rank, pid, conn
+
+    def _await(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, run while the workers are watched: raises once one of them has died."""
+        result: list[Any] = []
+
+        def target() -> None:
+            try:
+                result.append(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result.append(("error", e))
+
+        thread = threading.Thread(target=target, name=f"tp-{what}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while thread.is_alive():
+            thread.join(0.2)
+            dead = self.dead_workers()
+            if dead or time.monotonic() > deadline:
+                self.shutdown()
+                reason = f"worker rank(s) {dead} exited" if dead else f"no answer in {START_TIMEOUT_S} s"
+                raise RuntimeError(f"tensor-parallel workers failed to {what}: {reason} (see their log)")
+        kind, value = result[0]
+        if kind == "error":
+            self.shutdown()
+            raise value
+        return value
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _launch_mp(specs: list[WorkerSpec]) -> list[Any]:
+    ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no forked threads or CUDA state
+    procs = []
+    for spec in specs:
+        proc = ctx.Process(target=worker_main, args=(spec,), name=f"cb-serve-tp{spec.rank}", daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def _launch_ray(specs: list[WorkerSpec]) -> list[Any]:
+    """One actor per rank, in bundle ``rank`` of the current placement group (the replica's; the
+    replica itself holds bundle 0), each asking for one GPU on CUDA, one CPU otherwise."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = ray.util.get_current_placement_group()
+    handles = []
+    for spec in specs:
+        gpu = spec.device.startswith("cuda")
+        resources: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpu else {"num_cpus": 1}
+        if pg is not None:
+            bundle = spec.rank
+            resources["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+        actor = ray.remote(RayWorker).options(name=None, **resources).remote()
+        handles.append((actor, actor.run.remote(spec)))
+    return handles
+
+
+def _stop(conns: list[Connection], handles: list[Any], backend: str, listener: Listener) -> None:
+    """Tells every worker to stop, then makes sure it has (the pool's finalizer: idempotent)."""
+    for conn in conns:
+        try:
+            conn.send_bytes(b"")
+            conn.close()
+        except OSError:
+            pass
+    listener.close()
+    if backend == "ray":
+        import ray
+
+        for actor, _ in handles:
+            ray.kill(actor)
+        return
+    for proc in handles:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)

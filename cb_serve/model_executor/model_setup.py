@@ -1,0 +1,88 @@
+"""What an engine derives from its config before it loads weights (device, dtypes, attention
+backend, block size, context length), shared by the driver and its tensor-parallel workers so
+every rank derives the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cb_serve.attention import get_attention_backend
+from cb_serve.attention.base import AttentionBackend
+from cb_serve.config import EngineConfig
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor import loader
+from cb_serve.model_executor.device_context import concrete_device
+from cb_serve.model_executor.models.llama import LlamaForCausalLM
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    name = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = concrete_device(torch.device(name))  # "cuda" -> "cuda:<current>": set_device refuses a bare "cuda"
+    if config.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, config.dtype)
+
+
+def choose_backend(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype
+) -> tuple[AttentionBackend, int]:
+    """The attention backend and the KV block size; raises if the backend cannot serve them."""
+    backend = get_attention_backend(config.attention_backend, device, dtype, config.block_size)
+    block_size = config.block_size or max(16, backend.block_size_multiple)
+    if block_size % backend.block_size_multiple:
+        raise ValueError(
+            f"The {backend.name} backend needs block_size to be a multiple of "
+            f"{backend.block_size_multiple}, got {block_size}."
+        )
+    if kv_cache_dtype != dtype and not (backend.supports_narrow_kv_cache and dtype == torch.float32):
+        raise ValueError(
+            f"kv_cache_dtype={config.kv_cache_dtype} differs from the model dtype {dtype}: supported only "
+            f"under float32 weights with the cpu or torch attention backend (got {backend.name})."
+        )
+    return backend, block_size
+
+
+@dataclass
+class ModelSetup:
+    config: EngineConfig
+    source: loader.ModelSource
+    hf_config: object
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    backend: AttentionBackend
+    block_size: int
+    max_model_len: int
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, device: torch.device | None = None) -> ModelSetup:
+        """``device`` overrides the config's (a tensor-parallel worker's own GPU)."""
+        resolved, dtype = resolve_device_and_dtype(config)
+        device = device or resolved
+        kv_cache_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        source = loader.resolve_model_source(config.model)
+        hf_config = loader.load_config(source, config.trust_remote_code)
+        max_positions = getattr(hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
+        max_model_len = config.max_model_len or min(max_positions, MAX_DEFAULT_MODEL_LEN)
+        backend, block_size = choose_backend(config, device, dtype, kv_cache_dtype)
+        return cls(config, source, hf_config, device, dtype, kv_cache_dtype, backend, block_size, max_model_len)
+
+    def load_model(
+        self, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None
+    ) -> LlamaForCausalLM:
+        return loader.load_model(
+            self.source,
+            self.hf_config,
+            self.backend,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.config.trust_remote_code,
+            shard,
+            tp,
+        )

@@ -1,0 +1,179 @@
+"""Tensor parallelism on CPU (gloo): shards as pure functions, ``tensor_parallel_size=2`` (and 3)
+against one rank on the test models and SmolLM2, a worker killed mid-stream, and teardown.
+
+Greedy tokens must be equal. Logits cannot be bit-equal: a row-parallel projection sums its ranks'
+partial products (``all_reduce``) where one rank runs one GEMM, a float32 reduction-order change.
+Its size is bounded by ``LOGPROB_ATOL`` on every returned log-probability."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import STRESS_ENGINE_ARGS
+from models import make_random_model
+
+from cb_serve import LLM, AsyncLLM, EngineConfig, SamplingParams
+from cb_serve.distributed.sharding import balanced_range, shard_for
+from cb_serve.errors import EngineError
+
+LOGPROB_ATOL = 1e-3  # float32 all-reduce order: per-rank partial sums added in another order than one GEMM's
+TOP_TWO_TIE = 1e-3  # a greedy pick may differ only where one rank's top two log-probabilities are this close
+PROMPTS = [
+    list(range(100, 130)),
+    list(range(300, 310)),
+    list(range(50, 200)),  # longer than the token budget: chunked prefill across steps
+    list(range(100, 120)) + [7, 8, 9],  # shares a prefix block with the first: a prefix-cache hit
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+
+
+def heads(num_heads: int, num_kv: int, vocab: int = 100, intermediate: int = 10) -> SimpleNamespace:
+    return SimpleNamespace(
+        num_attention_heads=num_heads, num_key_value_heads=num_kv, vocab_size=vocab, intermediate_size=intermediate
+    )
+
+
+def test_balanced_ranges_cover_everything_once():
+    for n in range(12):
+        for parts in range(1, 5):
+            pieces = [balanced_range(n, parts, i) for i in range(parts)]
+            assert [x for p in pieces for x in p] == list(range(n))
+            assert max(map(len, pieces)) - min(map(len, pieces)) <= 1
+
+
+def test_shards_split_by_kv_head_and_replicate_past_them():
+    smol = heads(9, 3, vocab=49152, intermediate=1536)  # SmolLM2: 3 query heads per KV head
+    r0, r1 = shard_for(smol, 0, 2), shard_for(smol, 1, 2)
+    assert (r0.kv_heads, r0.q_heads, r1.kv_heads, r1.q_heads) == (range(0, 2), range(0, 6), range(2, 3), range(6, 9))
+    assert (r0.intermediate, r1.intermediate, r0.vocab, r1.vocab) == (
+        range(768),
+        range(768, 1536),
+        range(24576),
+        range(24576, 49152),
+    )
+    mqa = [shard_for(heads(4, 1), r, 2) for r in range(2)]  # one KV head, replicated; its 4 query heads split
+    assert [(s.kv_heads, s.q_heads) for s in mqa] == [(range(1), range(2)), (range(1), range(2, 4))]
+    four = [shard_for(heads(8, 2), r, 4) for r in range(4)]
+    assert [(s.kv_heads.start, s.q_heads) for s in four] == [
+        (0, range(0, 2)),
+        (0, range(2, 4)),
+        (1, range(4, 6)),
+        (1, range(6, 8)),
+    ]
+    padded = [shard_for(heads(4, 2, vocab=101), r, 2).vocab for r in range(2)]
+    assert padded == [range(51), range(51, 102)]  # equal shards for the all-gather; row 101 is padding
+    with pytest.raises(ValueError, match="cannot split"):
+        shard_for(heads(4, 2), 0, 3)  # more ranks than KV heads, not a multiple of them
+    with pytest.raises(ValueError, match="cannot split"):
+        shard_for(heads(2, 1), 0, 4)  # more ranks than query heads
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def generate(llm: LLM):
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def assert_same_greedy(ours, ref, context: str) -> None:
+    """Equal tokens (a pick may differ only at a near-tie of the reference, where comparison stops)
+    and log-probabilities within ``LOGPROB_ATOL``."""
+    for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(ours, ref)):
+        for t, (a, b) in enumerate(zip(tokens, ref_tokens)):
+            top = sorted(ref_logprobs[t].values(), key=lambda lp: -lp.logprob)
+            if a != b:
+                assert top[0].logprob - top[1].logprob < TOP_TWO_TIE, f"{context} prompt {i}: token {t} differs"
+                break
+            for token_id, lp in ref_logprobs[t].items():
+                if token_id in logprobs[t]:
+                    diff = abs(logprobs[t][token_id].logprob - lp.logprob)
+                    assert diff <= LOGPROB_ATOL, f"{context} prompt {i} token {t}: logprob off by {diff:.2e}"
+        else:
+            assert len(tokens) == len(ref_tokens), context
+
+
+def stopped(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie child counts as stopped
+            if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [("llama", {}), ("qwen2", {}), ("llama", {"num_key_value_heads": 1})],
+    ids=["llama", "qwen2-bias", "mqa"],
+)
+def test_two_ranks_equal_one_on_random_models(tmp_path, tokenizer, arch, overrides):
+    model = str(make_random_model(tmp_path, arch, tokenizer, **overrides))
+    ref = generate(LLM(model, **STRESS_ENGINE_ARGS))
+    tp = LLM(model, tensor_parallel_size=2, **STRESS_ENGINE_ARGS)
+    try:
+        assert len(tp.engine.worker_pids) == 1
+        assert_same_greedy(generate(tp), ref, f"{arch} {overrides}")
+    finally:
+        tp.engine.shutdown()
+
+
+def test_smollm2_on_two_ranks_equals_one(smol_llm):
+    tp = LLM(tensor_parallel_size=2, **STRESS_ENGINE_ARGS)  # 3 KV heads: ranks hold 2 and 1
+    try:
+        assert_same_greedy(generate(tp), generate(smol_llm), "SmolLM2")
+    finally:
+        tp.engine.shutdown()
+
+
+def test_shutdown_and_release_stop_the_workers(random_model_dir):
+    model = str(random_model_dir("llama"))
+    llm = LLM(model, tensor_parallel_size=2, **STRESS_ENGINE_ARGS)
+    pid = llm.engine.worker_pids[0]
+    llm.engine.shutdown()
+    llm.engine.shutdown()  # idempotent
+    assert stopped(pid)
+    llm = LLM(model, tensor_parallel_size=2, **STRESS_ENGINE_ARGS)
+    pid = llm.engine.worker_pids[0]
+    del llm  # no shutdown: releasing the engine stops its workers
+    gc.collect()
+    assert stopped(pid)
+
+
+def test_a_killed_worker_ends_the_streams_with_an_error(random_model_dir):
+    engine = AsyncLLM(EngineConfig(model=str(random_model_dir("llama")), tensor_parallel_size=2, **STRESS_ENGINE_ARGS))
+
+    async def stream(i: int, prompt: list[int]):
+        got, params = 0, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        try:
+            async for out in engine.generate(prompt, params, f"r{i}"):
+                got += len(out.outputs[0].token_ids)
+                if got >= 5 and prompt == PROMPTS[0]:
+                    os.kill(engine.worker_pids[0], signal.SIGKILL)
+        except EngineError as e:
+            return got, e
+        return got, None
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(stream(i, p) for i, p in enumerate(PROMPTS[:3]))), timeout=120)
+
+    try:
+        results = asyncio.run(main())
+        assert all(isinstance(error, EngineError) for _, error in results), results
+        assert all(got < 200 for got, _ in results)
+        with pytest.raises(EngineError):
+            engine.check_health()
+    finally:
+        engine.shutdown()
