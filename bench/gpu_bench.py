@@ -12,12 +12,14 @@ Prints, in one run on one card:
 
 Run from the repository root on a GPU machine:
     .venv/bin/python bench/gpu_bench.py --json bench/results/gpu_h100.json
+    .venv/bin/python bench/gpu_bench.py --tensor-parallel-size 2 --json bench/results/gpu_h100_tp2.json
     .venv/bin/python bench/gpu_bench.py --tiny --device cpu    # smoke test of the script itself (no graphs)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -157,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (the roofline is per rank)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
@@ -172,6 +175,7 @@ def load_engine(model_dir: Path, dtype: torch.dtype, device: torch.device, args:
         max_num_batched_tokens=max(2048, args.batch_size),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         num_gpu_blocks=None if device.type == "cuda" else 2048,
     )
 
@@ -234,7 +238,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out["decode"] = decode_roofline(llm, cb, bandwidth, device, args)
         out["cb_serve"] = {k: v for k, v in cb.items() if k != "token_ids"}
         log(f"cb-serve: {cb['generated_tok_s']:.1f} generated tok/s ({cb['wall_s']:.2f} s)")
+        llm.engine.shutdown()
         del llm
+        gc.collect()  # the engine's memory goes back before HF loads (issue 24, bug 6)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         if not args.skip_hf:
             hf = run_hf_static(model_dir, prompts, args.output_len, args.hf_batch_size, dtype, device)
             compare_hf(out, cb, hf, args.hf_batch_size)

@@ -147,6 +147,36 @@ def test_cuda_graphs_match_hf_greedy(random_model_dir, tokenizer):
         assert_greedy_match(ours, ref, logits.cpu(), context=f"request {i}")
 
 
+def test_flash_attn_decode_is_graph_capturable():
+    """Issue 24 (5): flash-attn decode steps run in CUDA graphs; its KV write is the Triton kernel,
+    which skips a graph padding row's slot -1 (``index_copy_`` would fault on it)."""
+    from cb_serve.attention.flash_backend import FlashAttentionBackend
+    from cb_serve.attention.triton_backend import TritonAttentionBackend
+
+    assert FlashAttentionBackend.supports_cuda_graphs
+    assert FlashAttentionBackend.write_kv is TritonAttentionBackend.write_kv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or importlib.util.find_spec("flash_attn") is None, reason="needs CUDA and flash-attn")
+def test_flash_attn_decode_graphs_match_eager(random_model_dir):
+    """bfloat16 with flash-attn: decode through captured graphs (3 rows padded to 4) picks what
+    eager decode picks, with log-probabilities within bfloat16 rounding."""
+    model = str(random_model_dir("llama"))
+    args = dict(dtype="bfloat16", attention_backend="flash_attn", max_model_len=512, max_num_seqs=8)
+    graphs, eager = LLM(model, **args), LLM(model, enforce_eager=True, **args)
+    assert graphs.engine.runner.graph_runner is not None and eager.engine.runner.graph_runner is None
+    prompts = [list(range(100, 100 + n)) for n in (5, 17, 300)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+    for a, b in zip(graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)):
+        ours, ref = a.outputs[0], b.outputs[0]
+        assert ours.token_ids[0] == ref.token_ids[0]
+        for t, (x, y) in enumerate(zip(ours.token_ids, ref.token_ids)):
+            if x != y:
+                break
+            assert abs(ours.logprobs[t][x].logprob - ref.logprobs[t][y].logprob) < 0.05
+
+
 @pytest.mark.parametrize(
     "device, dtype, block_size, available, expected",
     [

@@ -15,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import STRESS_ENGINE_ARGS
 from models import make_random_model
 
@@ -177,3 +178,44 @@ def test_a_killed_worker_ends_the_streams_with_an_error(random_model_dir):
             engine.check_health()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_equal_one(random_model_dir):
+    """NCCL across two GPUs (workers spawned on cuda:1), bfloat16, eager: the picks of one GPU, with
+    log-probabilities within bfloat16 rounding."""
+    model = str(random_model_dir("llama"))
+    args = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=8)
+    one = LLM(model, **args)
+    two = LLM(model, tensor_parallel_size=2, **args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
+        for a, b in zip(two.generate(PROMPTS, params, use_tqdm=False), one.generate(PROMPTS, params, use_tqdm=False)):
+            assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+    finally:
+        two.engine.shutdown()
+
+
+def test_each_gpu_sizes_its_kv_cache_for_its_own_heads():
+    from transformers import LlamaConfig
+
+    from cb_serve.engine.llm_engine import per_rank_config
+
+    smol = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, intermediate_size=1536)
+    assert per_rank_config(smol, 2, torch.device("cuda")).num_key_value_heads == 2  # ranks hold 2 and 1
+    assert per_rank_config(smol, 3, torch.device("cuda")).num_key_value_heads == 1
+    assert smol.num_key_value_heads == 3  # the model's own config is untouched
+    assert per_rank_config(smol, 2, torch.device("cpu")) is smol  # one shared memory: the whole model's size
+    assert per_rank_config(smol, 1, torch.device("cuda")) is smol
+
+
+def test_worker_devices(monkeypatch):
+    from cb_serve.executor.worker_pool import worker_devices
+
+    assert worker_devices(torch.device("cpu"), 3, "mp") == ["cpu", "cpu"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert worker_devices(torch.device("cuda", 1), 3, "mp") == ["cuda:2", "cuda:3"]  # the GPUs after the driver's
+    assert worker_devices(torch.device("cuda", 0), 2, "ray") == ["cuda"]  # Ray shows each actor its own GPU
+    with pytest.raises(ValueError, match="needs 5 GPUs; 4 visible"):
+        worker_devices(torch.device("cuda", 2), 3, "mp")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cb_serve.attention import triton_backend
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 
 try:  # pragma: no cover - exercised only where flash-attn is installed
@@ -16,18 +17,34 @@ def is_available() -> bool:
     return flash_attn_varlen_func is not None and torch.cuda.is_available()
 
 
-class FlashAttentionBackend(AttentionBackend):  # pragma: no cover - needs CUDA + flash-attn
+class FlashAttentionBackend(AttentionBackend):
     """Decode-only steps through ``flash_attn_with_kvcache``; mixed steps through
-    ``flash_attn_varlen_func`` over the paged cache (``block_table``)."""
+    ``flash_attn_varlen_func`` over the paged cache (``block_table``).
+
+    Decode steps are captured in CUDA graphs (``supports_cuda_graphs``), as the upstream sources
+    allow (flash-attn 2.8, ``csrc/flash_attn``):
+    - ``mha_fwd_kvcache`` sizes its grid and split-KV count on the host from shapes only (the
+      batch, the heads, and ``seqlen_k`` = block-table width x page size), never from
+      ``cache_seqlens``, so a replay with other lengths runs the captured launch correctly;
+    - its split-KV kernel (``compute_attn_1rowblock_splitkv``) returns early, writing zeros, when
+      a row has no key block (``n_block_min >= n_block_max``, "also covers n_block_max <= 0"), so a
+      graph's padding rows (``cache_seqlens`` 0) read no KV;
+    - the KV write must skip the padding rows' slot -1, which ``index_copy_`` would reject: it is
+      the Triton backend's write kernel (Triton ships with CUDA PyTorch).
+    """
 
     name = "flash_attn"
     block_size_multiple = 256  # FA2's paged KV requires it
+    supports_cuda_graphs = True
+    write_kv = staticmethod(triton_backend.TritonAttentionBackend.write_kv)
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # pragma: no cover - needs CUDA + flash-attn
         if not is_available():
             raise RuntimeError("flash-attn backend needs CUDA and the flash_attn package (pip install cb-serve[gpu]).")
+        if not triton_backend.is_available():
+            raise RuntimeError("flash-attn backend writes the KV cache with a Triton kernel: install triton.")
 
-    def forward(
+    def forward(  # pragma: no cover - needs CUDA + flash-attn
         self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None = None
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)

@@ -28,8 +28,10 @@ class TensorParallelGroup:
     def connect(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> TensorParallelGroup:
         """Joins the group of ``size`` ranks that meet in ``store`` (every rank calls this)."""
         store = dist.PrefixStore("cb_serve_tp", store)
-        if device.type == "cuda":
-            pg = dist.ProcessGroupNCCL(store, rank, size)
+        if device.type == "cuda":  # built as torch.distributed.new_group builds it: store, rank, size, options
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             pg = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         return cls(rank, size, pg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -57,6 +58,18 @@ def waiting_queue_full(num_waiting: int, num_running: int, config: EngineConfig)
     for one of the ``max_num_seqs`` running slots (queued requests fill free slots first)."""
     limit = config.max_waiting_requests
     return limit is not None and num_waiting >= limit + max(0, config.max_num_seqs - num_running)
+
+
+def per_rank_config(hf_config, tensor_parallel_size: int, device: torch.device):
+    """``hf_config`` as one GPU's KV cache sees it under tensor parallelism: the most KV heads any
+    rank holds (each rank allocates the same number of blocks, on its own GPU). On CPU the ranks
+    share one memory, so the KV-cache size stays the whole model's."""
+    if tensor_parallel_size == 1 or device.type != "cuda":
+        return hf_config
+    ranks = [shard_for(hf_config, r, tensor_parallel_size) for r in range(tensor_parallel_size)]
+    rank_config = copy.copy(hf_config)
+    rank_config.num_key_value_heads = max(len(r.kv_heads) for r in ranks)
+    return rank_config
 
 
 def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
@@ -131,8 +144,9 @@ class LLMEngine:
             tp = workers.group if workers is not None else None
             model = setup.load_model(shard_for(self.hf_config, 0, size), tp)
             s = setup
+            rank_config = per_rank_config(s.hf_config, size, s.device)
             self.num_blocks = num_kv_blocks(
-                config, s.hf_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device
+                config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device
             )
             if workers is not None:
                 workers.start(self.num_blocks)

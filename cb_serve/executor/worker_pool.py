@@ -50,6 +50,10 @@ def worker_devices(device: torch.device, size: int, backend: str) -> list[str]:
     if backend == "ray":
         return ["cuda"] * (size - 1)
     first = device.index or 0
+    available = torch.cuda.device_count()
+    if first + size > available:
+        message = f"tensor_parallel_size={size} from cuda:{first} needs {first + size} GPUs; {available} visible."
+        raise ValueError(message)
     return [f"cuda:{first + rank}" for rank in range(1, size)]
 
 
