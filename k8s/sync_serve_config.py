@@ -1,9 +1,10 @@
-"""Keeps k8s/rayservice.yaml's ``serveConfigV2`` identical to deploy/config.gpu.yaml.
+"""Keeps each RayService manifest's ``serveConfigV2`` identical to its Serve config in deploy/.
 
-``python k8s/sync_serve_config.py`` copies the config file verbatim (comments included) into
-the manifest's ``serveConfigV2: |`` block; ``--check`` only reports whether they differ
-(tests/test_k8s.py runs the same comparison). Edit the Serve config in deploy/config.gpu.yaml,
-never in the manifest.
+``python k8s/sync_serve_config.py`` copies each config file verbatim (comments included) into
+its manifest's ``serveConfigV2: |`` block (``MANIFESTS``: k8s/rayservice.yaml from
+deploy/config.gpu.yaml, k8s/rayservice-tp.yaml from deploy/config.tp.yaml); ``--check`` only
+reports which differ (tests/test_k8s.py runs the same comparison). Edit the Serve configs in
+deploy/, never in the manifests.
 """
 
 from __future__ import annotations
@@ -13,19 +14,22 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "deploy" / "config.gpu.yaml"
-MANIFEST = ROOT / "k8s" / "rayservice.yaml"
+# Each manifest and the Serve config its serveConfigV2 is.
+MANIFESTS = {
+    ROOT / "k8s" / "rayservice.yaml": ROOT / "deploy" / "config.gpu.yaml",
+    ROOT / "k8s" / "rayservice-tp.yaml": ROOT / "deploy" / "config.tp.yaml",
+}
 KEY = "  serveConfigV2: |"
 INDENT = "    "
 
 
-def render(manifest: str, config: str) -> str:
+def render(manifest: str, config: str, name: str = "the manifest") -> str:
     """``manifest`` with the block under ``KEY`` replaced by ``config``, indented."""
     lines = manifest.splitlines(keepends=True)
     try:
         start = next(i for i, line in enumerate(lines) if line.rstrip("\n") == KEY) + 1
     except StopIteration:
-        raise ValueError(f"{MANIFEST.name} has no line {KEY!r}") from None
+        raise ValueError(f"{name} has no line {KEY!r}") from None
     end = start
     while end < len(lines) and (lines[end].startswith(INDENT) or not lines[end].strip()):
         end += 1
@@ -37,17 +41,22 @@ def render(manifest: str, config: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the manifest is out of date; write nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a manifest is out of date; write nothing")
     args = parser.parse_args(argv)
-    current = MANIFEST.read_text()
-    wanted = render(current, SOURCE.read_text())
-    if wanted == current:
-        return 0
-    if args.check:
-        print(f"{MANIFEST.relative_to(ROOT)} is out of date: run python k8s/sync_serve_config.py", file=sys.stderr)
+    stale = []
+    for manifest, source in MANIFESTS.items():
+        current = manifest.read_text()
+        wanted = render(current, source.read_text(), manifest.name)
+        if wanted == current:
+            continue
+        stale.append(manifest)
+        if not args.check:
+            manifest.write_text(wanted)
+            print(f"updated {manifest.relative_to(ROOT)} from {source.relative_to(ROOT)}")
+    if stale and args.check:
+        for manifest in stale:
+            print(f"{manifest.relative_to(ROOT)} is out of date: run python k8s/sync_serve_config.py", file=sys.stderr)
         return 1
-    MANIFEST.write_text(wanted)
-    print(f"updated {MANIFEST.relative_to(ROOT)}")
     return 0
 
 

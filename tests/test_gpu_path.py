@@ -130,21 +130,27 @@ def test_padded_decode_path_with_triton_kernels_matches_reference(random_model_d
         assert_greedy_match(ours, ref, logits, context=f"request {i}")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs CUDA and triton")
-def test_cuda_graphs_match_hf_greedy(random_model_dir, tokenizer):
-    """On CUDA in float32: Triton kernels + CUDA graphs vs HF ``generate`` (top-2 tie rule)."""
+def assert_matches_hf_greedy(llm: LLM, model: str, tokenizer, count: int) -> None:
+    """``count`` prompts of growing length, each with its own output length: ``llm`` against HF
+    ``generate`` in float32 (top-2 tie rule)."""
     from models import hf_greedy
 
-    model = str(random_model_dir("llama"))
-    llm = LLM(model, dtype="float32", max_model_len=256, max_num_seqs=16)
-    assert llm.engine.backend.name in ("triton", "flash_attn")
-    prompts = [tokenizer.encode(f"Request {i}: " + "word " * (3 * i)) for i in range(12)]
-    lens = [4 + 3 * i for i in range(12)]
+    prompts = [tokenizer.encode(f"Request {i}: " + "word " * (3 * i)) for i in range(count)]
+    lens = [4 + 3 * i for i in range(count)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
     outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     for i, ((ref, logits), ours) in enumerate(zip(hf_greedy(model, prompts, lens), outputs)):
         assert_greedy_match(ours, ref, logits.cpu(), context=f"request {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs CUDA and triton")
+def test_cuda_graphs_match_hf_greedy(random_model_dir, tokenizer):
+    """On CUDA in float32: Triton kernels + CUDA graphs vs HF ``generate`` (top-2 tie rule)."""
+    model = str(random_model_dir("llama"))
+    llm = LLM(model, dtype="float32", max_model_len=256, max_num_seqs=16)
+    assert llm.engine.backend.name in ("triton", "flash_attn")
+    assert_matches_hf_greedy(llm, model, tokenizer, 12)
 
 
 def test_flash_attn_decode_is_graph_capturable():
@@ -349,18 +355,11 @@ def test_engine_thread_binds_the_engine_device(random_model_dir, monkeypatch):
 def test_engine_on_a_second_gpu_matches_hf_greedy(random_model_dir, tokenizer):
     """``device="cuda:1"`` while the calling thread's current device is 0: graphs and Triton
     kernels run on cuda:1 (float32, top-2 tie rule)."""
-    from models import hf_greedy
-
     model = str(random_model_dir("llama"))
     llm = LLM(model, device="cuda:1", dtype="float32", max_model_len=256, max_num_seqs=8)
     assert torch.cuda.current_device() == 0
     assert llm.engine.runner.kv_caches[0].device == torch.device("cuda", 1)
-    prompts = [tokenizer.encode(f"Request {i}: " + "word " * (3 * i)) for i in range(6)]
-    lens = [4 + 3 * i for i in range(6)]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
-    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    for i, ((ref, logits), ours) in enumerate(zip(hf_greedy(model, prompts, lens), outputs)):
-        assert_greedy_match(ours, ref, logits.cpu(), context=f"request {i}")
+    assert_matches_hf_greedy(llm, model, tokenizer, 6)
 
 
 # ---- issue 24 (3): KV-cache sizing sees the memory the weights really use ----

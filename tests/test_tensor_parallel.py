@@ -219,3 +219,36 @@ def test_worker_devices(monkeypatch):
     assert worker_devices(torch.device("cuda", 0), 2, "ray") == ["cuda"]  # Ray shows each actor its own GPU
     with pytest.raises(ValueError, match="needs 5 GPUs; 4 visible"):
         worker_devices(torch.device("cuda", 2), 3, "mp")
+
+
+def test_a_rank_reads_only_its_slices_of_a_safetensors_checkpoint(tmp_path, tokenizer, monkeypatch):
+    """From a local safetensors directory a rank reads its slices alone (about 1/N of the weights)
+    and gets the same parameters as slicing the fully loaded HF model."""
+    from safetensors.torch import load_file
+
+    from cb_serve.attention import TorchAttentionBackend
+    from cb_serve.distributed.group import TensorParallelGroup
+    from cb_serve.model_executor import checkpoint, loader
+
+    model_dir = make_random_model(tmp_path, "qwen2", tokenizer)  # biases on q/k/v
+    source = loader.resolve_model_source(str(model_dir))
+    config = loader.load_config(source)
+    total = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
+    read = []
+    lazy_read = checkpoint.LazyTensor.__getitem__
+    monkeypatch.setattr(checkpoint.LazyTensor, "__getitem__", lambda t, i: read.append(lazy_read(t, i)) or read[-1])
+
+    def load(rank: int):
+        tp = TensorParallelGroup(rank, 2, process_group=object())  # loading communicates nothing
+        args = (source, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"), 64)
+        return loader.load_model(*args, shard=shard_for(config, rank, 2), tp=tp).state_dict()
+
+    for rank in range(2):
+        read.clear()
+        lazily = load(rank)
+        assert sum(t.numel() for t in read) < 0.6 * total
+        with monkeypatch.context() as m:
+            m.setattr(loader, "safetensors_files", lambda path: None)  # the whole-model path
+            fully = load(rank)
+        assert lazily.keys() == fully.keys()
+        assert all(torch.equal(lazily[k], fully[k]) for k in lazily), rank

@@ -3,6 +3,7 @@ sends, in step with the driver's collectives, until the driver says stop or goes
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import pickle
@@ -38,6 +39,7 @@ def worker_main(spec: WorkerSpec) -> None:
     """Runs until the driver sends the stop message or closes its connection."""
     from cb_serve.distributed.group import TensorParallelGroup
     from cb_serve.distributed.sharding import shard_for
+    from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device
     from cb_serve.model_executor.model_runner import ModelRunner
     from cb_serve.model_executor.model_setup import ModelSetup
 
@@ -46,11 +48,11 @@ def worker_main(spec: WorkerSpec) -> None:
     try:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
-        device = torch.device(spec.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # collectives and kernels run on this worker's GPU
+        device = concrete_device(torch.device(spec.device))  # a Ray actor's "cuda": its own GPU, index 0
+        bind_thread_to_device(device)  # kernels, graphs and NCCL run on this worker's GPU
         setup = ModelSetup.from_config(spec.config, device)
-        store = dist.TCPStore(spec.host, spec.store_port, spec.size, False, timeout=_timeout())
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        store = dist.TCPStore(spec.host, spec.store_port, spec.size, False, timeout=timeout)
         tp = TensorParallelGroup.connect(store, spec.rank, spec.size, device)
         model = setup.load_model(shard_for(setup.hf_config, spec.rank, spec.size), tp)
         num_blocks = conn.recv()
@@ -62,12 +64,6 @@ def worker_main(spec: WorkerSpec) -> None:
         logger.info("tensor-parallel worker %d: the driver went away", spec.rank)
     finally:
         conn.close()
-
-
-def _timeout():
-    import datetime
-
-    return datetime.timedelta(seconds=STORE_TIMEOUT_S)
 
 
 class RayWorker:

@@ -14,6 +14,7 @@ import torch
 from cb_serve.attention.base import AttentionBackend
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.checkpoint import LazyCheckpoint, safetensors_files
 from cb_serve.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
@@ -92,13 +93,22 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None, trust_remo
         raise ValueError(f"Could not load the tokenizer from {path!r}: {e}") from e
 
 
-def rope_tables(hf_model, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(rotary: torch.nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for positions ``0..max_positions-1``, from the HF model's own rotary module
     (so every rope scaling type transformers knows is computed exactly as it computes it)."""
-    rotary = hf_model.model.rotary_emb
     positions = torch.arange(max_positions)[None]
     cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
     return cos[0].float(), sin[0].float()
+
+
+def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The HF architecture's rotary module for ``config``, without its weights: the model is built
+    on the meta device only to find the module's class."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return type(skeleton.model.rotary_emb)(config=config)
 
 
 def build_module(make: Callable[[], torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -139,23 +149,31 @@ def load_model(
     tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Loads weights through transformers (safetensors, sharded checkpoints, GGUF with
-    dequantization, hub downloads) and copies them (``shard``'s slice of them under tensor
-    parallelism) into our compact module."""
+    dequantization, hub downloads) and copies them into our compact module. Under tensor
+    parallelism a rank keeps ``shard``'s slice; from a local safetensors directory it reads only
+    that slice (``checkpoint.LazyCheckpoint``), otherwise it loads the whole model first."""
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        source.path,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        low_cpu_mem_usage=True,
-        **source.hf_kwargs(),
-    )
-    cos, sin = rope_tables(hf_model, max_model_len)
-    make = functools.partial(ARCHITECTURES[config.model_type], hf_model.config, backend, cos, sin, shard, tp)
+    files = None if shard is None or shard.size == 1 or source.gguf_file else safetensors_files(source.path)
+    lazy = LazyCheckpoint(files, dtype) if files is not None else None
+    if lazy is not None and "model.embed_tokens.weight" in lazy:  # HF's own names: read only this rank's slices
+        hf_config, state = config, lazy
+        cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len)
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source.path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            low_cpu_mem_usage=True,
+            **source.hf_kwargs(),
+        )
+        hf_config, state = hf_model.config, hf_model.state_dict()
+        cos, sin = rope_tables(hf_model.model.rotary_emb, max_model_len)
+    make = functools.partial(ARCHITECTURES[config.model_type], hf_config, backend, cos, sin, shard, tp)
     model = build_module(make, dtype, device)
-    model.load_hf_state_dict(hf_model.state_dict())
+    model.load_hf_state_dict(state)
+    del state
     if device.type == "cpu":
         model.prepare_for_cpu()
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    del hf_model
     return model.eval().requires_grad_(False)

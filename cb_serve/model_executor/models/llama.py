@@ -9,6 +9,8 @@ RoPE in place and SiLU-and-mul (``cb_serve.cpu_ops``), in the same op order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,7 @@ from cb_serve import cpu_ops
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard, single_shard
+from cb_serve.model_executor.checkpoint import LazyTensor, materialize
 from cb_serve.model_executor.linear import Linear
 
 
@@ -190,20 +193,20 @@ class LlamaForCausalLM(nn.Module):
         return logits[:, : self.config.vocab_size].float()
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slice of the weights from an HF ``*ForCausalLM`` state dict, fusing
-        q/k/v and gate/up."""
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor | LazyTensor]) -> None:
+        """Copy this rank's slice of the weights from an HF ``*ForCausalLM`` state dict (or a
+        ``LazyCheckpoint`` of the same names, read slice by slice), fusing q/k/v and gate/up."""
         own = dict(self.named_parameters())
         shard, head_dim = self.shard, self.layers[0].self_attn.head_dim
         q = slice(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim)
         kv = slice(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim)
         mlp = slice(shard.intermediate.start, shard.intermediate.stop)
 
-        def put(name: str, *parts: torch.Tensor) -> None:
-            own[name].copy_(torch.cat(parts, dim=0))
+        def put(name: str, *parts: torch.Tensor) -> None:  # parts of a lazy checkpoint are read here
+            own[name].copy_(torch.cat([materialize(p) for p in parts], dim=0))
 
         def vocab_rows(weight: torch.Tensor) -> torch.Tensor:
-            rows = weight[shard.vocab.start : shard.vocab.stop]  # the last shard may run past the vocabulary
+            rows = weight[shard.vocab.start : min(shard.vocab.stop, weight.shape[0])]  # the last may run past it
             return torch.cat([rows, rows.new_zeros(len(shard.vocab) - len(rows), rows.shape[1])])
 
         put("embed_tokens.weight", vocab_rows(state["model.embed_tokens.weight"]))

@@ -1,0 +1,63 @@
+"""A local safetensors checkpoint read lazily: a tensor-parallel rank reads only its slices of
+each weight (``safetensors``' ``get_slice``), never the whole model, so N ranks on one host hold
+one model's weights in all rather than N."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def safetensors_files(directory: str) -> list[Path] | None:
+    """The checkpoint files of a local model directory saved as safetensors (sharded or not); None
+    for anything else (a hub id, a GGUF file, PyTorch ``.bin`` weights)."""
+    path = Path(directory)
+    if (path / INDEX).is_file():
+        return sorted({path / name for name in json.loads((path / INDEX).read_text())["weight_map"].values()})
+    return [path / SINGLE] if (path / SINGLE).is_file() else None
+
+
+class LazyTensor:
+    """One checkpoint tensor: indexing reads just that slice (``[rows]``, ``[:, columns]``), cast to ``dtype``."""
+
+    def __init__(self, handle, name: str, dtype: torch.dtype) -> None:
+        self.handle, self.name, self.dtype = handle, name, dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.handle.get_slice(self.name)[index].to(self.dtype)
+
+    @property
+    def shape(self) -> list[int]:
+        return self.handle.get_slice(self.name).get_shape()
+
+
+class LazyCheckpoint(Mapping[str, LazyTensor]):
+    """``name -> LazyTensor`` over every file of a safetensors checkpoint (an HF state dict's names)."""
+
+    def __init__(self, files: list[Path], dtype: torch.dtype) -> None:
+        from safetensors import safe_open
+
+        self.dtype = dtype
+        self.handles = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            self.handles.update(dict.fromkeys(handle.keys(), handle))
+
+    def __getitem__(self, name: str) -> LazyTensor:
+        return LazyTensor(self.handles[name], name, self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.handles)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+
+def materialize(value: torch.Tensor | LazyTensor) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else value[:]
