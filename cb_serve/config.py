@@ -48,7 +48,8 @@ class EngineConfig:
     distributed_executor_backend: str = _arg(
         "auto",
         "How tensor-parallel workers start: mp (spawned processes), ray (actors in the current placement "
-        "group), or auto (ray inside a Ray worker such as a Serve replica, else mp).",
+        "group), or auto (ray inside a Ray worker with a placement group, such as a Serve replica with "
+        "placement_group_bundles; else mp).",
         choices=EXECUTOR_BACKENDS,
     )
     max_model_len: int | None = _arg(

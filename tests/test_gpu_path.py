@@ -599,3 +599,27 @@ def test_graph_runner_does_not_keep_its_model_runner_alive():
         lambda ids, pos, meta: torch.ones(ids.shape[0], 2), [1], 32, 16, torch.device("cpu"), capture=False
     )
     assert plain.run(torch.tensor([5]), torch.tensor([2]), meta).sum() == 2
+
+
+def test_pinned_staging_waits_for_the_last_copy_before_refilling(monkeypatch):
+    """Issue 24 (5): step metadata goes through one pinned buffer per dtype, kept across steps. A
+    step that samples nothing ends without a host sync, so refilling the buffer first waits for the
+    event recorded behind its previous copy (a new, larger buffer needs no wait)."""
+    from cb_serve.model_executor.model_runner import HostStaging
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no CUDA here: plain memory
+    waits = []
+
+    class Event:
+        def synchronize(self) -> None:
+            waits.append(staging.pinned[torch.int64][:3].tolist())  # what the buffer held meanwhile
+
+    staging = HostStaging(torch.device("cuda"))
+    first = staging._stage(torch.tensor([1, 2, 3]))
+    assert waits == [] and first.tolist() == [1, 2, 3]
+    staging.copied[torch.int64] = Event()
+    second = staging._stage(torch.tensor([7, 8, 9]))
+    assert waits == [[1, 2, 3]], "refilled before the previous copy was known to have run"
+    assert second.tolist() == [7, 8, 9] and second.data_ptr() == first.data_ptr()  # the same buffer
+    staging._stage(torch.arange(5000))  # too long: a new buffer, no wait
+    assert len(waits) == 1 and staging.pinned[torch.int64].numel() == 8192

@@ -32,14 +32,18 @@ T = TypeVar("T")
 
 
 def executor_backend(config: EngineConfig) -> str:
-    """``mp`` (spawned processes) or ``ray`` (actors): ``auto`` picks ray inside a Ray worker (a Serve replica)."""
+    """``mp`` (spawned processes) or ``ray`` (actors): ``auto`` picks ray inside a Ray worker that
+    holds a placement group (a Serve replica with bundles: its workers then land in its bundles,
+    on its node), else mp."""
     if config.distributed_executor_backend != "auto":
         return config.distributed_executor_backend
     try:
         import ray
     except ImportError:
         return "mp"
-    return "ray" if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE else "mp"
+    if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
+        return "mp"
+    return "ray" if ray.util.get_current_placement_group() is not None else "mp"
 
 
 def worker_devices(device: torch.device, size: int, backend: str) -> list[str]:

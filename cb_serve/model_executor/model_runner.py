@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -64,12 +64,14 @@ class ModelInput:
 
 class HostStaging:
     """Moves a ``StepBatch`` to the device in one copy per dtype. On CUDA the copies come from
-    pinned buffers kept across steps (so they are truly asynchronous); reusing them is safe
-    because every step ends by reading its sampled tokens on the host, after its copies ran."""
+    pinned buffers kept across steps (so they are truly asynchronous). A buffer is refilled only
+    after its previous copy has run (an event recorded behind it): a step that samples nothing
+    never waits on the host, so the GPU may not have reached that copy yet."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned: dict[torch.dtype, torch.Tensor] = {}
+        self.copied: dict[torch.dtype, Any] = {}  # torch.cuda.Event recorded after each buffer's last copy
 
     def to_device(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -78,6 +80,7 @@ class HostStaging:
             flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(dtype_np(dtype)))
             if self.device.type == "cuda":
                 flat = self._stage(flat).to(self.device, non_blocking=True)
+                self.copied.setdefault(dtype, torch.cuda.Event()).record()  # on the stream that copies
             offset = 0
             for name, a in zip(names, arrays):
                 out[name] = flat[offset : offset + a.size].view(a.shape)
@@ -85,10 +88,14 @@ class HostStaging:
         return out
 
     def _stage(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` in this dtype's pinned buffer (grown to the next power of two when short)."""
         buf = self.pinned.get(flat.dtype)
         if buf is None or buf.numel() < flat.numel():
+            # A replaced buffer is not freed under a pending copy: the pinned allocator records one.
             buf = torch.empty(max(1024, 1 << (flat.numel() - 1).bit_length()), dtype=flat.dtype).pin_memory()
             self.pinned[flat.dtype] = buf
+        elif (copied := self.copied.get(flat.dtype)) is not None:
+            copied.synchronize()  # the last copy out of this buffer has run
         staged = buf[: flat.numel()]
         staged.copy_(flat)
         return staged
