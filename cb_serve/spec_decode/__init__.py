@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers that draft tokens for a sequence, and their configuration."""
