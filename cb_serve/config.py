@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from cb_serve.fault_injection import FaultInjector
+from cb_serve.spec_decode.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
@@ -75,6 +77,11 @@ class EngineConfig:
     enable_jump_forward: bool = _arg(
         True, "Structured outputs: append the tokens a grammar forces without a forward pass of their own."
     )
+    speculative_config: dict | None = _arg(
+        None,
+        'Speculative decoding, as in vLLM: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 4} (a JSON object on the command line). Greedy requests without a grammar speculate.',
+    )
     attention_backend: str = _arg(
         "auto",
         "Attention backend: auto (flash_attn on CUDA if installed, else triton; cpu on CPU; else torch), "
@@ -123,6 +130,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}.")
+        if isinstance(self.speculative_config, str):  # from the command line
+            self.speculative_config = json.loads(self.speculative_config)
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, dict):
+                raise ValueError(f"speculative_config must be a mapping, got {self.speculative_config!r}.")
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad option
         if self.fault_injection:
             FaultInjector(self.fault_injection)  # raises on a malformed spec
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -40,9 +40,12 @@ ALLOWED = {
     "attention": {"cpu_ops"},
     "structured_outputs": set(),  # constraint backends: below the sampler and the engine
     "distributed": set(),  # tensor-parallel shards and communicator: below the model
-    "model_executor": {"attention", "cpu_ops", "distributed", "structured_outputs"},
+    "spec_decode": set(),  # proposers and verification: below the model runner and the engine
+    "model_executor": {"attention", "cpu_ops", "distributed", "spec_decode", "structured_outputs"},
     "executor": {"distributed", "model_executor"},  # tensor-parallel worker processes, driven by the engine
-    "engine": {"attention", "cpu_ops", "distributed", "executor", "model_executor", "structured_outputs"},
+    "engine": {
+        *("attention", "cpu_ops", "distributed", "executor", "model_executor", "spec_decode", "structured_outputs"),
+    },
     "llm": {"engine"},
     "cli": {"engine", "root", "llm", "benchmarks"},
     "benchmarks": {"model_executor", "root"},  # the serving benchmark: an HTTP client and the HF baseline
@@ -55,7 +58,11 @@ def module_name(path: Path) -> str:
 
 
 # SamplingParams carries the constraint.
-LEAF_MODULES = {"cb_serve.structured_outputs.params", "cb_serve.structured_outputs.schema_bounds"}
+LEAF_MODULES = {
+    "cb_serve.structured_outputs.params",
+    "cb_serve.structured_outputs.schema_bounds",
+    "cb_serve.spec_decode.config",  # EngineConfig validates speculative_config
+}
 
 
 def group(module: str) -> str:

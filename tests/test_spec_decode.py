@@ -3,11 +3,15 @@ drafts, greedy (exact) and by rejection sampling (distribution-exact, by a frequ
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
+from conftest import STRESS_ENGINE_ARGS
+from models import assert_same_greedy
 
+from cb_serve import LLM, SamplingParams
 from cb_serve.spec_decode.config import SpeculativeConfig
 from cb_serve.spec_decode.ngram import NgramIndex
 from cb_serve.spec_decode.verify import accept_greedy, rejection_sample
@@ -106,3 +110,132 @@ def test_rejection_sampling_is_reproducible_with_a_seed():
     p = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(3)), dim=-1)
     runs = [rejection_sample([3, 7, 9], p, None, torch.Generator().manual_seed(42)) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+# ---- in the engine: n-gram drafts verified in the ragged step ------------------------------------------------
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def spec_prompts(tokenizer) -> list[list[int]]:
+    """Input-grounded prompts (a passage to repeat, a list to go on) so drafts get accepted, one
+    longer than the stress budget (chunked prefill) and two sharing a prefix (prefix hits)."""
+    passage = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 3
+    texts = [
+        f"Repeat exactly: {passage}\nRepeat exactly: The quick brown",
+        "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4,",
+        f"Repeat exactly: {passage}\nAgain: The quick",
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+    ]
+    texts += [f"{t} {t[:40]}" for t in texts]  # eight in all: more than the stress cache holds at once
+    return [tokenizer.encode(t) for t in texts]
+
+
+def greedy_runs(llm, prompts, **params):
+    params = SamplingParams(temperature=0, max_tokens=96, logprobs=2, ignore_eos=True, **params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], outs
+
+
+def oracle_drafts(llm, prompts, ref) -> None:
+    """Replaces ``llm``'s n-gram drafts by the reference's own continuation with one draft wrong,
+    at a position that moves with the output length: full, partial and no acceptance all happen
+    (a random-weight model rarely repeats itself, so n-gram drafts would seldom be tested)."""
+    speculator = llm.engine.speculator
+    wanted = {tuple(p): tokens for p, (tokens, _) in zip(prompts, ref)}
+
+    calls = itertools.count()
+
+    def propose(running) -> None:
+        for seq in running:
+            k = speculator.num_drafts_for(seq)
+            future = wanted[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:k]
+            wrong = next(calls) % (k + 2)  # k or k + 1: every draft right
+            seq.spec_token_ids = [t if i != wrong else (t + 1) % 1000 for i, t in enumerate(future)]
+
+    speculator.propose = propose
+
+
+@pytest.mark.parametrize(
+    "arch, drafts",
+    [("llama", "oracle"), ("qwen2", "oracle"), ("mistral", "oracle"), ("smollm2", "oracle"), ("smollm2", "ngram")],
+)
+def test_greedy_with_drafts_equals_greedy_without(arch, drafts, random_model_dir, tokenizer, smol_llm):
+    """Token for token (up to the top-2 tie rule of ``models.assert_same_greedy``) under the stress
+    settings: chunked prefill, preemption and prefix hits all happen (checked), drafts are
+    accepted and rejected, and every KV block comes back."""
+    model = None if arch == "smollm2" else str(random_model_dir(arch))
+    ref_llm = smol_llm if model is None else LLM(model, **STRESS_ENGINE_ARGS)
+    spec_llm = LLM(model, speculative_config=NGRAM, **STRESS_ENGINE_ARGS)
+    prompts = spec_prompts(tokenizer)
+    ref, _ = greedy_runs(ref_llm, prompts)
+    if drafts == "oracle":
+        oracle_drafts(spec_llm, prompts, ref)
+    before = spec_llm.engine.get_stats()
+    ours, _ = greedy_runs(spec_llm, prompts)
+    assert_same_greedy(ours, ref, f"{arch} {drafts}")
+    stats, counters = spec_llm.engine.get_stats(), spec_llm.engine.speculator.counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, counters
+    if drafts == "oracle":
+        assert counters.accepted_per_pos[-1] > 0 and counters.accepted_per_pos[0] < counters.num_drafts, counters
+    assert stats.num_preemptions > before.num_preemptions and stats.num_partial_prefills > before.num_partial_prefills
+    assert stats.prefix_cache_hits > before.prefix_cache_hits
+    assert spec_llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_stops_inside_an_accepted_run_cut_it_there(random_model_dir, tokenizer):
+    """A stop string or stop token met among a step's accepted drafts ends the output exactly where
+    decoding without drafts ends it, with the same finish reason and stop reason."""
+    model = str(random_model_dir("llama"))
+    ref_llm, spec_llm = LLM(model, **STRESS_ENGINE_ARGS), LLM(model, speculative_config=NGRAM, **STRESS_ENGINE_ARGS)
+    prompts = spec_prompts(tokenizer)
+    ref, plain = greedy_runs(ref_llm, prompts)
+    oracle_drafts(spec_llm, prompts, ref)
+    checked = 0
+    for out, prompt in zip(plain, prompts):
+        tokens = out.outputs[0].token_ids
+        for cut in (10, 25):
+            stop_token = tokens[cut]
+            stop_text = tokenizer.decode(tokens[cut : cut + 2])
+            for params in ({"stop_token_ids": [stop_token]}, {"stop": [stop_text]}):
+                (ref_out,) = greedy_runs(ref_llm, [prompt], **params)[1]
+                accepted = spec_llm.engine.speculator.counters.num_accepted_tokens
+                (spec_out,) = greedy_runs(spec_llm, [prompt], **params)[1]
+                a, b = spec_out.outputs[0], ref_out.outputs[0]
+                assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+                    b.token_ids,
+                    b.text,
+                    b.finish_reason,
+                    b.stop_reason,
+                ), params
+                checked += spec_llm.engine.speculator.counters.num_accepted_tokens > accepted
+    assert checked >= 4, "too few of these runs accepted drafts to exercise a stop among them"
+    assert spec_llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_sampled_requests_do_not_speculate_and_mix_with_speculating_ones(random_model_dir, tokenizer):
+    """Greedy and sampled requests in one batch: the sampled ones decode a token a step (seeded:
+    the same tokens as without speculation), the greedy ones still equal plain greedy."""
+    model = str(random_model_dir("llama"))
+    prompts = spec_prompts(tokenizer)[:4]
+    params = [
+        SamplingParams(temperature=0, max_tokens=32),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=32),
+        SamplingParams(temperature=0, max_tokens=32),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=32),
+    ]
+    runs = []
+    for spec in (None, NGRAM):
+        llm = LLM(model, speculative_config=spec, **STRESS_ENGINE_ARGS)
+        if spec:
+            oracle_drafts(llm, prompts, [(tokens, None) for tokens in runs[0]])
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]  # greedy: equal; seeded sampling: the same draws
+    assert llm.engine.speculator.counters.num_accepted_tokens > 0
+
+
+def test_draft_model_speculation_is_refused_until_it_exists(random_model_dir):
+    with pytest.raises(ValueError, match="not supported yet"):
+        LLM(
+            str(random_model_dir("llama")),
+            speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+        )

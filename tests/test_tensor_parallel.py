@@ -3,7 +3,7 @@ against one rank on the test models and SmolLM2, a worker killed mid-stream, and
 
 Greedy tokens must be equal. Logits cannot be bit-equal: a row-parallel projection sums its ranks'
 partial products (``all_reduce``) where one rank runs one GEMM, a float32 reduction-order change.
-Its size is bounded by ``LOGPROB_ATOL`` on every returned log-probability."""
+Its size is bounded by ``models.LOGPROB_ATOL`` on every returned log-probability."""
 
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import STRESS_ENGINE_ARGS
-from models import make_random_model
+from models import assert_same_greedy, make_random_model
 
 from cb_serve import LLM, AsyncLLM, EngineConfig, SamplingParams
 from cb_serve.distributed.sharding import balanced_range, shard_for
 from cb_serve.errors import EngineError
 
-LOGPROB_ATOL = 1e-3  # float32 all-reduce order: per-rank partial sums added in another order than one GEMM's
-TOP_TWO_TIE = 1e-3  # a greedy pick may differ only where one rank's top two log-probabilities are this close
 PROMPTS = [
     list(range(100, 130)),
     list(range(300, 310)),
@@ -80,23 +78,6 @@ def test_shards_split_by_kv_head_and_replicate_past_them():
 def generate(llm: LLM):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-
-
-def assert_same_greedy(ours, ref, context: str) -> None:
-    """Equal tokens (a pick may differ only at a near-tie of the reference, where comparison stops)
-    and log-probabilities within ``LOGPROB_ATOL``."""
-    for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(ours, ref)):
-        for t, (a, b) in enumerate(zip(tokens, ref_tokens)):
-            top = sorted(ref_logprobs[t].values(), key=lambda lp: -lp.logprob)
-            if a != b:
-                assert top[0].logprob - top[1].logprob < TOP_TWO_TIE, f"{context} prompt {i}: token {t} differs"
-                break
-            for token_id, lp in ref_logprobs[t].items():
-                if token_id in logprobs[t]:
-                    diff = abs(logprobs[t][token_id].logprob - lp.logprob)
-                    assert diff <= LOGPROB_ATOL, f"{context} prompt {i} token {t}: logprob off by {diff:.2e}"
-        else:
-            assert len(tokens) == len(ref_tokens), context
 
 
 def stopped(pid: int, timeout: float = 20.0) -> bool:

@@ -32,13 +32,14 @@ from cb_serve.inputs import PromptType
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.device_context import device_context
-from cb_serve.model_executor.model_runner import ModelRunner
+from cb_serve.model_executor.model_runner import ModelRunner, StepSample
 from cb_serve.model_executor.model_setup import ModelSetup
-from cb_serve.model_executor.sampler import SamplerOutput
 from cb_serve.outputs import CompletionOutput, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
+from cb_serve.spec_decode.config import SpeculativeConfig
+from cb_serve.spec_decode.speculator import Speculator
 from cb_serve.stats import EngineStats, StepPhases, StepStats
 from cb_serve.structured_outputs.jump_forward import JumpForward
 
@@ -121,6 +122,10 @@ class LLMEngine:
         self.faults = FaultInjector.from_config(config.fault_injection)
         self.grammars = GrammarAdmission(self.tokenizer, self.hf_config.vocab_size)  # structured outputs
         self.jump = JumpForward(self.hf_config.vocab_size) if config.enable_jump_forward else None
+        self.speculator: Speculator | None = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len)
+        self.drafted_since_step = self.accepted_since_step = 0
         self.jump_forward_since_step = self.jump_forward_tokens = 0
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: tuple[StepListener, ...] = ()
@@ -264,6 +269,8 @@ class LLMEngine:
         failed steps in a row."""
         start = time.monotonic()
         refused = [self._refuse(r, e) for r, e in self.grammars.admit(self.scheduler)]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)  # drafts ride along in the ragged batch
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if not refused:
@@ -271,9 +278,10 @@ class LLMEngine:
             return refused
         scheduled = time.monotonic()
         before = None if self.inspector is None else [(s.num_computed_tokens, s.num_tokens) for s in sched.seqs]
-        num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk)
-            n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+        num_decode_tokens = sum(  # output tokens fed back one at a time (not a prompt's last chunk), with drafts
+            n
             for seq, n in zip(sched.seqs, sched.num_scheduled_tokens)
+            if n - len(seq.spec_token_ids) == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         )
         try:
             if self.faults is not None:
@@ -301,25 +309,44 @@ class LLMEngine:
         return outputs
 
     def _append_sampled(
-        self, seqs: list[Sequence], sampled: SamplerOutput | None, now: float
+        self, seqs: list[Sequence], sampled: StepSample | None, now: float
     ) -> tuple[dict[str, set[int]], dict[str, BaseException]]:
-        """Appends each sampled token: which completions of which requests changed, and which
-        requests failed on the way."""
+        """Appends each sampled token (a speculating sequence's accepted drafts and the target's
+        token after them): which completions of which requests changed, and which requests failed
+        on the way."""
         changed: dict[str, set[int]] = {}
         failed: dict[str, BaseException] = {}
         if sampled is None:
             return changed, failed
-        for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+        for seq, picks, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
             if seq.request_id in failed:
                 continue
             try:
-                self._append_token(seq, token_id, logprobs, now)
-                if logprobs is None:  # forced tokens have no logprobs of their own
+                self._append_emitted(seq, picks, logprobs, now)
+                if logprobs[-1] is None:  # forced tokens have no logprobs of their own
                     self._jump_forward(seq, now)
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 failed[seq.request_id] = e
+            finally:
+                seq.spec_token_ids = []
             changed.setdefault(seq.request_id, set()).add(seq.index)
         return changed, failed
+
+    def _append_emitted(self, seq: Sequence, picks: list[int], logprobs: list, now: float) -> None:
+        """The target's ``picks`` at ``seq``'s logits rows; with drafts, the accepted ones and the
+        target's token after them, each draft's KV counted as computed once it is accepted. A stop
+        among them ends the sequence there."""
+        emitted = picks if not seq.spec_token_ids else self.speculator.accept(seq, picks)
+        self.drafted_since_step += len(seq.spec_token_ids)
+        self.accepted_since_step += len(emitted) - 1
+        for i, token_id in enumerate(emitted):
+            if i:  # the previous token was an accepted draft: this step wrote its KV
+                seq.num_computed_tokens += 1
+            self._append_token(seq, token_id, logprobs[i], now)
+            if seq.is_finished:
+                return
+        if len(emitted) > 1:
+            self.block_manager.commit_computed(seq)  # blocks the accepted drafts filled
 
     def _make_outputs(self, changed: dict[str, set[int]], failed: dict[str, BaseException]) -> list[RequestOutput]:
         outputs = []
@@ -455,10 +482,13 @@ class LLMEngine:
             grammar_compile_s=self.grammars.drain_compile_times(),
             num_constrained_requests=self.constrained_since_step,
             jump_forward_tokens=self.jump_forward_since_step,
+            num_draft_tokens=self.drafted_since_step,
+            num_accepted_tokens=self.accepted_since_step,
         )
         self.ended_since_step.clear()
         self.jump_forward_tokens += self.jump_forward_since_step
         self.constrained_since_step = self.jump_forward_since_step = 0
+        self.drafted_since_step = self.accepted_since_step = 0
         self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
         for listener in self.step_listeners:
             try:

@@ -62,13 +62,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._fit_drafts(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            del seq.spec_token_ids[max(0, num_new - seq.num_uncomputed_tokens) :]  # the drafts that fit
             assert num_new > 0, seq
             while not self.block_manager.allocate(seq, num_new):
+                if seq.spec_token_ids:  # drafts never cost another sequence its blocks
+                    num_new -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -93,6 +99,15 @@ class Scheduler:
         assert out.total_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
         return out
+
+    def _fit_drafts(self, budget: int) -> None:
+        """Drafts (speculative decoding) only take budget no running sequence's own tokens need:
+        they are cut, in admission order, to what is left after every running sequence's tokens."""
+        spare = budget - sum(seq.num_uncomputed_tokens for seq in self.running)
+        for seq in self.running:
+            if seq.spec_token_ids:
+                seq.spec_token_ids = seq.spec_token_ids[: max(0, spare)]
+                spare -= len(seq.spec_token_ids)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -123,6 +138,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -130,9 +146,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` of what the step computed."""
+        """Advance ``num_computed_tokens`` of what the step computed: a speculating sequence's drafts
+        are not its tokens yet (the engine counts those it accepts, ``Speculator.accept``)."""
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
             assert seq.num_computed_tokens <= seq.num_tokens
             self.block_manager.commit_computed(seq)
 

@@ -13,7 +13,7 @@ from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
-from cb_serve.model_executor.sampler import Sampler, SamplerOutput, SamplingBatch
+from cb_serve.model_executor.sampler import Sampler, SamplingBatch
 from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.structured_outputs.bitmask_filler import BitmaskFiller
 
@@ -60,6 +60,16 @@ class ModelInput:
     logits_indices: torch.Tensor  # last scheduled token of each sequence that samples
     seqs: list[Sequence] = field(default_factory=list)  # in batch order: single-token (decode) rows first
     sampling_seqs: list[Sequence] = field(default_factory=list)
+    rows_per_seq: list[int] = field(default_factory=list)  # logits rows of each sampling sequence: 1 + its drafts
+
+
+@dataclass
+class StepSample:
+    """Per sampling sequence, the target's pick and its logprobs (None: not asked) at each of its
+    logits rows: one row, or ``1 + k`` for a sequence verifying ``k`` drafts."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[dict | None]]
 
 
 class HostStaging:
@@ -167,6 +177,8 @@ class ModelRunner:
         token_ids: list[int] = []
         for seq, start, end in zip(seqs, starts, seq_lens):
             token_ids.extend(seq.token_ids[start:end])
+            if end > seq.num_tokens:  # its drafts, verified in this step
+                token_ids.extend(seq.spec_token_ids[: end - seq.num_tokens])
         q_lens = np.asarray(query_lens, dtype=np.int64)
         cu_q = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
@@ -182,19 +194,24 @@ class ModelRunner:
         slot_mapping = block_table[row_of_token, positions // self.block_size] * self.block_size
         slot_mapping += positions % self.block_size
 
-        sampling = [i for i, (seq, end) in enumerate(zip(seqs, seq_lens)) if end == seq.num_tokens]
+        sampling = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens + len(s.spec_token_ids)]
+        # A sampling row per sequence, its last token's; a speculating one's 1 + k last tokens.
+        rows_of = [1 + len(seqs[i].spec_token_ids) for i in sampling]
+        logits_indices = [cu_q[i + 1] - n + j for i, n in zip(sampling, rows_of) for j in range(n)]
         arrays = {
             "input_ids": np.asarray(token_ids, dtype=np.int64),
             "positions": positions,
             "slot_mapping": slot_mapping,
-            "logits_indices": cu_q[1:][sampling] - 1,
+            "logits_indices": np.asarray(logits_indices, dtype=np.int64),
             "cu_seqlens_q": cu_q,
             "cu_seqlens_k": cu_k,
             "seqused_k": np.asarray(seq_lens),
             "block_table": block_table,
         }
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
-        return self.to_device(batch, seqs, [seqs[i] for i in sampling])
+        inp = self.to_device(batch, seqs, [seqs[i] for i in sampling])
+        inp.rows_per_seq = rows_of
+        return inp
 
     def to_device(
         self, batch: StepBatch, seqs: list[Sequence] | None = None, sampling_seqs: list[Sequence] | None = None
@@ -216,9 +233,10 @@ class ModelRunner:
         return ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> SamplerOutput | None:
+    def execute(self, inp: ModelInput) -> StepSample | None:
         self.last_grammar_timing = GrammarTiming()
-        constrained = [(row, seq.matcher) for row, seq in enumerate(inp.sampling_seqs) if seq.matcher is not None]
+        rows = [seq for seq, n in zip(inp.sampling_seqs, inp.rows_per_seq) for _ in range(n)]
+        constrained = [(row, seq.matcher) for row, seq in enumerate(rows) if seq.matcher is not None]
         masks = self.bitmasks.start(constrained)  # filled while the forward pass runs
         if self.workers is None:
             logits = self.compute_logits(inp)
@@ -230,13 +248,18 @@ class ModelRunner:
                 raise EngineFatalError(f"a tensor-parallel step failed: {e}") from e
         if logits is None:
             return None
-        batch = SamplingBatch.from_seqs(inp.sampling_seqs)
+        batch = SamplingBatch.from_seqs(rows)  # a speculating sequence has no grammar and no banned tokens
         if masks is not None:
             waited = time.perf_counter()
-            rows, bitmask, fill_s = masks.result()
-            batch.grammar = (rows, bitmask)
-            self.last_grammar_timing = GrammarTiming(len(rows), fill_s, time.perf_counter() - waited)
-        return self.sampler(logits, batch)
+            grammar_rows, bitmask, fill_s = masks.result()
+            batch.grammar = (grammar_rows, bitmask)
+            self.last_grammar_timing = GrammarTiming(len(grammar_rows), fill_s, time.perf_counter() - waited)
+        sampled = self.sampler(logits, batch)
+        bounds = np.cumsum([0, *inp.rows_per_seq])
+        return StepSample(
+            [sampled.token_ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+            [sampled.logprobs[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+        )
 
     @torch.inference_mode()
     def compute_logits(self, inp: ModelInput) -> torch.Tensor | None:
