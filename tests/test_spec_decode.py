@@ -212,9 +212,9 @@ def test_stops_inside_an_accepted_run_cut_it_there(random_model_dir, tokenizer):
     assert spec_llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_sampled_requests_do_not_speculate_and_mix_with_speculating_ones(random_model_dir, tokenizer):
-    """Greedy and sampled requests in one batch: the sampled ones decode a token a step (seeded:
-    the same tokens as without speculation), the greedy ones still equal plain greedy."""
+def test_sampled_and_greedy_requests_speculate_side_by_side(random_model_dir, tokenizer):
+    """Greedy and seeded sampled requests in one batch, with drafts: the greedy ones equal plain
+    greedy, the sampled ones are reproducible (two runs, the same tokens), and both accept drafts."""
     model = str(random_model_dir("llama"))
     prompts = spec_prompts(tokenizer)[:4]
     params = [
@@ -223,14 +223,52 @@ def test_sampled_requests_do_not_speculate_and_mix_with_speculating_ones(random_
         SamplingParams(temperature=0, max_tokens=32),
         SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=32),
     ]
+    plain = [o.outputs[0].token_ids for o in LLM(model, **STRESS_ENGINE_ARGS).generate(prompts, params, use_tqdm=False)]
     runs = []
-    for spec in (None, NGRAM):
-        llm = LLM(model, speculative_config=spec, **STRESS_ENGINE_ARGS)
-        if spec:
-            oracle_drafts(llm, prompts, [(tokens, None) for tokens in runs[0]])
+    for _ in range(2):
+        llm = LLM(model, speculative_config=NGRAM, **STRESS_ENGINE_ARGS)
+        oracle_drafts(llm, prompts, [(tokens, None) for tokens in plain])
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert runs[0] == runs[1]  # greedy: equal; seeded sampling: the same draws
-    assert llm.engine.speculator.counters.num_accepted_tokens > 0
+        assert llm.engine.speculator.counters.num_accepted_tokens > 0
+    assert runs[0] == runs[1]  # seeded: reproducible with drafts
+    assert runs[0][0] == plain[0] and runs[0][2] == plain[2]  # greedy: unchanged
+
+
+def test_sampling_with_drafts_keeps_the_distribution(tokenizer):
+    """SmolLM2 continuing a count at temperature 1: the second and third sampled tokens (the first
+    ones drafts can touch) of 600 seeded requests follow the same distribution with drafts
+    (rejection sampling; the drafts are the greedy continuation, often but not always accepted) as
+    without: each token's two frequencies within 5 standard deviations of their pooled estimate (a
+    false alarm has probability < 1e-6 per token compared, normal approximation)."""
+    model = None
+    prompt = tokenizer.encode("Counting: 1, 2, 3, 4, 5, 6, 7,")
+    n = 600
+    args = dict(max_model_len=128, num_gpu_blocks=1024, max_num_seqs=128, max_num_batched_tokens=2048)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True) for seed in range(n)]
+    greedy = LLM(model, **args).generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    likely = greedy[0].outputs[0].token_ids
+    outputs = {}
+    for spec in (None, NGRAM):
+        llm = LLM(model, speculative_config=spec, **args)
+        if spec:
+
+            def propose(running, speculator=llm.engine.speculator) -> None:
+                for seq in running:
+                    k = speculator.num_drafts_for(seq)
+                    seq.spec_token_ids = likely[seq.num_output_tokens :][:k]
+
+            llm.engine.speculator.propose = propose
+        outputs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+        if spec:
+            counters = llm.engine.speculator.counters
+            assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, counters
+    for position in (1, 2):
+        plain = [tokens[position] for tokens in outputs[False]]
+        drafted = [tokens[position] for tokens in outputs[True]]
+        for token in set(plain) | set(drafted):
+            a, b = plain.count(token) / n, drafted.count(token) / n
+            pooled = (a + b) / 2
+            assert abs(a - b) <= 5 * math.sqrt(pooled * (1 - pooled) * 2 / n) + 1e-12, (position, token, a, b)
 
 
 def test_draft_model_speculation_is_refused_until_it_exists(random_model_dir):

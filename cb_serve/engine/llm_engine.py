@@ -318,11 +318,11 @@ class LLMEngine:
         failed: dict[str, BaseException] = {}
         if sampled is None:
             return changed, failed
-        for seq, picks, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+        for seq, emitted, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
             if seq.request_id in failed:
                 continue
             try:
-                self._append_emitted(seq, picks, logprobs, now)
+                self._append_emitted(seq, emitted, logprobs, now)
                 if logprobs[-1] is None:  # forced tokens have no logprobs of their own
                     self._jump_forward(seq, now)
             except Exception as e:  # noqa: BLE001 - this request's own failure
@@ -332,13 +332,13 @@ class LLMEngine:
             changed.setdefault(seq.request_id, set()).add(seq.index)
         return changed, failed
 
-    def _append_emitted(self, seq: Sequence, picks: list[int], logprobs: list, now: float) -> None:
-        """The target's ``picks`` at ``seq``'s logits rows; with drafts, the accepted ones and the
-        target's token after them, each draft's KV counted as computed once it is accepted. A stop
-        among them ends the sequence there."""
-        emitted = picks if not seq.spec_token_ids else self.speculator.accept(seq, picks)
-        self.drafted_since_step += len(seq.spec_token_ids)
-        self.accepted_since_step += len(emitted) - 1
+    def _append_emitted(self, seq: Sequence, emitted: list[int], logprobs: list, now: float) -> None:
+        """The sampled token; after drafts, the accepted ones and the target's token after them, each
+        draft's KV counted as computed once it is accepted. A stop among them ends the sequence there."""
+        if seq.spec_token_ids:
+            self.speculator.record(len(seq.spec_token_ids), len(emitted))
+            self.drafted_since_step += len(seq.spec_token_ids)
+            self.accepted_since_step += len(emitted) - 1
         for i, token_id in enumerate(emitted):
             if i:  # the previous token was an accepted draft: this step wrote its KV
                 seq.num_computed_tokens += 1

@@ -12,6 +12,7 @@ import torch
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
+from cb_serve.model_executor.draft_verifier import verify_drafts
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch
 from cb_serve.sequence import SchedulerOutput, Sequence
@@ -65,8 +66,8 @@ class ModelInput:
 
 @dataclass
 class StepSample:
-    """Per sampling sequence, the target's pick and its logprobs (None: not asked) at each of its
-    logits rows: one row, or ``1 + k`` for a sequence verifying ``k`` drafts."""
+    """Per sampling sequence, the tokens it emits and their logprobs (None: not asked): the sampled
+    token, or for a sequence that verified drafts its accepted drafts and the target's token."""
 
     token_ids: list[list[int]]
     logprobs: list[list[dict | None]]
@@ -235,8 +236,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> StepSample | None:
         self.last_grammar_timing = GrammarTiming()
-        rows = [seq for seq, n in zip(inp.sampling_seqs, inp.rows_per_seq) for _ in range(n)]
-        constrained = [(row, seq.matcher) for row, seq in enumerate(rows) if seq.matcher is not None]
+        seqs, rows_per_seq = inp.sampling_seqs, inp.rows_per_seq
+        single = [i for i, n in enumerate(rows_per_seq) if n == 1]  # sequences sampling one token
+        constrained = [(row, seqs[i].matcher) for row, i in enumerate(single) if seqs[i].matcher is not None]
         masks = self.bitmasks.start(constrained)  # filled while the forward pass runs
         if self.workers is None:
             logits = self.compute_logits(inp)
@@ -248,18 +250,23 @@ class ModelRunner:
                 raise EngineFatalError(f"a tensor-parallel step failed: {e}") from e
         if logits is None:
             return None
-        batch = SamplingBatch.from_seqs(rows)  # a speculating sequence has no grammar and no banned tokens
-        if masks is not None:
-            waited = time.perf_counter()
-            grammar_rows, bitmask, fill_s = masks.result()
-            batch.grammar = (grammar_rows, bitmask)
-            self.last_grammar_timing = GrammarTiming(len(grammar_rows), fill_s, time.perf_counter() - waited)
-        sampled = self.sampler(logits, batch)
-        bounds = np.cumsum([0, *inp.rows_per_seq])
-        return StepSample(
-            [sampled.token_ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-            [sampled.logprobs[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-        )
+        starts = np.cumsum([0, *rows_per_seq]).tolist()
+        out = StepSample([[] for _ in seqs], [[] for _ in seqs])
+        if single:
+            one_row = logits if len(single) == len(seqs) else logits[[starts[i] for i in single]]
+            batch = SamplingBatch.from_seqs([seqs[i] for i in single])
+            if masks is not None:
+                waited = time.perf_counter()
+                grammar_rows, bitmask, fill_s = masks.result()
+                batch.grammar = (grammar_rows, bitmask)
+                self.last_grammar_timing = GrammarTiming(len(grammar_rows), fill_s, time.perf_counter() - waited)
+            sampled = self.sampler(one_row, batch)
+            for row, i in enumerate(single):
+                out.token_ids[i], out.logprobs[i] = [sampled.token_ids[row]], [sampled.logprobs[row]]
+        for i, n in enumerate(rows_per_seq):
+            if n > 1:  # drafts to verify
+                out.token_ids[i], out.logprobs[i] = verify_drafts(seqs[i], logits[starts[i] : starts[i] + n])
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, inp: ModelInput) -> torch.Tensor | None:

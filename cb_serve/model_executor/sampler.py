@@ -77,7 +77,7 @@ class Sampler:
             sampled = self._random(logits, batch)
             sampled = torch.where(batch.temperature.to(logits.device) == 0, greedy, sampled)
         token_ids = sampled.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, batch, token_ids))
+        return SamplerOutput(token_ids, self.token_logprobs(raw_logprobs, batch, token_ids))
 
     @staticmethod
     def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -123,7 +123,7 @@ class Sampler:
         return (probs / u.log_().neg_()).argmax(dim=-1)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, batch: SamplingBatch, token_ids: list[int]) -> list[dict | None]:
+    def token_logprobs(raw: torch.Tensor | None, batch: SamplingBatch, token_ids: list[int]) -> list[dict | None]:
         """Per row asking for ``k`` logprobs: the ``k`` most likely tokens and the sampled one,
         with ranks, from the log-softmax of the logits before any filtering (vLLM's default)."""
         if raw is None:

@@ -1,12 +1,11 @@
 """Speculation joins the engine step at two places: ``propose`` drafts tokens for the running
 sequences before the step is scheduled (the scheduler gives a speculating sequence ``1 + k``
-query tokens in the ragged batch), and ``accept`` turns the target's picks at those ``1 + k``
-positions into the tokens the sequence emits.
+query tokens in the ragged batch), and ``record`` counts what the verification accepted.
 
-Which sequences speculate: greedy ones (temperature 0) without a grammar, past ``min_tokens``,
-that have caught up (one token to compute). ``k`` is capped so a step never emits more than
-``max_tokens`` allows and never places a draft at ``max_model_len`` or beyond. Sampled requests
-decode one token a step as before (``verify.rejection_sample`` is their verifier, not yet wired).
+Which sequences speculate: those without a grammar, past ``min_tokens``, that have caught up (one
+token to compute). ``k`` is capped so a step never emits more than ``max_tokens`` allows and never
+places a draft at ``max_model_len`` or beyond. The model runner verifies the drafts
+(``model_executor.draft_verifier``: greedy acceptance, or rejection sampling for sampled requests).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dataclasses import dataclass, field
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.config import SpeculativeConfig
 from cb_serve.spec_decode.ngram import NgramIndex
-from cb_serve.spec_decode.verify import accept_greedy
 
 
 @dataclass
@@ -40,7 +38,7 @@ class Speculator:
     def num_drafts_for(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may draft this step (0: it decodes one token)."""
         params = seq.params
-        if not params.greedy or seq.matcher is not None or seq.num_output_tokens < params.min_tokens:
+        if seq.matcher is not None or seq.num_output_tokens < params.min_tokens:
             return 0
         if seq.num_tokens - seq.num_computed_tokens != 1:
             return 0  # still prefilling, or a jump-forward chunk pending
@@ -60,15 +58,13 @@ class Speculator:
             seq.ngram.extend(seq.token_ids[len(seq.ngram.tokens) :])  # only what is new since the last step
             seq.spec_token_ids = seq.ngram.propose(k)
 
-    def accept(self, seq: Sequence, picks: list[int]) -> list[int]:
-        """The tokens ``seq`` emits, given the target's greedy picks at its ``1 + k`` positions."""
-        drafts = seq.spec_token_ids
-        emitted = accept_greedy(drafts, picks)
-        if drafts:
+    def record(self, num_drafts: int, num_emitted: int) -> None:
+        """One verified sequence-step: ``num_drafts`` drafted, ``num_emitted`` tokens emitted (the
+        accepted drafts and the target's own token)."""
+        if num_drafts:
             c = self.counters
             c.num_drafts += 1
-            c.num_draft_tokens += len(drafts)
-            c.num_accepted_tokens += len(emitted) - 1
-            for i in range(len(emitted) - 1):
+            c.num_draft_tokens += num_drafts
+            c.num_accepted_tokens += num_emitted - 1
+            for i in range(num_emitted - 1):
                 c.accepted_per_pos[i] += 1
-        return emitted

@@ -1,0 +1,28 @@
+"""Verifying one sequence's drafts against the target's logits at its ``1 + k`` positions, with the
+sampler's own filters: greedy picks for a greedy request, rejection sampling (with the request's
+seeded generator) for a sampled one, and the logprobs of every emitted token."""
+
+from __future__ import annotations
+
+import torch
+
+from cb_serve.model_executor.sampler import Sampler, SamplingBatch
+from cb_serve.sequence import Sequence
+from cb_serve.spec_decode.verify import accept_greedy, rejection_sample
+
+
+def verify_drafts(seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list[dict | None]]:
+    """The tokens ``seq`` emits (its accepted drafts, then the target's token) and their logprobs.
+    ``logits``: float32 ``[1 + k, vocab]``, unmodified (a speculating sequence has no grammar and
+    no banned tokens)."""
+    drafts = seq.spec_token_ids
+    assert logits.shape[0] == len(drafts) + 1 and seq.matcher is None
+    if seq.params.greedy:
+        emitted = accept_greedy(drafts, logits.max(dim=-1).indices.tolist())  # the first maximum, as sampled
+    else:
+        probs = Sampler.probabilities(logits, SamplingBatch.from_seqs([seq] * logits.shape[0]))
+        emitted = rejection_sample(drafts, probs.cpu(), None, seq.generator)  # CPU: seeded draws on any device
+    if seq.params.logprobs is None:
+        return emitted, [None] * len(emitted)
+    raw = torch.log_softmax(logits[: len(emitted)], dim=-1)
+    return emitted, Sampler.token_logprobs(raw, SamplingBatch.from_seqs([seq] * len(emitted)), emitted)
