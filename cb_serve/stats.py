@@ -44,8 +44,10 @@ class StepStats:
     grammar_compile_s: tuple[float, ...] = ()
     num_constrained_requests: int = 0
     jump_forward_tokens: int = 0  # tokens a grammar forced after this step's sampling (no forward pass of their own)
-    num_draft_tokens: int = 0  # speculative decoding: drafts this step verified
+    num_drafts: int = 0  # speculative decoding: sequences whose drafts this step verified
+    num_draft_tokens: int = 0  # their drafts
     num_accepted_tokens: int = 0  # of those, drafts the target agreed with (emitted beside its own token)
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
 
     @property
     def budget_fill(self) -> float:

@@ -43,7 +43,16 @@ SERVE_SERIES = (
 )
 GPU_SERIES = ("ray_node_gpus_utilization", "ray_node_gram_used", "ray_node_gram_available")
 # Engine metrics nothing feeds yet: Ray exports a counter only after its first (positive) increment.
-UNFED_METRICS: dict[str, str] = {}  # metrics no workload here can feed (name: why)
+# Metrics no workload here can feed (name: why).
+UNFED_METRICS: dict[str, str] = dict.fromkeys(
+    [
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
+    ],
+    "this stack runs no speculative decoding (tests/test_spec_decode.py records them)",
+)
 # Forces chunked prefill (budget < prompt), preemption (few blocks) and prefix-cache hits.
 ENGINE_ARGS = dict(
     block_size=16,
@@ -202,6 +211,28 @@ def test_requests_and_sequences_are_counted_apart(random_model_dir):
     assert tuple(metrics.m[name].all()[-1] for name in names) == (0, 0, 0, 0)
     for name in names:  # both labels, the same value
         assert {dict(tags)["model_name"] for tags in metrics.m[name].values} == {"tiny"}
+
+
+def test_speculative_decoding_counters_follow_the_steps():
+    from cb_serve.serve.metrics import EngineMetrics
+    from cb_serve.stats import StepStats
+
+    class Engine:
+        def add_step_listener(self, listener) -> None: ...
+
+    metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
+    metrics._stop.set()  # no flusher: the steps are recorded by hand below
+    base = dict(num_decode_tokens=15, num_prefill_tokens=0, num_scheduled_tokens=15, token_budget=64, num_preempted=0)
+    for drafts, tokens, accepted, per_pos in [(2, 7, 4, (2, 1, 1, 0)), (0, 0, 0, ()), (1, 4, 1, (1, 0, 0, 0))]:
+        step = StepStats(num_seqs=4, duration_s=0.01, **base)
+        step.num_drafts, step.num_draft_tokens, step.num_accepted_tokens = drafts, tokens, accepted
+        step.num_accepted_tokens_per_pos = per_pos
+        metrics._record_spec_decode(step)
+    m = metrics.m
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    assert [sum(m["spec_decode_" + name].all()) for name in names] == [3, 11, 5]
+    per_pos = m["spec_decode_num_accepted_tokens_per_pos"].values.items()
+    assert {dict(tags)["position"]: sum(v) for tags, v in per_pos} == {"0": 3, "1": 1, "2": 1}
 
 
 def test_dashboard_is_importable_with_a_datasource_variable():
@@ -591,7 +622,8 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
         else:
             missing[f"{title}: {substitute(expr, window)}"] = result
     assert not missing, f"dashboard queries without data: {missing}"
-    assert set(empty_as_allowed) <= {"GPU utilization", "GPU memory", "Jump-forward tokens"}, empty_as_allowed
+    speculation = {"Draft acceptance rate", "Draft tokens", "Acceptance by draft position"}
+    assert set(empty_as_allowed) <= {"GPU utilization", "GPU memory", "Jump-forward tokens", *speculation}
     for title, expr in queries:
         assert not prom.query(substitute(expr, window, ray_io_cluster="no-such-cluster"), at=at), title
 

@@ -171,9 +171,18 @@ def test_greedy_with_drafts_equals_greedy_without(arch, drafts, random_model_dir
     if drafts == "oracle":
         oracle_drafts(spec_llm, prompts, ref)
     before = spec_llm.engine.get_stats()
+    steps = []
+    spec_llm.engine.add_step_listener(lambda step, _outputs: steps.append(step))
     ours, _ = greedy_runs(spec_llm, prompts)
     assert_same_greedy(ours, ref, f"{arch} {drafts}")
     stats, counters = spec_llm.engine.get_stats(), spec_llm.engine.speculator.counters
+    assert sum(s.num_draft_tokens for s in steps) == counters.num_draft_tokens  # what the metrics count
+    assert sum(s.num_accepted_tokens for s in steps) == counters.num_accepted_tokens
+    assert [sum(p) for p in zip(*(s.num_accepted_tokens_per_pos for s in steps))] == counters.accepted_per_pos
+    shown = [q for record in spec_llm.engine.inspect("steps", limit=100_000) for q in record["seqs"]]  # the inspector
+    assert sum(q["drafted"] for q in shown) == counters.num_draft_tokens
+    assert sum(q["accepted"] for q in shown) <= counters.num_accepted_tokens  # a stop may end a run early
+    assert all(q["kind"] == "decode" for q in shown if q["drafted"])
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, counters
     if drafts == "oracle":
         assert counters.accepted_per_pos[-1] > 0 and counters.accepted_per_pos[0] < counters.num_drafts, counters

@@ -259,10 +259,10 @@ class AsyncLLM:
             self._inbox.fail(item, self._not_running())
         for stream in self._live.values():
             dead = self.error is not None
+            self._inbox.release(stream)  # first: a caller that sees the error finds its id free
             stream.put(
                 EngineDeadError("The engine replica failed; retry the request.") if dead else self._not_running()
             )
-            self._inbox.release(stream)
         self._live.clear()
         for stream in held:  # none is expected: each was queued (failed above) or taken
             if not stream.ended:

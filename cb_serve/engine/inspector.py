@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cb_serve.engine.block_manager import BlockManager
@@ -36,6 +36,8 @@ class ScheduledSeq:
     chunk: int  # 1, 2, ... for prefill chunks; 0 for decodes
     constrained: bool = False  # carries a grammar matcher (structured outputs)
     forced: int = 0  # of the tokens, those a grammar forced (jump-forward) after the previous step's sample
+    drafted: int = 0  # of the tokens, drafts verified in this step (speculative decoding)
+    accepted: int = 0  # of those drafts, the ones the target accepted
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +52,8 @@ class ScheduledSeq:
             "last_chunk": not self.is_decode and self.computed_before + self.num_tokens == self.target,
             "constrained": self.constrained,
             "forced": self.forced,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
         }
 
 
@@ -178,13 +182,15 @@ class Inspector:
         finished: list[tuple[str, int, str]] = []
         for i, (seq, n, (computed, target)) in enumerate(zip(sched.seqs, sched.num_scheduled_tokens, before)):
             tl = self.live.get(seq.request_id)
-            is_decode = n == 1 and computed >= seq.num_prompt_tokens
-            chunk = 0 if is_decode else 1 if i >= first_admitted else self._next_chunk(tl, seq.index)
             grammar = seq.matcher is not None
+            caught_up = target - computed == 1 and computed >= seq.num_prompt_tokens
+            drafted = n - 1 if caught_up and n > 1 and not grammar else 0  # the sample's token + drafts
+            accepted = min(drafted, max(0, seq.num_tokens - target - 1)) if drafted else 0
+            is_decode = (n == 1 or drafted > 0) and computed >= seq.num_prompt_tokens
+            chunk = 0 if is_decode else 1 if i >= first_admitted else self._next_chunk(tl, seq.index)
             forced = n - 1 if grammar and n > 1 and computed >= seq.num_prompt_tokens else 0  # a sample + forced tokens
-            scheduled.append(
-                ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk, grammar, forced)
-            )
+            record = ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk, grammar, forced)
+            scheduled.append(replace(record, drafted=drafted, accepted=accepted) if drafted else record)
             if i >= first_admitted:
                 admitted.append((seq.request_id, seq.index))
             if seq.is_finished:

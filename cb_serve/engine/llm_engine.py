@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 from cb_serve.spec_decode.config import SpeculativeConfig
-from cb_serve.spec_decode.speculator import Speculator
+from cb_serve.spec_decode.speculator import SpecCounters, Speculator
 from cb_serve.stats import EngineStats, StepPhases, StepStats
 from cb_serve.structured_outputs.jump_forward import JumpForward
 
@@ -125,7 +126,7 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative_config is not None:
             self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len)
-        self.drafted_since_step = self.accepted_since_step = 0
+        self.spec_seen = SpecCounters()  # the speculator's counters at the last recorded step
         self.jump_forward_since_step = self.jump_forward_tokens = 0
         self.requests: dict[str, RequestState] = {}
         self.step_listeners: tuple[StepListener, ...] = ()
@@ -337,8 +338,6 @@ class LLMEngine:
         draft's KV counted as computed once it is accepted. A stop among them ends the sequence there."""
         if seq.spec_token_ids:
             self.speculator.record(len(seq.spec_token_ids), len(emitted))
-            self.drafted_since_step += len(seq.spec_token_ids)
-            self.accepted_since_step += len(emitted) - 1
         for i, token_id in enumerate(emitted):
             if i:  # the previous token was an accepted draft: this step wrote its KV
                 seq.num_computed_tokens += 1
@@ -482,19 +481,33 @@ class LLMEngine:
             grammar_compile_s=self.grammars.drain_compile_times(),
             num_constrained_requests=self.constrained_since_step,
             jump_forward_tokens=self.jump_forward_since_step,
-            num_draft_tokens=self.drafted_since_step,
-            num_accepted_tokens=self.accepted_since_step,
+            **self._spec_since_step(),
         )
         self.ended_since_step.clear()
         self.jump_forward_tokens += self.jump_forward_since_step
         self.constrained_since_step = self.jump_forward_since_step = 0
-        self.drafted_since_step = self.accepted_since_step = 0
         self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
         for listener in self.step_listeners:
             try:
                 listener(stats, outputs)
             except Exception:  # noqa: BLE001 - an observer must not stop the engine
                 logger.exception("step listener %r failed", listener)
+
+    def _spec_since_step(self) -> dict[str, Any]:
+        """The speculator's counts since the last recorded step (``StepStats`` fields)."""
+        if self.speculator is None:
+            return {}
+        now, seen = self.speculator.counters, self.spec_seen
+        self.spec_seen = dataclasses.replace(now, accepted_per_pos=list(now.accepted_per_pos))
+        per_pos = tuple(
+            a - b for a, b in zip(now.accepted_per_pos, seen.accepted_per_pos or [0] * len(now.accepted_per_pos))
+        )
+        return {
+            "num_drafts": now.num_drafts - seen.num_drafts,
+            "num_draft_tokens": now.num_draft_tokens - seen.num_draft_tokens,
+            "num_accepted_tokens": now.num_accepted_tokens - seen.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": per_pos,
+        }
 
     def inspect(self, what: str, **kwargs: Any) -> Any:
         """The inspector's view (None when it is off): ``steps`` (after_step, limit),

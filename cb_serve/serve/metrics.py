@@ -76,7 +76,16 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
         "Per step with constrained sequences: sampling waiting for the bitmasks after the forward.",
     ),
     "jump_forward_tokens": ("counter", "Tokens a grammar forced, appended without a step of their own (jump-forward)."),
+    "spec_decode_num_drafts": ("counter", "Speculative decoding: sequence-steps that verified drafts."),
+    "spec_decode_num_draft_tokens": ("counter", "Speculative decoding: draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("counter", "Speculative decoding: draft tokens accepted."),
+    "spec_decode_num_accepted_tokens_per_pos": (
+        "counter",
+        "Speculative decoding: draft tokens accepted at each draft position (label position, from 0).",
+    ),
 }
+# Labels beside the model's, per metric.
+EXTRA_TAGS = {"request_success": ("finished_reason",), "spec_decode_num_accepted_tokens_per_pos": ("position",)}
 ROUTER_METRICS: dict[str, tuple[str, str]] = {
     "router_requests": ("counter", "Requests the router sent to each engine replica (label engine_replica)."),
     "router_rejections": ("counter", "Requests answered with an error, by HTTP status and error type."),
@@ -149,10 +158,7 @@ class EngineMetrics:
     def __init__(self, engine: AsyncLLM, model: str, interval_s: float = 1.0, api: ModuleType | None = None) -> None:
         api = api or _serve_metrics()
         tags = {"model_name": model, "model": model}
-        self.m = {
-            name: _make(api, name, (*MODEL_TAGS, "finished_reason") if name == "request_success" else MODEL_TAGS, tags)
-            for name in ENGINE_METRICS
-        }
+        self.m = {name: _make(api, name, (*MODEL_TAGS, *EXTRA_TAGS.get(name, ())), tags) for name in ENGINE_METRICS}
         self._engine = engine
         self._counted = dict.fromkeys(_COUNTER_FIELDS, 0)
         self._steps: deque[tuple[StepStats, list[RequestOutput]]] = deque(maxlen=self.MAX_PENDING_STEPS)
@@ -194,6 +200,7 @@ class EngineMetrics:
         m["batch_token_fill_ratio"].observe(step.budget_fill)
         m["batch_num_seqs"].observe(step.num_seqs)
         self._record_grammar(step)
+        self._record_spec_decode(step)
         for request_id in step.ended_request_ids:
             self._last_token.pop(request_id, None)
         for out in outputs:
@@ -231,6 +238,16 @@ class EngineMetrics:
             m["grammar_bitmask_wait_seconds"].observe(step.grammar_wait_s)
         if step.jump_forward_tokens:
             m["jump_forward_tokens"].inc(step.jump_forward_tokens)
+
+    def _record_spec_decode(self, step: StepStats) -> None:
+        """Speculative decoding: the step's verified drafts and what was accepted, by position."""
+        m = self.m
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if value := getattr(step, name):
+                m["spec_decode_" + name].inc(value)
+        for position, accepted in enumerate(step.num_accepted_tokens_per_pos):
+            if accepted:
+                m["spec_decode_num_accepted_tokens_per_pos"].inc(accepted, tags={"position": str(position)})
 
     def _record_stats(self, s: EngineStats) -> None:
         m = self.m
