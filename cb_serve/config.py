@@ -80,7 +80,7 @@ class EngineConfig:
     speculative_config: dict | None = _arg(
         None,
         'Speculative decoding, as in vLLM: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, '
-        '"prompt_lookup_max": 4} (a JSON object on the command line). Greedy requests without a grammar speculate.',
+        '"prompt_lookup_max": 4} (a JSON object on the command line). Requests without a grammar speculate.',
     )
     attention_backend: str = _arg(
         "auto",
