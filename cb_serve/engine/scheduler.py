@@ -147,7 +147,7 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` of what the step computed: a speculating sequence's drafts
-        are not its tokens yet (the engine counts those it accepts, ``Speculator.accept``)."""
+        are not its tokens yet (the engine counts those the verification accepted, ``LLMEngine._append_emitted``)."""
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += n - len(seq.spec_token_ids)
             assert seq.num_computed_tokens <= seq.num_tokens
