@@ -80,7 +80,9 @@ class EngineConfig:
     speculative_config: dict | None = _arg(
         None,
         'Speculative decoding, as in vLLM: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, '
-        '"prompt_lookup_max": 4} (a JSON object on the command line). Requests without a grammar speculate.',
+        '"prompt_lookup_max": 4, "adaptive": true} (a JSON object on the command line); adaptive (the default) '
+        "drafts only where measured step costs and acceptance say it pays. Structured outputs speculate too "
+        "(with the drafts their grammar admits).",
     )
     attention_backend: str = _arg(
         "auto",

@@ -87,7 +87,7 @@ class Sequence:
         self.num_preemptions = 0
         self.matcher: Any = None  # its GrammarMatcher when the request constrains its output
         self.spec_token_ids: list[int] = []  # drafts the next step verifies (speculative decoding)
-        self.ngram: Any = None  # its n-gram index, once it speculates
+        self.spec_state: Any = None  # speculative decoding's own (``spec_decode.speculator.SeqSpecState``)
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -3,6 +3,8 @@ end, left after a few outputs, cancelled at a random moment or before its first 
 inspect with tiny timeouts or cancelled; stats and cache digests; request ids drawn from a
 small pool so ids are reused while their earlier requests are still being aborted.
 
+With speculative decoding too (drafts accepted and rejected between the aborts).
+
 After every step (a step listener on the engine thread): the KV blocks are exactly those the
 live sequences hold, and every request the engine holds has the stream that added it (none
 runs on without a consumer). After every call: the engine is alive; every output a stream gets
@@ -20,7 +22,9 @@ import os
 import random
 from collections import Counter
 
+import pytest
 from test_async_races import settled
+from test_spec_decode import FIXED_K, OracleProposer
 
 from cb_serve import LLM, AsyncLLM, EngineConfig, RequestIdInUseError, RequestOutputKind, SamplingParams
 from cb_serve.engine import inbox as inbox_module
@@ -36,14 +40,20 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
 
-def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, monkeypatch):
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
+def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, monkeypatch, speculate):
+    """With ``speculative``, every sequence drafts its own greedy continuation with one draft wrong
+    at a moving position, so accepted runs, rejections and aborts between them all happen."""
     model = str(random_model_dir("llama"))
     args = dict(max_model_len=256, num_gpu_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
     offline = LLM(model, **args)
     expected = [out.outputs[0].token_ids for out in offline.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)]
     del offline
     monkeypatch.setattr(inbox_module, "REQUEST_ID_WAIT_S", 0.2)
-    llm = AsyncLLM(EngineConfig(model=model, **args))
+    spec = {"speculative_config": FIXED_K} if speculate else {}
+    llm = AsyncLLM(EngineConfig(model=model, **args, **spec))
+    if speculate:
+        llm._engine.speculator.proposer = OracleProposer({tuple(p): e for p, e in zip(PROMPTS, expected)})
     violations: list[str] = []
 
     def check_step(stats, outputs) -> None:  # engine thread, after each step
@@ -127,6 +137,9 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
         assert llm.is_alive and not violations, violations[:3]
         assert llm.get_stats().kv_blocks_used == 0
         assert counts["completed"] and counts["left early"] and counts["cancel cancelled"], counts
+        if speculate:
+            spec_counters = llm._engine.speculator.counters
+            assert 0 < spec_counters.num_accepted_tokens < spec_counters.num_draft_tokens, spec_counters
     finally:
         llm.shutdown()
     print(dict(counts))

@@ -60,11 +60,28 @@ def test_cpu_config_serves_locally_with_bounded_queues():
     assert AppArgs.model_validate(app.args).engine["max_waiting_requests"] > 0
 
 
+def commented_speculative_config() -> dict:
+    """deploy/config.yaml's speculative_config line, commented out there: what turns speculation on."""
+    (line,) = [x for x in (DEPLOY / "config.yaml").read_text().splitlines() if "# speculative_config:" in x]
+    return yaml.safe_load(line.replace("# ", "", 1).strip())["speculative_config"]
+
+
+def test_config_yaml_turns_speculation_on_with_its_commented_line():
+    config = load("config.yaml")
+    (app,) = config["applications"]
+    app["args"]["engine"]["speculative_config"] = commented_speculative_config()
+    args = AppArgs.model_validate(app["args"])
+    assert args.engine["speculative_config"]["method"] == "ngram"
+    assert build_app(app["args"]) is not None
+
+
 def test_app_args_reject_unknown_keys_and_bad_values():
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"engine": {"no_such_engine_arg": 1}})
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"engine": {"max_num_seqs": 0}})
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate({"engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 99}}})
     with pytest.raises(ValidationError):
         AppArgs.model_validate({"routr": {}})
     with pytest.raises(ValidationError):

@@ -1,5 +1,7 @@
-"""Serving smoke test: ``serve run deploy/config.yaml`` as a user runs it, then the real
-``openai`` client on 127.0.0.1 (bounded in time). The full serving acceptance suite
+"""Serving smoke test: ``serve run deploy/config.yaml`` as a user runs it, with its commented
+``speculative_config`` line turned on (n-gram speculative decoding; the plain file is what
+test_shutdown.py and test_cli.py serve), then the real ``openai`` client on 127.0.0.1 (bounded in
+time): greedy text equals offline decoding without speculation. The full serving acceptance suite
 (concurrency, routing across replicas, disconnects, overload) belongs to the serving issue."""
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ openai = pytest.importorskip("openai")
 def server(tmp_path_factory):
     serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "CB_SERVE_API_KEY": API_KEY}
-    log_path = tmp_path_factory.mktemp("serve") / "serve_run.log"
+    workdir = tmp_path_factory.mktemp("serve")
+    config = workdir / "config.speculative.yaml"
+    text = (ROOT / "deploy" / "config.yaml").read_text()
+    assert "        # speculative_config:" in text
+    config.write_text(text.replace("        # speculative_config:", "        speculative_config:"))
+    log_path = workdir / "serve_run.log"
     log = log_path.open("w")
     proc = subprocess.Popen(
-        [serve_bin, "run", "deploy/config.yaml"],
+        [serve_bin, "run", str(config)],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -3,9 +3,12 @@ drafts, greedy (exact) and by rejection sampling (distribution-exact, by a frequ
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import STRESS_ENGINE_ARGS
@@ -14,6 +17,9 @@ from models import assert_same_greedy
 from cb_serve import LLM, SamplingParams
 from cb_serve.spec_decode.config import SpeculativeConfig
 from cb_serve.spec_decode.ngram import NgramIndex
+from cb_serve.spec_decode.policy import StepCostCurve, choose_num_drafts, draft_gains
+from cb_serve.spec_decode.proposer import DraftProposer
+from cb_serve.spec_decode.speculator import SeqSpecState
 from cb_serve.spec_decode.verify import accept_greedy, rejection_sample
 
 
@@ -114,6 +120,7 @@ def test_rejection_sampling_is_reproducible_with_a_seed():
 
 # ---- in the engine: n-gram drafts verified in the ragged step ------------------------------------------------
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+FIXED_K = {**NGRAM, "adaptive": False}  # every proposed draft is verified (the policy is tested on its own)
 
 
 def spec_prompts(tokenizer) -> list[list[int]]:
@@ -136,28 +143,39 @@ def greedy_runs(llm, prompts, **params):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], outs
 
 
+class OracleProposer(DraftProposer):
+    """Each prompt's reference continuation as drafts, with one draft wrong at a position that moves
+    with every call: full, partial and no acceptance all happen (a random-weight model rarely
+    repeats itself, so n-gram drafts would seldom be accepted)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+        self.calls = itertools.count()
+
+    def propose(self, seqs, num_drafts):
+        drafts = []
+        for seq, k in zip(seqs, num_drafts):
+            future = self.continuations[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:k]
+            wrong = next(self.calls) % (k + 2)  # k or k + 1: every draft right
+            drafts.append([t if i != wrong else (t + 1) % 1000 for i, t in enumerate(future)])
+        return drafts
+
+
 def oracle_drafts(llm, prompts, ref) -> None:
-    """Replaces ``llm``'s n-gram drafts by the reference's own continuation with one draft wrong,
-    at a position that moves with the output length: full, partial and no acceptance all happen
-    (a random-weight model rarely repeats itself, so n-gram drafts would seldom be tested)."""
-    speculator = llm.engine.speculator
-    wanted = {tuple(p): tokens for p, (tokens, _) in zip(prompts, ref)}
-
-    calls = itertools.count()
-
-    def propose(running) -> None:
-        for seq in running:
-            k = speculator.num_drafts_for(seq)
-            future = wanted[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:k]
-            wrong = next(calls) % (k + 2)  # k or k + 1: every draft right
-            seq.spec_token_ids = [t if i != wrong else (t + 1) % 1000 for i, t in enumerate(future)]
-
-    speculator.propose = propose
+    """``llm`` drafts the reference tokens ``ref`` of ``prompts`` (``OracleProposer``)."""
+    llm.engine.speculator.proposer = OracleProposer({tuple(p): tokens for p, (tokens, _) in zip(prompts, ref)})
 
 
 @pytest.mark.parametrize(
     "arch, drafts",
-    [("llama", "oracle"), ("qwen2", "oracle"), ("mistral", "oracle"), ("smollm2", "oracle"), ("smollm2", "ngram")],
+    [
+        ("llama", "oracle"),
+        ("qwen2", "oracle"),
+        ("mistral", "oracle"),
+        ("smollm2", "oracle"),
+        ("smollm2", "ngram"),
+        ("smollm2", "adaptive"),
+    ],
 )
 def test_greedy_with_drafts_equals_greedy_without(arch, drafts, random_model_dir, tokenizer, smol_llm):
     """Token for token (up to the top-2 tie rule of ``models.assert_same_greedy``) under the stress
@@ -165,7 +183,7 @@ def test_greedy_with_drafts_equals_greedy_without(arch, drafts, random_model_dir
     accepted and rejected, and every KV block comes back."""
     model = None if arch == "smollm2" else str(random_model_dir(arch))
     ref_llm = smol_llm if model is None else LLM(model, **STRESS_ENGINE_ARGS)
-    spec_llm = LLM(model, speculative_config=NGRAM, **STRESS_ENGINE_ARGS)
+    spec_llm = LLM(model, speculative_config=NGRAM if drafts == "adaptive" else FIXED_K, **STRESS_ENGINE_ARGS)
     prompts = spec_prompts(tokenizer)
     ref, _ = greedy_runs(ref_llm, prompts)
     if drafts == "oracle":
@@ -195,7 +213,7 @@ def test_stops_inside_an_accepted_run_cut_it_there(random_model_dir, tokenizer):
     """A stop string or stop token met among a step's accepted drafts ends the output exactly where
     decoding without drafts ends it, with the same finish reason and stop reason."""
     model = str(random_model_dir("llama"))
-    ref_llm, spec_llm = LLM(model, **STRESS_ENGINE_ARGS), LLM(model, speculative_config=NGRAM, **STRESS_ENGINE_ARGS)
+    ref_llm, spec_llm = LLM(model, **STRESS_ENGINE_ARGS), LLM(model, speculative_config=FIXED_K, **STRESS_ENGINE_ARGS)
     prompts = spec_prompts(tokenizer)
     ref, plain = greedy_runs(ref_llm, prompts)
     oracle_drafts(spec_llm, prompts, ref)
@@ -230,17 +248,19 @@ def test_sampled_and_greedy_requests_speculate_side_by_side(random_model_dir, to
         SamplingParams(temperature=0, max_tokens=32),
         SamplingParams(temperature=0.8, seed=7, max_tokens=32),
         SamplingParams(temperature=0, max_tokens=32),
-        SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=32),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=32, n=2),
     ]
     plain = [o.outputs[0].token_ids for o in LLM(model, **STRESS_ENGINE_ARGS).generate(prompts, params, use_tqdm=False)]
     runs = []
+    # n = 2: each completion its own sequence, drafts and seeded generator (seed + index)
     for _ in range(2):
         llm = LLM(model, speculative_config=NGRAM, **STRESS_ENGINE_ARGS)
         oracle_drafts(llm, prompts, [(tokens, None) for tokens in plain])
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        runs.append([[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)])
         assert llm.engine.speculator.counters.num_accepted_tokens > 0
     assert runs[0] == runs[1]  # seeded: reproducible with drafts
-    assert runs[0][0] == plain[0] and runs[0][2] == plain[2]  # greedy: unchanged
+    assert runs[0][0] == [plain[0]] and runs[0][2] == [plain[2]]  # greedy: unchanged
+    assert len(runs[0][3]) == 2 and runs[0][3][0] != runs[0][3][1]
 
 
 def test_sampling_with_drafts_keeps_the_distribution(tokenizer):
@@ -260,13 +280,7 @@ def test_sampling_with_drafts_keeps_the_distribution(tokenizer):
     for spec in (None, NGRAM):
         llm = LLM(model, speculative_config=spec, **args)
         if spec:
-
-            def propose(running, speculator=llm.engine.speculator) -> None:
-                for seq in running:
-                    k = speculator.num_drafts_for(seq)
-                    seq.spec_token_ids = likely[seq.num_output_tokens :][:k]
-
-            llm.engine.speculator.propose = propose
+            llm.engine.speculator.proposer = OracleProposer({tuple(prompt): likely})
         outputs[spec is not None] = [o.outputs[0].token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
         if spec:
             counters = llm.engine.speculator.counters
@@ -280,9 +294,179 @@ def test_sampling_with_drafts_keeps_the_distribution(tokenizer):
             assert abs(a - b) <= 5 * math.sqrt(pooled * (1 - pooled) * 2 / n) + 1e-12, (position, token, a, b)
 
 
-def test_draft_model_speculation_is_refused_until_it_exists(random_model_dir):
-    with pytest.raises(ValueError, match="not supported yet"):
-        LLM(
-            str(random_model_dir("llama")),
-            speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
-        )
+def draft_config(model: str, **extra) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": 3, **extra}
+
+
+@pytest.mark.parametrize(
+    "target, draft",
+    [("llama", "llama"), ("llama", "qwen2"), ("smollm2", "llama")],
+    ids=["draft-is-target", "another-model", "smollm2-random-draft"],
+)
+def test_draft_model_greedy_equals_greedy_without(target, draft, random_model_dir, tokenizer, smol_llm):
+    """A draft model with its own paged KV cache: the target itself (every draft right but where a
+    stop or the budget cuts), or another model of the same tokenizer (mostly wrong). Greedy output
+    equals plain greedy under chunked prefill, preemption and prefix hits; both caches are whole
+    at the end, and the policy's own path (adaptive: k chosen before drafting) gives the same."""
+    model = None if target == "smollm2" else str(random_model_dir(target))
+    ref_llm = smol_llm if model is None else LLM(model, **STRESS_ENGINE_ARGS)
+    prompts = spec_prompts(tokenizer)
+    ref, _ = greedy_runs(ref_llm, prompts)
+    for adaptive in (False, True):
+        config = draft_config(str(random_model_dir(draft)), adaptive=adaptive)
+        spec_llm = LLM(model, speculative_config=config, **STRESS_ENGINE_ARGS)
+        before = spec_llm.engine.get_stats()
+        ours, _ = greedy_runs(spec_llm, prompts)
+        assert_same_greedy(ours, ref, f"{target} drafted by {draft}, adaptive={adaptive}")
+        counters, stats = spec_llm.engine.speculator.counters, spec_llm.engine.get_stats()
+        assert counters.num_draft_tokens > 0, counters
+        if draft == target:
+            assert counters.num_accepted_tokens > 0.9 * counters.num_draft_tokens, counters
+        assert stats.num_preemptions > before.num_preemptions
+        proposer = spec_llm.engine.speculator.proposer
+        assert spec_llm.engine.block_manager.num_used_blocks == 0
+        assert proposer.blocks.num_used_blocks == 0 and not proposer.shadows
+
+
+def test_draft_model_must_share_the_tokenizer(random_model_dir, tmp_path):
+    """A draft of another vocabulary is refused when the engine is built, naming the reason."""
+    from models import make_random_model
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(str(random_model_dir("llama")))
+    other.add_tokens([f"<extra_{i}>" for i in range(64)])
+    draft = make_random_model(tmp_path / "other", "llama", other)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(random_model_dir("llama")), speculative_config=draft_config(str(draft)), max_model_len=128)
+
+
+def flat_then_steep(knee: int, fixed_s: float = 0.02, per_token_s: float = 0.001) -> StepCostCurve:
+    """A measured curve: bandwidth-bound (flat) up to ``knee`` tokens, then compute-bound."""
+    curve = StepCostCurve()
+    for n in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, knee}):
+        curve.observe(n, fixed_s + per_token_s * max(0, n - knee))
+    return curve
+
+
+def test_step_cost_curve_interpolates_and_extrapolates_what_it_measured():
+    curve = StepCostCurve()
+    assert curve.seconds(np.array([1, 10])) is None
+    curve.observe(4, 0.02)
+    assert curve.seconds(np.array([2, 4, 8])).tolist() == pytest.approx([0.02, 0.02, 0.02])  # flat: untried, so tried
+    curve.observe(64, 0.08)
+    assert curve.seconds(np.array([34, 124])).tolist() == pytest.approx([0.05, 0.08])  # the line, then flat
+    curve.observe(66, 0.16)  # the same quarter octave: a decayed mean
+    assert curve.points[24][1] == pytest.approx(0.8 * 0.08 + 0.2 * 0.16)
+
+
+def test_policy_drafts_on_a_flat_step_and_stops_on_a_compute_bound_one():
+    """k per sequence from load and acceptance: one sequence on the flat part of the curve keeps every
+    draft worth anything; 64 sequences past the knee keep none of mediocre ones (k = 0); the tokens
+    left under the knee go to the likeliest drafts, and no further (1 ms buys < 1 expected token
+    there, the step makes more than that per ms)."""
+    curve = flat_then_steep(knee=32)
+    assert choose_num_drafts([draft_gains(0.3, [0.6, 0.6], 3)], 1, 1, curve) == [3]
+    mediocre = [draft_gains(0.6, [0.7, 0.7, 0.7], 4)] * 64
+    assert choose_num_drafts(mediocre, 64, 64, curve) == [0] * 64
+    sure = [draft_gains(0.99, [0.5, 0.5, 0.5], 4)] * 64
+    assert sorted(choose_num_drafts(sure, 64, 64, flat_then_steep(knee=96))) == [0] * 32 + [1] * 32
+    mixed = choose_num_drafts([draft_gains(0.95, [0.95] * 3, 4), draft_gains(0.1, [0.5] * 3, 4)] * 8, 16, 16, curve)
+    assert mixed == [2, 0] * 8
+    assert draft_gains(0.5, [0.8, 0.9], 3) == pytest.approx([0.5, 0.4, 0.36])
+
+
+def test_speculator_counts_acceptance_per_position(random_model_dir):
+    """A sequence's first draft, and each later draft given the one before it, as trials; and a
+    seeded sampled request keeps its drafts whatever the policy would choose (reproducible draws)."""
+    llm = LLM(str(random_model_dir("llama")), speculative_config=NGRAM, max_model_len=128)
+    spec = llm.engine.speculator
+    for seed in (None, 5):
+        params = SamplingParams(temperature=0 if seed is None else 1.0, seed=seed, max_tokens=16)
+        llm.engine.add_request(f"r{seed}", [1, 2, 3, 1, 2, 3, 1, 2], params)
+    llm.engine.step()  # both prompts in one step, a token each, no drafts yet
+    seqs = list(llm.engine.scheduler.running)
+    assert [s.num_output_tokens for s in seqs] == [1, 1] and spec.counters.num_drafts == 0
+    for seq in seqs:
+        seq.spec_state = SeqSpecState()
+    spec.record(seqs[0], 4, 3)  # two of four accepted
+    assert (spec.first_draft.accepted, spec.first_draft.trials) == (1, 1)
+    assert [(e.accepted, e.trials) for e in spec.later_drafts] == [(1, 1), (0, 1), (0, 0)]
+    assert spec.counters.accepted_per_pos == [1, 1, 0, 0]
+    spec.cost = flat_then_steep(knee=6, per_token_s=1.0)  # the step: 2 decodes, 4 seeded drafts; any more costly
+    spec.proposer = OracleProposer({(1, 2, 3, 1, 2, 3, 1, 2): list(range(10, 40))})
+    spec.propose(seqs)
+    assert [len(s.spec_token_ids) for s in seqs] == [0, 4]  # greedy: trimmed to none; seeded: kept
+    llm.engine.abort_request(["rNone", "r5"])
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_structured_outputs_speculate_under_their_grammar(random_model_dir):
+    """Constrained requests with drafts (their reference continuation, one draft wrong per call):
+    the grammar keeps only the drafts it admits, each position is verified under its own mask, and
+    the greedy output equals constrained greedy without drafts, jump-forward included; a seeded
+    sampled constrained request still matches its regex and is reproducible."""
+    pytest.importorskip("llguidance")
+    from test_structured_engine import CONSTRAINTS, PROMPTS
+
+    model = str(random_model_dir("llama"))
+    args = dict(max_model_len=256, num_gpu_blocks=64)
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in CONSTRAINTS]
+    sampled = SamplingParams(temperature=1.0, seed=11, max_tokens=40, structured_outputs=CONSTRAINTS[1])
+    plain = LLM(model, **args).generate(PROMPTS + PROMPTS[1:2], params + [sampled], use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in plain]
+    runs = []
+    for _ in range(2):
+        llm = LLM(model, speculative_config=FIXED_K, **args)
+        llm.engine.speculator.proposer = OracleProposer({tuple(p): r for p, r in zip(PROMPTS, ref)})
+        outs = llm.generate(PROMPTS + PROMPTS[1:2], params + [sampled], use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        assert [o.outputs[0].token_ids for o in outs[:3]] == ref[:3]
+        assert [o.outputs[0].finish_reason for o in outs[:3]] == [o.outputs[0].finish_reason for o in plain[:3]]
+        if outs[3].outputs[0].finish_reason == "stop":
+            assert re.fullmatch(r"[a-z]{2,6}-\d{3}", outs[3].outputs[0].text)
+        counters = llm.engine.speculator.counters
+        assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, counters
+        assert llm.engine.block_manager.num_used_blocks == 0
+    assert runs[0] == runs[1]
+
+
+def test_streamed_deltas_carry_every_accepted_token(random_model_dir, tokenizer):
+    """AsyncLLM with DELTA outputs: a step that accepts drafts sends its tokens in one delta; the
+    deltas joined are the whole greedy output."""
+    from cb_serve import AsyncLLM, EngineConfig, RequestOutputKind
+
+    model = str(random_model_dir("llama"))
+    prompts = spec_prompts(tokenizer)[:3]
+    ref, _ = greedy_runs(LLM(model, **STRESS_ENGINE_ARGS), prompts)
+    llm = AsyncLLM(EngineConfig(model=model, speculative_config=FIXED_K, **STRESS_ENGINE_ARGS))
+    llm._engine.speculator.proposer = OracleProposer({tuple(p): r for p, (r, _) in zip(prompts, ref)})
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def stream(i: int) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) async for o in llm.generate(prompts[i], params, f"s{i}")]
+
+    async def main():
+        return await asyncio.gather(*(stream(i) for i in range(len(prompts))))
+
+    try:
+        deltas = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    for (tokens, _), got in zip(ref, deltas):
+        assert [t for d in got for t in d] == tokens
+    assert max(len(d) for got in deltas for d in got) > 1
+
+
+def test_a_draft_models_cache_shares_the_kv_memory_block_for_block():
+    """``kv_cache_memory`` (or a device's free memory) holds both caches, as many blocks each."""
+    from types import SimpleNamespace
+
+    from cb_serve.config import EngineConfig
+    from cb_serve.engine.kv_cache_sizing import kv_cache_bytes_per_block, num_kv_blocks
+
+    hf = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    per_block = kv_cache_bytes_per_block(hf, 16, torch.float32)
+    config = EngineConfig(kv_cache_memory=100 * per_block)
+    args = (config, hf, 16, 64, torch.float32, torch.float32, torch.device("cpu"))
+    assert num_kv_blocks(*args) == 100
+    assert num_kv_blocks(*args, per_block // 4) == 80  # a draft with a quarter of the KV per token

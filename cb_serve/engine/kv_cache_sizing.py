@@ -53,10 +53,12 @@ def num_kv_blocks(
     kv_cache_dtype: torch.dtype,
     dtype: torch.dtype,
     device: torch.device,
+    mirror_bytes_per_block: int = 0,
 ) -> int:
     """``num_gpu_blocks``, else ``kv_cache_memory``, else (CUDA) free device memory, else 1 GiB;
-    raises if that cannot hold one ``max_model_len`` sequence."""
-    per_block = kv_cache_bytes_per_block(hf_config, block_size, kv_cache_dtype)
+    raises if that cannot hold one ``max_model_len`` sequence. ``mirror_bytes_per_block``: a second
+    cache with as many blocks shares the memory (a draft model's, ``model_executor.draft_model``)."""
+    per_block = kv_cache_bytes_per_block(hf_config, block_size, kv_cache_dtype) + mirror_bytes_per_block
     if config.num_gpu_blocks:
         num = config.num_gpu_blocks
     elif config.kv_cache_memory:

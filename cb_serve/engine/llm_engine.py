@@ -16,7 +16,7 @@ from cb_serve.distributed.sharding import shard_for
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.grammar_admission import GrammarAdmission
 from cb_serve.engine.inspector import Inspector, queue_rows
-from cb_serve.engine.kv_cache_sizing import num_kv_blocks
+from cb_serve.engine.kv_cache_sizing import kv_cache_bytes_per_block, num_kv_blocks
 from cb_serve.engine.processor import InputProcessor
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler
@@ -33,6 +33,7 @@ from cb_serve.inputs import PromptType
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.device_context import device_context
+from cb_serve.model_executor.draft_model import DraftModel, DraftModelProposer
 from cb_serve.model_executor.model_runner import ModelRunner, StepSample
 from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.outputs import CompletionOutput, RequestOutput
@@ -104,6 +105,10 @@ class LLMEngine:
         self.backend, self.block_size = setup.backend, setup.block_size
         self.tokenizer = loader.load_tokenizer(self.source, config.tokenizer, config.trust_remote_code)
         self.model_name = self.source.name
+        spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+        self.draft: DraftModel | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft = DraftModel.for_target(config, setup, spec.model, self.tokenizer)
         with device_context(self.device):  # load, KV sizing and graph capture on the engine's device
             self.runner = self._make_runner(setup)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
@@ -123,9 +128,7 @@ class LLMEngine:
         self.faults = FaultInjector.from_config(config.fault_injection)
         self.grammars = GrammarAdmission(self.tokenizer, self.hf_config.vocab_size)  # structured outputs
         self.jump = JumpForward(self.hf_config.vocab_size) if config.enable_jump_forward else None
-        self.speculator: Speculator | None = None
-        if config.speculative_config is not None:
-            self.speculator = Speculator(SpeculativeConfig.from_dict(config.speculative_config), self.max_model_len)
+        self.speculator = None if spec is None else self._make_speculator(spec)
         self.spec_seen = SpecCounters()  # the speculator's counters at the last recorded step
         self.jump_forward_since_step = self.jump_forward_tokens = 0
         self.requests: dict[str, RequestState] = {}
@@ -149,10 +152,14 @@ class LLMEngine:
         try:
             tp = workers.group if workers is not None else None
             model = setup.load_model(shard_for(self.hf_config, 0, size), tp)
-            s = setup
+            s, draft = setup, self.draft
+            if draft is not None:
+                draft.load()  # before the KV cache is sized: its weights and its cache share the memory
             rank_config = per_rank_config(s.hf_config, size, s.device)
+            d = draft and draft.setup
+            mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype)
             self.num_blocks = num_kv_blocks(
-                config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device
+                config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror
             )
             if workers is not None:
                 workers.start(self.num_blocks)
@@ -188,6 +195,19 @@ class LLMEngine:
             size,
         )
         return runner
+
+    def _make_speculator(self, spec: SpeculativeConfig) -> Speculator:
+        """The speculator; with a draft model, its proposer has a KV cache of its own with as many
+        blocks as the target's (sized together, ``_make_runner``)."""
+        budget = self.config.max_num_batched_tokens
+        proposer = None
+        if self.draft is not None:
+            blocks = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=False)
+            with device_context(self.device):
+                proposer = DraftModelProposer(self.draft.runner(self.num_blocks), blocks, budget)
+        speculator = Speculator(spec, self.max_model_len, budget, proposer)
+        self.scheduler.on_release = speculator.release  # a proposer's per-sequence state goes with its blocks
+        return speculator
 
     @property
     def worker_pids(self) -> list[int]:
@@ -337,7 +357,7 @@ class LLMEngine:
         """The sampled token; after drafts, the accepted ones and the target's token after them, each
         draft's KV counted as computed once it is accepted. A stop among them ends the sequence there."""
         if seq.spec_token_ids:
-            self.speculator.record(len(seq.spec_token_ids), len(emitted))
+            self.speculator.record(seq, len(seq.spec_token_ids), len(emitted))
         for i, token_id in enumerate(emitted):
             if i:  # the previous token was an accepted draft: this step wrote its KV
                 seq.num_computed_tokens += 1
@@ -463,6 +483,8 @@ class LLMEngine:
     ) -> None:
         self.num_steps += 1
         self.step_seconds += phases.total_s
+        if self.speculator is not None and num_decode_tokens == sched.total_tokens:
+            self.speculator.observe_step(sched.total_tokens, phases.total_s)
         self.scheduling_seconds += phases.schedule_s + phases.prepare_s
         grammar = self.runner.last_grammar_timing
         stats = StepStats(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cb_serve.engine.block_manager import BlockManager
@@ -50,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
+        self.on_release: Callable[[Sequence], None] | None = None  # a sequence's blocks went back (finish, preempt)
 
     @property
     def num_unfinished(self) -> int:
@@ -138,6 +140,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.spec_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -164,3 +168,5 @@ class Scheduler:
         seq.times.finished = time.monotonic()
         self.block_manager.free(seq)
         self.block_manager.forget(seq)
+        if self.on_release is not None:
+            self.on_release(seq)

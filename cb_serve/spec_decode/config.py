@@ -1,6 +1,8 @@
 """``speculative_config``, as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": k,
 "prompt_lookup_min": a, "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": ...,
-"num_speculative_tokens": k}``."""
+"num_speculative_tokens": k}``, each with ``"adaptive": true`` (the default: ``k`` is the most a
+sequence drafts, the policy picks fewer or none by load and acceptance) or ``false`` (always ``k``
+when the proposer finds them, as vLLM)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None  # the draft model (method draft_model); it must share the target's tokenizer
+    adaptive: bool = True  # drafts only where they raise expected tokens per second (spec_decode.policy)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -33,6 +36,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {low}, {high}."
             )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}.")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config.model is the draft model of method draft_model, and only of it.")
 

@@ -23,6 +23,11 @@ class GrammarMatcher(ABC):
         """Advances by a sampled token; False if the grammar does not allow it (an engine bug)."""
 
     @abstractmethod
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar admits from here; changes nothing
+        (speculative decoding: a refused token must not be fed to ``accept_token``)."""
+
+    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last ``num_tokens`` accepted tokens (speculative decoding)."""
 

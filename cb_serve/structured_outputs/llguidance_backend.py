@@ -39,6 +39,9 @@ class LLGuidanceMatcher(GrammarMatcher):
     def accept_token(self, token_id: int) -> bool:
         return self._m.consume_token(token_id)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        return self._m.validate_tokens(token_ids)
+
     def rollback(self, num_tokens: int) -> None:
         assert self._m.rollback(num_tokens), self._m.get_error()
 
