@@ -146,7 +146,8 @@ def greedy_runs(llm, prompts, **params):
 class OracleProposer(DraftProposer):
     """Each prompt's reference continuation as drafts, with one draft wrong at a position that moves
     with every call: full, partial and no acceptance all happen (a random-weight model rarely
-    repeats itself, so n-gram drafts would seldom be accepted)."""
+    repeats itself, so n-gram drafts would seldom be accepted). A prompt it does not know drafts
+    nothing."""
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
         self.continuations = continuations
@@ -155,7 +156,7 @@ class OracleProposer(DraftProposer):
     def propose(self, seqs, num_drafts):
         drafts = []
         for seq, k in zip(seqs, num_drafts):
-            future = self.continuations[tuple(seq.prompt_token_ids)][seq.num_output_tokens :][:k]
+            future = self.continuations.get(tuple(seq.prompt_token_ids), [])[seq.num_output_tokens :][:k]
             wrong = next(self.calls) % (k + 2)  # k or k + 1: every draft right
             drafts.append([t if i != wrong else (t + 1) % 1000 for i, t in enumerate(future)])
         return drafts
@@ -470,3 +471,32 @@ def test_a_draft_models_cache_shares_the_kv_memory_block_for_block():
     args = (config, hf, 16, 64, torch.float32, torch.float32, torch.device("cpu"))
     assert num_kv_blocks(*args) == 100
     assert num_kv_blocks(*args, per_block // 4) == 80  # a draft with a quarter of the KV per token
+
+
+def test_blocks_that_held_rejected_drafts_are_cached_with_the_right_kv(random_model_dir, tokenizer):
+    """The prefix cache keeps only what the target computed: after outputs whose blocks held
+    rejected drafts (KV written, then overwritten by the emitted tokens'), each prompt + output is
+    sent again; it hits those blocks and its continuation equals a cache-less engine's, and every
+    cached block's tokens are its sequence's own."""
+    model = str(random_model_dir("llama"))
+    args = dict(block_size=16, max_model_len=400, num_gpu_blocks=200)
+    prompts = spec_prompts(tokenizer)[:4]
+    ref_llm = LLM(model, enable_prefix_caching=False, **args)
+    ref, _ = greedy_runs(ref_llm, prompts)
+    spec_llm = LLM(model, speculative_config=FIXED_K, **args)
+    oracle_drafts(spec_llm, prompts, ref)
+    greedy_runs(spec_llm, prompts)
+    counters = spec_llm.engine.speculator.counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, counters
+    again = [p + tokens[:64] for p, (tokens, _) in zip(prompts, ref)]
+    before = spec_llm.engine.get_stats().prefix_cache_hits
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in spec_llm.generate(again, params, use_tqdm=False)]
+    theirs = [o.outputs[0].token_ids for o in ref_llm.generate(again, params, use_tqdm=False)]
+    assert ours == theirs
+    hits = spec_llm.engine.get_stats().prefix_cache_hits - before
+    assert hits >= sum((len(p) + 48) // 16 * 16 for p in prompts), hits  # the output's blocks too
+    sequences = [p + t for p, (t, _) in zip(prompts, ref)] + [a + t for a, t in zip(again, ours)]
+    known = {tuple(s[i : i + 16]) for s in sequences for i in range(0, len(s) - 15, 16)}
+    cached = [tuple(b.token_ids) for b in spec_llm.engine.block_manager.blocks if b.hash is not None]
+    assert cached and all(t in known for t in cached)
