@@ -291,7 +291,8 @@ class LLMEngine:
         start = time.monotonic()
         refused = [self._refuse(r, e) for r, e in self.grammars.admit(self.scheduler)]
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)  # drafts ride along in the ragged batch
+            with device_context(self.device):  # a draft model's passes launch kernels on the engine's device
+                self.speculator.propose(self.scheduler.running)  # drafts ride along in the ragged batch
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if not refused:

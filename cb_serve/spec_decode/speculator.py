@@ -103,13 +103,13 @@ class Speculator:
         model) how many to make before."""
         for seq in running:
             seq.spec_token_ids = []
-        seqs = [seq for seq in running if self.num_drafts_for(seq)]
-        if not seqs:
+        allowed = [(seq, k) for seq in running if (k := self.num_drafts_for(seq))]
+        if not allowed:
             return
+        seqs, counts = [s for s, _ in allowed], [k for _, k in allowed]
         for seq in seqs:
             if seq.spec_state is None:
                 seq.spec_state = SeqSpecState()
-        counts = [self.num_drafts_for(seq) for seq in seqs]
         adaptive, free = self.config.adaptive, self.proposer.proposes_for_free
         if adaptive and not free:
             counts = self._choose(running, seqs, counts)
