@@ -329,6 +329,21 @@ def test_draft_model_greedy_equals_greedy_without(target, draft, random_model_di
         assert proposer.blocks.num_used_blocks == 0 and not proposer.shadows
 
 
+def test_self_draft_with_drafts_cut_by_the_budget(random_model_dir, tokenizer):
+    """A budget of 16 tokens for 8 sequences cuts most drafts; the target then picks a cut draft
+    itself, which the draft model had already computed: it recomputes that position (a serving
+    test found the engine dying here) and the output equals plain greedy."""
+    model = str(random_model_dir("llama"))
+    args = {**STRESS_ENGINE_ARGS, "max_num_batched_tokens": 16}
+    prompts = spec_prompts(tokenizer)
+    ref, _ = greedy_runs(LLM(model, **args), prompts)
+    spec_llm = LLM(model, speculative_config=draft_config(model, adaptive=False), **args)
+    ours, _ = greedy_runs(spec_llm, prompts)
+    assert_same_greedy(ours, ref, "self-drafted under a 16-token budget")
+    assert spec_llm.engine.speculator.counters.num_accepted_tokens > 0
+    assert spec_llm.engine.speculator.proposer.blocks.num_used_blocks == 0
+
+
 def test_draft_model_must_share_the_tokenizer(random_model_dir, tmp_path):
     """A draft of another vocabulary is refused when the engine is built, naming the reason."""
     from models import make_random_model

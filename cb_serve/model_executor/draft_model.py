@@ -145,9 +145,10 @@ class DraftModelProposer(DraftProposer):
         same = common_prefix(tokens, seq.token_ids, shadow.synced)
         del tokens[same:]
         tokens.extend(seq.token_ids[same:])
-        shadow.seq.num_computed_tokens = min(shadow.seq.num_computed_tokens, same)
+        # At most all but the newest token: the draft may already hold it (a draft the scheduler cut
+        # that the target then picked itself), but the next draft is sampled from its position.
+        shadow.seq.num_computed_tokens = min(shadow.seq.num_computed_tokens, same, seq.num_tokens - 1)
         shadow.synced = seq.num_tokens
-        assert shadow.seq.num_uncomputed_tokens >= 1  # the target's newest token is never the draft's
         return shadow.seq
 
     def _run(self, seqs: list[Sequence], num_tokens: list[int]) -> dict[int, int]:
