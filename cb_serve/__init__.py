@@ -19,6 +19,7 @@ from cb_serve.errors import (
 )
 from cb_serve.inputs import PromptType, TextPrompt, TokensPrompt
 from cb_serve.llm import LLM
+from cb_serve.lora.request import LoRARequest
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
 from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
@@ -29,6 +30,7 @@ from cb_serve.tool_parser import ParsedToolCall, ToolCallParser
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "AsyncLLM",
     "EngineConfig",
     "PromptEncoder",

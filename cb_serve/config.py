@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cb_serve.fault_injection import FaultInjector
+from cb_serve.lora.config import LoRAConfig
 from cb_serve.spec_decode.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
@@ -84,6 +85,14 @@ class EngineConfig:
         "drafts only where measured step costs and acceptance say it pays. Structured outputs speculate too "
         "(with the drafts their grammar admits).",
     )
+    enable_lora: bool = _arg(
+        False, "Serve LoRA adapters (PEFT directories) on this base model, batched with base-model requests."
+    )
+    max_loras: int = _arg(1, "LoRA: most adapters in one step (device slots); other adapters' requests wait.")
+    max_lora_rank: int = _arg(16, "LoRA: the highest adapter rank accepted (slots are sized for it).")
+    max_cpu_loras: int | None = _arg(
+        None, "LoRA: idle adapters kept loaded in host memory beyond the slots, LRU (default: max_loras)."
+    )
     attention_backend: str = _arg(
         "auto",
         "Attention backend: auto (flash_attn on CUDA if installed, else triton; cpu on CPU; else torch), "
@@ -138,6 +147,10 @@ class EngineConfig:
             if not isinstance(self.speculative_config, dict):
                 raise ValueError(f"speculative_config must be a mapping, got {self.speculative_config!r}.")
             SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad option
+        if self.enable_lora:
+            LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # raises on a bad option
+            if self.tensor_parallel_size > 1:
+                raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet.")
         if self.fault_injection:
             FaultInjector(self.fault_injection)  # raises on a malformed spec
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

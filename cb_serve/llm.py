@@ -11,6 +11,7 @@ from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine
 from cb_serve.engine.processor import apply_chat_template
 from cb_serve.inputs import PromptType, is_single_prompt
+from cb_serve.lora.request import LoRARequest
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,9 +34,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs all prompts to completion, in input order. A prompt is a string, a list of token
-        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (vLLM's TextPrompt / TokensPrompt)."""
+        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (vLLM's TextPrompt / TokensPrompt).
+        ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -45,8 +48,18 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(prompts)} prompts but {len(params_list)} sampling params.")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"Got {len(prompts)} prompts but {len(loras)} LoRA requests.")
         # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
         processed = [self.engine.processor.process(p, sp) for p, sp in zip(prompts, params_list)]
+        for req, lora in zip(processed, loras):
+            if lora is not None:
+                self.engine.add_lora(lora)
+                req.lora_request = lora
         ids = []
         for req in processed:
             req.params.output_kind = RequestOutputKind.FINAL_ONLY
@@ -61,12 +74,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation (with ``tools``: OpenAI tool
         objects, rendered by the template or the built-in tool prompt), then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(
         self, messages: ChatMessages, add_generation_prompt: bool = True, tools: list[dict] | None = None

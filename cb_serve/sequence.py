@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from cb_serve.lora.request import LoRARequest
 from cb_serve.outputs import Logprob
 from cb_serve.sampling_params import SamplingParams
 
@@ -67,6 +68,7 @@ class Sequence:
         max_tokens: int,
         arrival_time: float | None = None,
         min_tokens_banned: Iterable[int] = (),
+        lora: LoRARequest | None = None,
     ) -> None:
         assert prompt_token_ids, "empty prompts are rejected before a Sequence is made"
         self.seq_id = seq_id
@@ -88,6 +90,8 @@ class Sequence:
         self.matcher: Any = None  # its GrammarMatcher when the request constrains its output
         self.spec_token_ids: list[int] = []  # drafts the next step verifies (speculative decoding)
         self.spec_state: Any = None  # speculative decoding's own (``spec_decode.speculator.SeqSpecState``)
+        self.lora = lora  # its adapter (None: the base model)
+        self.lora_slot = -1  # the device slot holding that adapter this step (``LoRAManager.assign_slots``)
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)

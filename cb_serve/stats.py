@@ -82,6 +82,13 @@ class EngineStats:
     num_requests_waiting: int = 0
     num_requests_waiting_grammar: int = 0  # of num_requests_waiting: those whose grammar is compiling
     num_constrained_requests: int = 0  # requests added with a constraint (structured outputs), cumulative
+    # LoRA (enable_lora): adapters in device slots now, of max_loras; cumulative slot loads (an adapter
+    # copied into a slot) and evictions (an adapter displaced by another), and adapters in host memory.
+    lora_slots_used: int = 0
+    max_loras: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_adapters_loaded: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -41,10 +41,12 @@ ALLOWED = {
     "structured_outputs": set(),  # constraint backends: below the sampler and the engine
     "distributed": set(),  # tensor-parallel shards and communicator: below the model
     "spec_decode": set(),  # proposers and verification: below the model runner and the engine
-    "model_executor": {"attention", "cpu_ops", "distributed", "spec_decode", "structured_outputs"},
+    "lora": set(),  # adapters' loading, slots and grouped apply: below the model runner and the engine
+    "model_executor": {"attention", "cpu_ops", "distributed", "lora", "spec_decode", "structured_outputs"},
     "executor": {"distributed", "model_executor"},  # tensor-parallel worker processes, driven by the engine
     "engine": {
-        *("attention", "cpu_ops", "distributed", "executor", "model_executor", "spec_decode", "structured_outputs"),
+        *("attention", "cpu_ops", "distributed", "executor", "lora", "model_executor", "spec_decode"),
+        "structured_outputs",
     },
     "llm": {"engine"},
     "cli": {"engine", "root", "llm", "benchmarks"},
@@ -62,6 +64,8 @@ LEAF_MODULES = {
     "cb_serve.structured_outputs.params",
     "cb_serve.structured_outputs.schema_bounds",
     "cb_serve.spec_decode.config",  # EngineConfig validates speculative_config
+    "cb_serve.lora.config",  # and the LoRA options
+    "cb_serve.lora.request",  # a Sequence carries its adapter
 }
 
 

@@ -66,8 +66,9 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self.block_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
+        salt = None if seq.lora is None else seq.lora.cache_salt  # two adapters never share KV
         for i in range(len(hashes), num_full_blocks):
-            hashes.append(chain_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(chain_hash(hashes[-1] if hashes else salt, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

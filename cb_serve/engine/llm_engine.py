@@ -24,12 +24,17 @@ from cb_serve.engine.trace import trace_events
 from cb_serve.errors import (
     EngineFatalError,
     EngineOverloadedError,
+    InvalidRequestError,
     RequestFailedError,
     StepFailedError,
 )
 from cb_serve.executor.worker_pool import WorkerPool
 from cb_serve.fault_injection import FaultInjector
 from cb_serve.inputs import PromptType
+from cb_serve.lora.config import LoRAConfig
+from cb_serve.lora.manager import AdapterKey, LoRAManager
+from cb_serve.lora.peft_adapter import LoRAAdapterError
+from cb_serve.lora.request import LoRARequest
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.device_context import device_context
@@ -118,6 +123,7 @@ class LLMEngine:
             config.max_num_seqs,
             self.max_model_len,
             config.enable_chunked_prefill,
+            config.max_loras if config.enable_lora else None,
         )
         self.inspector: Inspector | None = None
         if config.inspector_steps:
@@ -152,6 +158,10 @@ class LLMEngine:
         try:
             tp = workers.group if workers is not None else None
             model = setup.load_model(shard_for(self.hf_config, 0, size), tp)
+            self.lora = None
+            if config.enable_lora:  # its slots are allocated before the KV cache is sized
+                lora_config = LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                self.lora = LoRAManager(model, lora_config, setup.dtype)
             s, draft = setup, self.draft
             if draft is not None:
                 draft.load()  # before the KV cache is sized: its weights and its cache share the memory
@@ -168,8 +178,10 @@ class LLMEngine:
                 workers.shutdown()
             raise
         graph_sizes = None
-        # Graphs are captured by one process; tensor-parallel ranks run eagerly (see the README).
-        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not config.enforce_eager and size == 1:
+        # Graphs are captured by one process; tensor-parallel ranks run eagerly (see the README), and so do
+        # adapters (their token groups change every step).
+        graphable = size == 1 and self.lora is None and not config.enforce_eager
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and graphable:
             graph_sizes = capture_sizes(config.max_num_seqs)
         runner = ModelRunner(
             model,
@@ -181,6 +193,7 @@ class LLMEngine:
             self.max_model_len,
             workers,
         )
+        runner.lora_batch = None if self.lora is None else self.lora.batch
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv cache %s backend=%s blocks=%d x %d tokens, cuda graphs %s, "
             "tensor parallel %d",
@@ -240,17 +253,21 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates (raising ValueError before anything is scheduled) and queues a request."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         processed = self.processor.process(prompt, params or SamplingParams())
+        processed.lora_request = lora_request
         self.add_processed_request(request_id, processed, arrival_time)
 
     def add_processed_request(self, request_id: str, processed, arrival_time: float | None = None) -> None:
         if waiting_queue_full(len(self.scheduler.waiting), len(self.scheduler.running), self.config):
             limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
+        if processed.lora_request is not None:
+            self.add_lora(processed.lora_request)
         faults = frozenset()
         if self.faults is not None:
             faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
@@ -267,6 +284,26 @@ class LLMEngine:
             return
         for seq in state.seqs:
             self.scheduler.add(seq)
+
+    # ---- LoRA adapters --------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads an adapter into host memory (vLLM's ``add_lora``), checked against the model;
+        raises ``InvalidRequestError`` (param ``lora_request``) when it cannot be served."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters are not enabled on this engine (enable_lora).", "lora_request")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"Expected a LoRARequest, got {type(lora_request).__name__}.", "lora_request")
+        try:
+            self.lora.add(lora_request, self._adapters_in_use)
+        except LoRAAdapterError as e:
+            raise InvalidRequestError(str(e), "lora_request") from e
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Drops an idle adapter from host memory (one still in use stays until its requests end)."""
+        return self.lora is not None and self.lora.remove(lora_name, self._adapters_in_use) > 0
+
+    def _adapters_in_use(self) -> set[AdapterKey]:
+        return {s.lora.key for state in self.requests.values() for s in state.seqs[:1] if s.lora is not None}
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -294,6 +331,8 @@ class LLMEngine:
             with device_context(self.device):  # a draft model's passes launch kernels on the engine's device
                 self.speculator.propose(self.scheduler.running)  # drafts ride along in the ragged batch
         sched = self.scheduler.schedule()
+        if self.lora is not None and not sched.is_empty:
+            self.lora.assign_slots(self.scheduler.running)  # LoRA adapters join the step here
         if sched.is_empty:
             if not refused:
                 self.grammars.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar is compiled
@@ -593,4 +632,17 @@ class LLMEngine:
             num_requests_waiting=len(waiting_requests) + num_waiting_grammar,
             num_requests_waiting_grammar=num_waiting_grammar,
             num_constrained_requests=self.num_constrained_requests,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, int]:
+        lora = self.lora
+        if lora is None:
+            return {}
+        return {
+            "lora_slots_used": lora.num_slots_used,
+            "max_loras": lora.config.max_loras,
+            "lora_loads": lora.counters.num_loads,
+            "lora_evictions": lora.counters.num_evictions,
+            "lora_adapters_loaded": len(lora.loaded),
+        }

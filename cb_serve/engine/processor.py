@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from cb_serve.config import EngineConfig
 from cb_serve.errors import InvalidRequestError
 from cb_serve.inputs import PromptType, parse_prompt
+from cb_serve.lora.request import LoRARequest
 from cb_serve.model_executor import loader
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.structured_outputs.params import ConstraintLimits
@@ -23,6 +24,7 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # with the tokenizer's EOS ids filled in
     max_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class InputProcessor:

@@ -42,6 +42,7 @@ class RequestState:
                 req.max_tokens,
                 arrival_time,
                 self.stop_checker.stop_ids,
+                req.lora_request,
             )
             for i in range(n)
         ]

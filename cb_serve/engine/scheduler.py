@@ -38,6 +38,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -48,6 +49,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras  # most LoRA adapters among running sequences (None: no adapters)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -113,8 +115,14 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = {seq.lora.key for seq in self.running if seq.lora is not None}
+        i = 0  # the queue's head, past sequences whose adapter has no slot (they wait, holding nothing)
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.lora is not None and seq.lora.key not in adapters:
+                if len(adapters) >= (self.max_loras or 0):
+                    i += 1
+                    continue
             cached = bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             num_new = seq.num_tokens - num_computed
@@ -125,7 +133,9 @@ class Scheduler:
                 self.counters.num_partial_prefills += 1
             if not bm.allocate(seq, num_new, cached):
                 break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            del self.waiting[i]
+            if seq.lora is not None:
+                adapters.add(seq.lora.key)
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += num_computed
             if seq.num_preemptions == 0:

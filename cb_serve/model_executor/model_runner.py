@@ -11,6 +11,7 @@ import torch
 
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
+from cb_serve.lora.layers import LoRABatch
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.draft_verifier import verify_drafts
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
@@ -155,6 +156,7 @@ class ModelRunner:
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.last_grammar_timing = GrammarTiming()  # of the latest execute()
         self.graph_runner: DecodeGraphRunner | None = None
+        self.lora_batch: LoRABatch | None = None  # set when LoRA adapters are served
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
                 self.forward, cuda_graph_sizes, max_model_len, block_size, device, capture=device.type == "cuda"
@@ -210,6 +212,8 @@ class ModelRunner:
             "block_table": block_table,
         }
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
+        if self.lora_batch is not None:  # each token's adapter slot, grouped
+            self.lora_batch.set_groups(np.asarray([s.lora_slot for s in seqs])[row_of_token], self.device)
         inp = self.to_device(batch, seqs, [seqs[i] for i in sampling])
         inp.rows_per_seq = rows_of
         return inp

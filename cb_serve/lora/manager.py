@@ -1,0 +1,131 @@
+"""Adapter memory: ``max_loras`` slots on the model's device hold the adapters of the running
+sequences, refilled in LRU order; up to ``max_cpu_loras`` more stay loaded in host memory."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from cb_serve.lora.config import LoRAConfig
+from cb_serve.lora.layers import LoRABatch, LoRALinear
+from cb_serve.lora.peft_adapter import FUSED_PROJECTIONS, LoRAWeights, ProjectionShape, load_peft_adapter
+from cb_serve.lora.request import LoRARequest
+from cb_serve.sequence import Sequence
+
+AdapterKey = tuple[str, int, str]
+
+
+@dataclass
+class LoRACounters:
+    num_loads: int = 0  # adapters copied into a slot
+    num_evictions: int = 0  # adapters displaced from a slot by another
+    num_reads: int = 0  # adapters read from disk into host memory
+    num_cpu_evictions: int = 0  # idle adapters dropped from host memory
+
+
+def wrap_projections(model: torch.nn.Module, batch: LoRABatch, config: LoRAConfig) -> dict[str, LoRALinear]:
+    """Replaces every decoder layer's fused projections with ``LoRALinear``s sharing ``batch``."""
+    wrapped = {}
+    for i, layer in enumerate(model.layers):
+        for fused, subs in FUSED_PROJECTIONS.items():
+            block, attr = fused.split(".")
+            parent = getattr(layer, block)
+            module = LoRALinear(getattr(parent, attr), batch, config.max_loras, len(subs) * config.max_lora_rank)
+            setattr(parent, attr, module)
+            wrapped[f"layers.{i}.{fused}"] = module
+    return wrapped
+
+
+def projection_shapes(model: torch.nn.Module) -> dict[str, ProjectionShape]:
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    hidden, inter = model.config.hidden_size, mlp.intermediate_size
+    per_layer = {
+        "self_attn.qkv_proj": ProjectionShape(hidden, (attn.q_size, attn.kv_size, attn.kv_size)),
+        "self_attn.o_proj": ProjectionShape(attn.q_size, (hidden,)),
+        "mlp.gate_up_proj": ProjectionShape(hidden, (inter, inter)),
+        "mlp.down_proj": ProjectionShape(inter, (hidden,)),
+    }
+    return {f"layers.{i}.{k}": v for i in range(len(model.layers)) for k, v in per_layer.items()}
+
+
+class LoRAManager:
+    """Owns the adapters: ``add`` reads one into host memory (validated against the model), and
+    ``assign_slots`` puts the running sequences' adapters in device slots before a step, setting
+    each sequence's ``lora_slot``. The scheduler keeps at most ``max_loras`` adapters running."""
+
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.shapes = projection_shapes(model)
+        self.batch = LoRABatch()
+        self.layers = wrap_projections(model, self.batch, config)
+        self.loaded: OrderedDict[AdapterKey, LoRAWeights] = OrderedDict()  # host memory, LRU first
+        self.slots: list[AdapterKey | None] = [None] * config.max_loras
+        self.slot_order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(config.max_loras))
+        self.counters = LoRACounters()
+
+    @property
+    def num_slots_used(self) -> int:
+        return sum(key is not None for key in self.slots)
+
+    def add(self, request: LoRARequest, in_use: Callable[[], set[AdapterKey]] = set) -> LoRAWeights:
+        """Reads the adapter (once; later calls only refresh its LRU place), then drops idle adapters
+        (in no slot and not ``in_use``) beyond ``max_cpu_loras``. Raises ``LoRAAdapterError``."""
+        key = request.key
+        weights = self.loaded.get(key)
+        if weights is None:
+            weights = load_peft_adapter(
+                request.lora_name, request.lora_path, self.shapes, self.config.max_lora_rank, self.dtype
+            )
+            self.counters.num_reads += 1
+            self.loaded[key] = weights
+        self.loaded.move_to_end(key)
+        self._trim_host_memory(in_use)
+        return weights
+
+    def _trim_host_memory(self, in_use: Callable[[], set[AdapterKey]]) -> None:
+        excess = len(self.loaded) - self.config.cpu_capacity
+        if excess <= 0:
+            return
+        keep = in_use() | set(self.slots) | {next(reversed(self.loaded))}  # and the newest
+        for key in [k for k in self.loaded if k not in keep][:excess]:
+            del self.loaded[key]
+            self.counters.num_cpu_evictions += 1
+
+    def remove(self, name: str, in_use: Callable[[], set[AdapterKey]] = set) -> int:
+        """Forgets the adapters called ``name`` held in host memory, in no slot and not ``in_use``
+        (unloading): how many were dropped."""
+        busy = in_use() | set(self.slots)
+        idle = [k for k in self.loaded if k[0] == name and k not in busy]
+        for key in idle:
+            del self.loaded[key]
+        return len(idle)
+
+    def assign_slots(self, seqs: Iterable[Sequence]) -> None:
+        """Gives every adapter of ``seqs`` a slot (at most ``max_loras`` adapters), refilling the
+        least recently used slots no sequence needs, and sets each sequence's ``lora_slot``."""
+        seqs = list(seqs)
+        needed = list(dict.fromkeys(seq.lora.key for seq in seqs if seq.lora is not None))
+        assert len(needed) <= self.config.max_loras, f"{len(needed)} adapters running, over max_loras"
+        slot_of = {key: s for s, key in enumerate(self.slots) if key is not None}
+        missing = [key for key in needed if key not in slot_of]
+        free = (s for s in self.slot_order if self.slots[s] not in needed)
+        for key, slot in zip(missing, free):
+            self._fill(slot, key, next(seq.lora for seq in seqs if seq.lora is not None and seq.lora.key == key))
+            slot_of[key] = slot
+        for key in needed:
+            self.slot_order.move_to_end(slot_of[key])
+        for seq in seqs:
+            seq.lora_slot = -1 if seq.lora is None else slot_of[seq.lora.key]
+
+    def _fill(self, slot: int, key: AdapterKey, request: LoRARequest) -> None:
+        weights = self.loaded.get(key) or self.add(request)
+        if self.slots[slot] is not None:
+            self.counters.num_evictions += 1
+        for name, layer in self.layers.items():
+            layer.set_slot(slot, weights.modules.get(name))
+        self.slots[slot] = key
+        self.counters.num_loads += 1

@@ -1,0 +1,224 @@
+"""Multi-LoRA serving in the engine: greedy outputs with an adapter equal HF transformers + PEFT
+token for token; adapters of one step batched with each other and with the base model; slots
+(``max_loras``) refilled in LRU order; the prefix cache keyed by adapter; bad adapters refused."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import STRESS_ENGINE_ARGS
+from models import assert_greedy_match, assert_same_greedy, hf_greedy
+
+from cb_serve import LLM, LoRARequest, SamplingParams
+from cb_serve.errors import InvalidRequestError
+from cb_serve.lora.layers import group_tokens
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Under STRESS_ENGINE_ARGS (40 blocks of 16 tokens) these preempt and prefill in chunks.
+PROMPTS = [
+    [1, 5, 9, 200, 33, 7] * 3,
+    [4, 8, 15, 16, 23, 42] * 9,
+    [300, 301, 302] * 50,
+    list(range(100, 290)),
+    [7, 700, 70, 7000] * 30,
+    list(range(2000, 2100)),
+]
+MAX_TOKENS = [24, 16, 30, 20, 28, 32]
+
+
+def make_adapter(model_dir: Path, out: Path, rank: int, seed: int, targets=ALL_TARGETS, **lora_kwargs) -> Path:
+    """A PEFT LoRA adapter of ``model_dir`` with random A and non-zero random B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    kwargs = dict(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    get_peft_model(base, LoraConfig(**{**kwargs, **lora_kwargs})).save_pretrained(out)
+    return out
+
+
+def peft_greedy(model_dir: Path, adapter: Path | None, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    return hf_greedy(model, prompts, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def adapters(random_model_dir, tmp_path_factory):
+    """Per architecture: its model directory and four adapters (ranks 8 and 16; one rsLoRA, one on
+    attention only, one on the MLP only)."""
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            model_dir = random_model_dir(arch)
+            root = tmp_path_factory.mktemp(f"lora-{arch}")
+            made[arch] = (
+                model_dir,
+                [
+                    make_adapter(model_dir, root / "r8", 8, seed=1),
+                    make_adapter(model_dir, root / "r16", 16, seed=2, use_rslora=True),
+                    make_adapter(model_dir, root / "attn", 8, seed=3, targets=["q_proj", "k_proj", "v_proj", "o_proj"]),
+                    make_adapter(model_dir, root / "mlp", 16, seed=4, targets=["gate_proj", "up_proj", "down_proj"]),
+                ],
+            )
+        return made[arch]
+
+    return make
+
+
+def lora(path: Path, i: int) -> LoRARequest:
+    return LoRARequest(path.name, i + 1, str(path))
+
+
+def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS, loras=None, logprobs=None):
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=logprobs) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_with_adapters_equals_hf_peft(arch, adapters):
+    """Under chunked prefill and preemption; two adapters at ranks 8 and 16 on attention and MLP."""
+    model_dir, paths = adapters(arch)
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, **STRESS_ENGINE_ARGS)
+    base = run(llm)
+    for i, path in enumerate(paths[:2]):
+        ours = run(llm, loras=lora(path, i))
+        ref = peft_greedy(model_dir, path)
+        for j, ((tokens, _), (ref_tokens, ref_logits)) in enumerate(zip(ours, ref)):
+            assert_greedy_match(tokens, ref_tokens, ref_logits, f"{arch} {path.name} prompt {j}")
+        assert [t for t, _ in ours] != [t for t, _ in base], "the adapter changed nothing"
+    for (tokens, _), (ref_tokens, ref_logits) in zip(base, peft_greedy(model_dir, None)):
+        assert_greedy_match(tokens, ref_tokens, ref_logits, f"{arch} base")
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0
+    assert stats.kv_blocks_used == 0
+
+
+def test_mixed_batch_of_four_adapters_and_the_base_equals_each_alone(adapters):
+    model_dir, paths = adapters("llama")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=4, max_lora_rank=16, num_gpu_blocks=256, max_model_len=400)
+    choices = [lora(p, i) for i, p in enumerate(paths)] + [None]
+    prompts = [PROMPTS[i % 4] for i in range(10)]
+    max_tokens = [MAX_TOKENS[i % 4] for i in range(10)]
+    loras = [choices[i % 5] for i in range(10)]
+    mixed = run(llm, prompts, max_tokens, loras, logprobs=2)
+    assert llm.engine.max_batch_seqs == 10  # all in one running batch
+    alone = [run(llm, [p], [m], [x], logprobs=2)[0] for p, m, x in zip(prompts, max_tokens, loras)]
+    assert_same_greedy(mixed, alone, "mixed batch vs alone")
+    assert len({tuple(t) for t, _ in mixed[:5]}) == 5  # four adapters and the base all differ
+
+
+def test_max_loras_2_with_4_adapters_every_request_finishes(adapters):
+    """Requests of four adapters through two slots: each waits for a slot holding nothing, and
+    its tokens are those of its adapter alone; the slots' loads and evictions are counted."""
+    model_dir, paths = adapters("llama")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, **STRESS_ENGINE_ARGS)
+    loras = [lora(paths[i % 4], i % 4) for i in range(8)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(8)]
+    seen: list[int] = []
+    llm.engine.add_step_listener(lambda stats, outs: seen.append(llm.engine.lora.num_slots_used))
+    together = run(llm, prompts, max_tokens, loras, logprobs=2)
+    stats = llm.engine.get_stats()
+    assert stats.lora_loads >= 4 and stats.lora_evictions >= 2, stats
+    assert max(seen) <= 2 and stats.max_loras == 2
+    assert stats.kv_blocks_used == 0
+    fresh = LLM(str(model_dir), enable_lora=True, max_loras=4, max_lora_rank=16, **STRESS_ENGINE_ARGS)
+    alone = [run(fresh, [p], [m], [x], logprobs=2)[0] for p, m, x in zip(prompts, max_tokens, loras)]
+    assert_same_greedy(together, alone, "max_loras=2 vs each alone")
+
+
+def test_prefix_cache_is_keyed_by_adapter(adapters):
+    model_dir, paths = adapters("llama")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, num_gpu_blocks=128, max_model_len=256)
+    prompt, one = [list(range(200, 264))], [4]
+    first = lora(paths[0], 0)
+
+    def hits(loras) -> int:
+        before = llm.engine.get_stats().prefix_cache_hits
+        run(llm, prompt, one, loras)
+        return llm.engine.get_stats().prefix_cache_hits - before
+
+    assert hits([first]) == 0
+    assert hits([first]) == 48  # 3 full blocks of 16 (the last token is always computed)
+    assert hits([lora(paths[2], 2)]) == 0  # another adapter: no shared KV
+    assert hits(None) == 0  # nor the base model
+    assert hits(None) == 48
+    renamed = LoRARequest(first.lora_name, first.lora_int_id, str(paths[2]))  # same name, other weights
+    assert hits([renamed]) == 0
+
+
+def test_bad_adapters_are_refused_before_anything_runs(adapters, random_model_dir, tmp_path, tokenizer):
+    model_dir, paths = adapters("llama")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, num_gpu_blocks=64, max_model_len=256)
+    cases = {
+        "not a directory": LoRARequest("x", 1, str(tmp_path / "missing")),
+        "no adapter_config.json": LoRARequest("x", 1, str(tmp_path)),
+        "above max_lora_rank=8": lora(paths[1], 1),
+    }
+    other_dir = tmp_path / "wide"
+    from models import make_random_model
+
+    make_random_model(other_dir, "llama", tokenizer, hidden_size=96)
+    cases["another base model"] = LoRARequest("w", 1, str(make_adapter(other_dir, tmp_path / "wide-a", 4, 0)))
+    cases["lm_head"] = LoRARequest("h", 1, str(make_adapter(model_dir, tmp_path / "head", 4, 0, ["lm_head"])))
+    cases["use_dora"] = LoRARequest("d", 1, str(make_adapter(model_dir, tmp_path / "dora", 4, 0, use_dora=True)))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    cases["Cannot read the adapter weights"] = LoRARequest("b", 1, str(broken))
+    for expected, request in cases.items():
+        with pytest.raises(InvalidRequestError, match="(?i)" + re.escape(expected)) as info:
+            run(llm, PROMPTS[:1], [4], [request])
+        assert info.value.param == "lora_request"
+    assert not llm.engine.has_unfinished_requests()
+    assert run(llm, PROMPTS[:1], [4], [lora(paths[0], 0)])  # the engine serves on
+    plain = LLM(str(model_dir), num_gpu_blocks=64, max_model_len=256)
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        run(plain, PROMPTS[:1], [4], [lora(paths[0], 0)])
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("x", 0, "/tmp")
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(str(model_dir), enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_token_groups_are_slices_when_contiguous():
+    slots = np.asarray([-1, 0, 0, 1, 1, 1, 0, -1, 2])
+    groups = dict(group_tokens(slots, torch.device("cpu")))
+    assert groups[1] == slice(3, 6) and groups[2] == slice(8, 9)
+    assert groups[0].tolist() == [1, 2, 6] and -1 not in groups
+    assert group_tokens(np.asarray([-1, -1]), torch.device("cpu")) == []
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_holding_nothing():
+    """max_loras=1: with adapter a running, b's request waits (no blocks) while base and a's
+    requests behind it are admitted; b runs once a's sequences are done."""
+    from cb_serve.engine.block_manager import BlockManager
+    from cb_serve.engine.scheduler import Scheduler
+    from cb_serve.sequence import Sequence, SequenceStatus
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    scheduler = Scheduler(BlockManager(64, 16), 512, 8, 256, max_loras=1)
+    seqs = [Sequence(i, str(i), 0, [i + 1] * 20, SamplingParams(), 4, lora=x) for i, x in enumerate([a, b, None, a])]
+    for seq in seqs:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.seqs == [seqs[0], seqs[2], seqs[3]]
+    assert list(scheduler.waiting) == [seqs[1]] and not seqs[1].block_table
+    scheduler.update_after_step(out)
+    for seq in (seqs[0], seqs[2], seqs[3]):
+        scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    assert scheduler.schedule().seqs == [seqs[1]]
