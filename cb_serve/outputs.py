@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cb_serve.errors import EngineError
+from cb_serve.lora.request import LoRARequest
 
 
 @dataclass
@@ -51,3 +52,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     error: EngineError | None = None  # set when the request failed (its completions end with "error")
+    lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field)

@@ -35,11 +35,12 @@ def num_hit_blocks(num_tokens: int, block_size: int) -> int:
     return max(0, (num_tokens - 1) // block_size)
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the blocks of ``token_ids`` that a prefix hit can cover."""
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes | None = None) -> list[bytes]:
+    """The chained hashes of the blocks of ``token_ids`` that a prefix hit can cover (``salt``:
+    the first block's parent, a LoRA adapter's ``cache_salt``)."""
     hashes: list[bytes] = []
     for i in range(num_hit_blocks(len(token_ids), block_size)):
-        hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[i * block_size : (i + 1) * block_size]))
+        hashes.append(chain_hash(hashes[-1] if hashes else salt, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
 
 

@@ -1,5 +1,5 @@
 """Small random-weight models (Llama, Qwen2, Mistral shapes) saved as real HF model
-directories, and the HF transformers oracle for greedy decoding."""
+directories, LoRA adapters of them made by PEFT, and the HF transformers oracle for greedy decoding."""
 
 from __future__ import annotations
 
@@ -50,6 +50,21 @@ def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **co
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(model_dir: Path, out: Path, rank: int, seed: int, targets=LORA_TARGETS, **lora_kwargs) -> Path:
+    """A PEFT LoRA adapter of ``model_dir`` with random A and non-zero random B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    kwargs = dict(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    get_peft_model(base, LoraConfig(**{**kwargs, **lora_kwargs})).save_pretrained(out)
+    return out
 
 
 def hf_greedy(

@@ -41,7 +41,7 @@ ALLOWED = {
     "structured_outputs": set(),  # constraint backends: below the sampler and the engine
     "distributed": set(),  # tensor-parallel shards and communicator: below the model
     "spec_decode": set(),  # proposers and verification: below the model runner and the engine
-    "lora": set(),  # adapters' loading, slots and grouped apply: below the model runner and the engine
+    "lora": {"cpu_ops"},  # adapters' loading, slots and batched apply: below the model runner and the engine
     "model_executor": {"attention", "cpu_ops", "distributed", "lora", "spec_decode", "structured_outputs"},
     "executor": {"distributed", "model_executor"},  # tensor-parallel worker processes, driven by the engine
     "engine": {

@@ -109,3 +109,19 @@ def test_tensor_parallel_bundles_follow_the_replica_resources():
     assert "placement_group_bundles" not in engine_replica_options(AppArgs.model_validate({}))
     given = {"engine": {"tensor_parallel_size": 2}, "engine_replica": {"placement_group_bundles": [{"CPU": 3}] * 2}}
     assert engine_replica_options(AppArgs.model_validate(given))["placement_group_bundles"] == [{"CPU": 3}] * 2
+
+
+def test_config_gpu_yaml_turns_lora_on_with_its_commented_lines():
+    """deploy/config.gpu.yaml's commented LoRA lines (engine options and lora_modules), uncommented."""
+    text = (DEPLOY / "config.gpu.yaml").read_text()
+    lines = [x for x in text.splitlines() if x.strip().startswith(("# enable_lora", "# max_lora", "# max_cpu_loras"))]
+    (modules,) = [x for x in text.splitlines() if "# lora_modules:" in x]
+    config = load("config.gpu.yaml")
+    (app,) = config["applications"]
+    app["args"]["engine"].update(yaml.safe_load("\n".join(x.replace("# ", "", 1).strip() for x in lines)))
+    app["args"].update(yaml.safe_load(modules.replace("# ", "", 1).strip()))
+    args = AppArgs.model_validate(app["args"])
+    assert args.engine["enable_lora"] and args.engine["max_loras"] == 8
+    assert args.lora_modules["customer-a"].startswith("/home/ray/.cache/huggingface/")
+    with pytest.raises(ValidationError, match="enable_lora"):
+        AppArgs.model_validate({"lora_modules": {"a": "/x"}})

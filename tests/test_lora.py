@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import STRESS_ENGINE_ARGS
-from models import assert_greedy_match, assert_same_greedy, hf_greedy
+from models import assert_greedy_match, assert_same_greedy, hf_greedy, make_adapter, make_random_model
 
 from cb_serve import LLM, LoRARequest, SamplingParams
 from cb_serve.errors import InvalidRequestError
 from cb_serve.lora.layers import group_tokens
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Under STRESS_ENGINE_ARGS (40 blocks of 16 tokens) these preempt and prefill in chunks.
 PROMPTS = [
     [1, 5, 9, 200, 33, 7] * 3,
@@ -29,18 +28,6 @@ PROMPTS = [
     list(range(2000, 2100)),
 ]
 MAX_TOKENS = [24, 16, 30, 20, 28, 32]
-
-
-def make_adapter(model_dir: Path, out: Path, rank: int, seed: int, targets=ALL_TARGETS, **lora_kwargs) -> Path:
-    """A PEFT LoRA adapter of ``model_dir`` with random A and non-zero random B."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    kwargs = dict(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
-    get_peft_model(base, LoraConfig(**{**kwargs, **lora_kwargs})).save_pretrained(out)
-    return out
 
 
 def peft_greedy(model_dir: Path, adapter: Path | None, prompts=PROMPTS, max_tokens=MAX_TOKENS):
@@ -169,8 +156,6 @@ def test_bad_adapters_are_refused_before_anything_runs(adapters, random_model_di
         "above max_lora_rank=8": lora(paths[1], 1),
     }
     other_dir = tmp_path / "wide"
-    from models import make_random_model
-
     make_random_model(other_dir, "llama", tokenizer, hidden_size=96)
     cases["another base model"] = LoRARequest("w", 1, str(make_adapter(other_dir, tmp_path / "wide-a", 4, 0)))
     cases["lm_head"] = LoRARequest("h", 1, str(make_adapter(model_dir, tmp_path / "head", 4, 0, ["lm_head"])))
@@ -222,3 +207,38 @@ def test_a_request_whose_adapter_has_no_slot_waits_holding_nothing():
     for seq in (seqs[0], seqs[2], seqs[3]):
         scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
     assert scheduler.schedule().seqs == [seqs[1]]
+
+
+def test_the_cpu_kernel_and_the_gemm_path_add_the_same():
+    """``cpu_ops.lora_apply`` (all adapters in one call) against the gathered-GEMM path, on tokens of
+    three adapters (one contiguous run, two scattered), base tokens and an empty slot."""
+    from cb_serve import cpu_ops
+    from cb_serve.lora.layers import LoRABatch, LoRALinear
+    from cb_serve.model_executor.linear import Linear
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ toolchain: the CPU kernels did not build")
+    torch.manual_seed(0)
+    batch = LoRABatch()
+    layer = LoRALinear(Linear(96, 160, bias=False), batch, max_loras=4, max_rank_rows=24)
+    for slot, rank in [(0, 24), (1, 8), (3, 16)]:
+        layer.set_slot(slot, (torch.randn(rank, 96), torch.randn(rank, 160)))
+    batch.set_groups(np.asarray([0, 0, 0, -1, 1, 3, 1, -1, 3, 2]), torch.device("cpu"))
+    x = torch.randn(10, 96)
+    kernel = layer(x)
+    layer.use_cpu_kernel = False
+    grouped = layer(x)
+    torch.testing.assert_close(kernel, grouped, rtol=1e-5, atol=1e-4)
+    base = layer.base(x)
+    assert torch.equal(kernel[[3, 7, 9]], base[[3, 7, 9]])  # the base model's and the empty slot's rows
+
+
+def test_the_gemm_path_equals_hf_peft(adapters):
+    """The path non-CPU devices (and non-float32 weights) take, on the engine."""
+    model_dir, paths = adapters("qwen2")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, **STRESS_ENGINE_ARGS)
+    for layer in llm.engine.lora.layers.values():
+        layer.use_cpu_kernel = False
+    ours = run(llm, loras=lora(paths[3], 3))
+    for j, ((tokens, _), (ref_tokens, ref_logits)) in enumerate(zip(ours, peft_greedy(model_dir, paths[3]))):
+        assert_greedy_match(tokens, ref_tokens, ref_logits, f"gemm path prompt {j}")

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+from models import make_adapter
 from tools import prometheus_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     assert len(m["request_queue_time_seconds"].all()) == 12
     assert len(m["inter_token_latency_seconds"].all()) == generated - 12  # every token after the first
     assert min(m["inter_token_latency_seconds"].all()) >= 0
-    length = (("finished_reason", "length"), ("model", "tiny"), ("model_name", "tiny"))  # vLLM's label and ours
+    length = (("finished_reason", "length"), ("lora_name", ""), ("model", "tiny"), ("model_name", "tiny"))
     assert m["request_success"].values == {length: [1] * 12}
     assert sum(m["num_preemptions"].all()) == stats.num_preemptions > 0
     assert sum(m["prefix_cache_hits"].all()) == stats.prefix_cache_hits > 0
@@ -267,6 +268,8 @@ N_CONSTRAINED = 2  # structured-output requests after them (1 after the warm-up)
 # as tests/test_serve.py serves them, would all be rejected). Set in the fixture: the model is made there.
 SERVE_ENGINE_ARGS = {**ENGINE_ARGS, "num_gpu_blocks": 32}
 SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}
+# LoRA feeds the lora_* series: two adapters through one slot (max_loras 1), so they displace each other.
+LORA_ENGINE_ARGS = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
 SHARED = "You are a helpful assistant. Answer briefly and precisely, in plain English. " * 3  # > 2 KV blocks
 
 
@@ -390,9 +393,12 @@ def stack(prometheus_binary, random_model_dir, tmp_path_factory):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         model = str(random_model_dir("llama"))
+        adapters = tmp_path_factory.mktemp("stack-adapters")
+        lora_modules = {name: str(make_adapter(model, adapters / name, 4, seed)) for seed, name in enumerate(LORAS)}
         args = {
             "model": model,
-            "engine": {**SERVE_ENGINE_ARGS, "speculative_config": {**SELF_DRAFT, "model": model}},
+            "engine": {**SERVE_ENGINE_ARGS, **LORA_ENGINE_ARGS, "speculative_config": {**SELF_DRAFT, "model": model}},
+            "lora_modules": lora_modules,
             "router": {"served_model_name": "tiny"},
             # Autoscaled as deploy/config.gpu.yaml is, pinned at two replicas: Serve exports its
             # autoscaler's series (the dashboard's "Autoscaling" panel) only for such deployments.
@@ -458,6 +464,27 @@ async def workload(base_url: str, n_requests: int, max_tokens: int | None = None
     tokens = await asyncio.gather(*(one(i) for i in range(n_requests)))
     assert all(t > 0 for t in tokens)
     return sum(tokens), len(tokens)
+
+
+LORAS = ("a1", "a2")
+
+
+async def lora_workload(base_url: str) -> tuple[int, int]:
+    """Requests for the two adapters in turn, in one session (mostly one replica), so they take its one
+    slot from each other. Returns (completion tokens, requests)."""
+    client = openai_client(base_url)
+    tokens = 0
+    for i in range(4):
+        out = await client.completions.create(
+            model=LORAS[i % 2],
+            prompt=f"adapter request {i}",
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            extra_headers={"x-session-id": "lora"},
+        )
+        tokens += out.usage.completion_tokens
+    return tokens, 4
 
 
 async def constrained_workload(base_url: str, tags: list[str]) -> tuple[int, int]:
@@ -541,6 +568,8 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     started = time.time()
     asyncio.run(rejected_requests(base_url))
     tokens, n = run_workload(4, ["w"], max_tokens=4)
+    lora_tokens, lora_n = asyncio.run(lora_workload(base_url))
+    tokens, n = tokens + lora_tokens, n + lora_n
     wait_for("Prometheus to see the warm-up", lambda: counted(tokens, n, 1), timeout=90)
     tags = [str(i) for i in range(N_CONSTRAINED)]
     more_tokens, more = run_workload(N_REQUESTS, tags)
@@ -583,6 +612,15 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     assert fills and fills == prom.scalar("sum(ray_cb_serve_grammar_bitmask_wait_seconds_count)")
     assert fills < steps  # only steps with constrained sequences
     assert prom.scalar("sum(ray_cb_serve_num_requests_waiting_grammar)") == 0
+    # LoRA: the adapters' requests by name, their slot loads and evictions, one slot per replica.
+    by_adapter = {
+        labels.get("lora_name", ""): v
+        for labels, v in prom.query("sum by (lora_name) (ray_cb_serve_request_success_total)")
+    }
+    assert by_adapter == {"": n - 4, "a1": 2, "a2": 2}, by_adapter
+    assert prom.scalar("sum(ray_cb_serve_lora_loads_total)") >= 4
+    assert prom.scalar("sum(ray_cb_serve_lora_evictions_total)") >= 1  # most of them on one replica
+    assert {v for _, v in prom.query("ray_cb_serve_lora_slots_total")} == {1.0}
 
     for name, (kind, _) in (ENGINE_METRICS | ROUTER_METRICS).items():  # the names Ray really exports
         series = exported_name(name) + ("_count" if kind == "histogram" else "")

@@ -36,10 +36,11 @@ EXTENSIONS = {
     # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
     "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
     "cb_serve_gemm_ops": ("decode_gemm.cpp", ["-mprefer-vector-width=512"]),
+    "cb_serve_lora_ops": ("lora_ops.cpp", ["-mprefer-vector-width=512"]),
 }
 # Optional, x86-64 Linux only: AMX tile GEMM (amx_available()).
 AMX_EXTENSION = ("cb_serve_amx_ops", "amx_gemm.cpp", ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"])
-STALE_LOCK_S = 300  # no build takes this long (~10 s each here, ~45 s for all five)
+STALE_LOCK_S = 300  # no build takes this long (a few seconds each)
 BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
 OPS = (
     "paged_decode_attention",
@@ -52,6 +53,7 @@ OPS = (
     "apply_token_bitmask",
     "pack_decode_weight",
     "decode_gemm",
+    "lora_apply",
 )
 
 
@@ -213,6 +215,20 @@ def decode_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: 
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.cb_serve.decode_gemm(out, x, packed, bias)
     return out
+
+
+def lora_apply(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    b_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    ranks: torch.Tensor,
+) -> None:
+    """In place, for each token ``t`` with slot ``s = token_slots[t] >= 0`` and ``r = ranks[s]``:
+    ``out[t] += (a_stack[s, :r] @ x[t]) @ b_stack[s, :r]`` (float32; ``x`` ``[T, K]`` contiguous,
+    ``a_stack`` ``[S, R, K]``, ``b_stack`` ``[S, R, N]``; every adapter of a step in one call)."""
+    torch.ops.cb_serve.lora_apply(out, x, a_stack, b_stack, token_slots, ranks)
 
 
 def amx_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import copy
 import functools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cb_serve.config import EngineConfig
@@ -32,6 +32,7 @@ from cb_serve.errors import (
     RequestFailedError,
 )
 from cb_serve.inputs import PromptType
+from cb_serve.lora.request import LoRARequest
 from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device
 from cb_serve.outputs import RequestOutput
 from cb_serve.prefix_hash import PrefixDigest
@@ -78,11 +79,16 @@ class AsyncLLM:
 
     # ---- caller side ----------------------------------------------------------------
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+        self, prompt: PromptType, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
+        """``lora_request``: the adapter to run with; one the engine does not hold yet is read and
+        checked on a worker thread first (a bad one raises ``InvalidRequestError``)."""
         with self._inbox.lock:
             self._inbox.check_open()
         processed = self.processor.process(prompt, params)
+        if lora_request is not None:
+            processed.lora_weights = await asyncio.to_thread(self._engine.read_lora, lora_request)
+            processed.lora_request = lora_request
         stream = await self._inbox.add(request_id, processed)
         finished = False
         try:
@@ -96,6 +102,27 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._send(("abort", stream, None))
+
+    async def add_lora(self, lora_request: LoRARequest, timeout_s: float = 30.0) -> None:
+        """Reads and checks an adapter (on a worker thread), then has the engine hold it in host
+        memory; raises ``InvalidRequestError`` for one that cannot be served."""
+        weights = await asyncio.to_thread(self._engine.read_lora, lora_request)
+        await self._call(functools.partial(self._engine.add_lora, lora_request, weights), timeout_s)
+
+    def add_lora_blocking(self, lora_request: LoRARequest, timeout_s: float = 60.0) -> None:
+        """``add_lora`` for a caller outside any event loop (a replica's constructor)."""
+        weights = self._engine.read_lora(lora_request)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", future, functools.partial(self._engine.add_lora, lora_request, weights)))
+        future.result(timeout_s)
+
+    async def remove_lora(self, lora_name: str, timeout_s: float = 30.0) -> bool:
+        """Drops an idle adapter from host memory (one in use stays until its requests end)."""
+        return await self._call(functools.partial(self._engine.remove_lora, lora_name), timeout_s)
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the adapters the engine holds now."""
+        return self._engine.lora_adapters()
 
     def _send(self, item: Item) -> None:
         """Queues ``item`` for the engine thread, or fails it at once if the loop has ended."""
@@ -118,8 +145,12 @@ class AsyncLLM:
     async def inspect(self, what: str, timeout_s: float = 10.0, **kwargs: Any) -> Any:
         """``LLMEngine.inspect(what, **kwargs)``, taken on the engine thread between two steps.
         Cancelling the caller is safe: the engine thread skips a call nobody waits for."""
+        return await self._call(functools.partial(self._engine.inspect, what, **kwargs), timeout_s)
+
+    async def _call(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """``fn()`` on the engine thread between two steps; cancelling the caller is safe."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("call", future, functools.partial(self._engine.inspect, what, **kwargs)))
+        self._send(("call", future, fn))
         answer = asyncio.wrap_future(future)
         if not await wait_or_timeout(answer, timeout_s):  # cancelling `answer` cancels `future`
             raise TimeoutError(f"The engine thread did not answer within {timeout_s} s.")

@@ -33,7 +33,7 @@ from cb_serve.fault_injection import FaultInjector
 from cb_serve.inputs import PromptType
 from cb_serve.lora.config import LoRAConfig
 from cb_serve.lora.manager import AdapterKey, LoRAManager
-from cb_serve.lora.peft_adapter import LoRAAdapterError
+from cb_serve.lora.peft_adapter import LoRAAdapterError, LoRAWeights
 from cb_serve.lora.request import LoRARequest
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.cuda_graph import capture_sizes
@@ -267,7 +267,7 @@ class LLMEngine:
             limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
         if processed.lora_request is not None:
-            self.add_lora(processed.lora_request)
+            self.add_lora(processed.lora_request, processed.lora_weights)
         faults = frozenset()
         if self.faults is not None:
             faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
@@ -286,17 +286,36 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     # ---- LoRA adapters --------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Reads an adapter into host memory (vLLM's ``add_lora``), checked against the model;
-        raises ``InvalidRequestError`` (param ``lora_request``) when it cannot be served."""
+    def add_lora(self, lora_request: LoRARequest, weights: LoRAWeights | None = None) -> None:
+        """Holds an adapter in host memory (vLLM's ``add_lora``; ``weights``: already ``read_lora``),
+        checked against the model; raises ``InvalidRequestError`` (param ``lora_request``) when it
+        cannot be served."""
+        self._check_lora(lora_request)
+        try:
+            self.lora.add(lora_request, self._adapters_in_use, weights)
+        except LoRAAdapterError as e:
+            raise InvalidRequestError(str(e), "lora_request") from e
+
+    def read_lora(self, lora_request: LoRARequest) -> LoRAWeights | None:
+        """The adapter read and checked off the engine thread (any thread may call this); None if
+        the engine holds it already. Raises ``InvalidRequestError`` as ``add_lora`` does."""
+        self._check_lora(lora_request)
+        if self.lora.holds(lora_request.key):
+            return None
+        try:
+            return self.lora.read(lora_request)
+        except LoRAAdapterError as e:
+            raise InvalidRequestError(str(e), "lora_request") from e
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the adapters held (in slots or host memory); safe from any thread."""
+        return [] if self.lora is None else self.lora.adapter_names()
+
+    def _check_lora(self, lora_request: LoRARequest) -> None:
         if self.lora is None:
             raise InvalidRequestError("LoRA adapters are not enabled on this engine (enable_lora).", "lora_request")
         if not isinstance(lora_request, LoRARequest):
             raise InvalidRequestError(f"Expected a LoRARequest, got {type(lora_request).__name__}.", "lora_request")
-        try:
-            self.lora.add(lora_request, self._adapters_in_use)
-        except LoRAAdapterError as e:
-            raise InvalidRequestError(str(e), "lora_request") from e
 
     def remove_lora(self, lora_name: str) -> bool:
         """Drops an idle adapter from host memory (one still in use stays until its requests end)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass, replace
+from typing import Any
 
 from cb_serve.config import EngineConfig
 from cb_serve.errors import InvalidRequestError
@@ -25,6 +26,7 @@ class ProcessedRequest:
     params: SamplingParams  # with the tokenizer's EOS ids filled in
     max_tokens: int
     lora_request: LoRARequest | None = None
+    lora_weights: Any = None  # the adapter read off the engine thread (``LoRAManager.read``), if it was
 
 
 class InputProcessor:

@@ -94,7 +94,14 @@ class RequestState:
             num_preemptions=sum(s.num_preemptions for s in self.seqs),
         )
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, completions, finished, metrics, first.num_cached_tokens
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            finished,
+            metrics,
+            first.num_cached_tokens,
+            lora_request=first.lora,
         )
 
     def _completion(self, i: int, delta: bool) -> CompletionOutput | None:

@@ -1,6 +1,7 @@
 """The LoRA side of a projection in the ragged step: ``LoRALinear`` adds ``x·Aᵢ·Bᵢ`` to the base
-projection's output for the tokens of each adapter ``i`` in the step, one gathered GEMM pair per
-adapter (Punica's segmented form), never one per request."""
+projection's output for the tokens of each adapter ``i`` in the step, batched over requests: on
+the CPU in float32, every adapter of the step in one C++ call (``cpu_ops.lora_apply``, Punica's
+BGMV form); elsewhere one gathered GEMM pair per adapter (the segmented form)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cb_serve import cpu_ops
+
 TokenRows = slice | torch.Tensor  # a contiguous run of the step's tokens, or their indices
 
 
 @dataclass
 class LoRABatch:
-    """The step's tokens grouped by adapter slot (base-model tokens are in no group); shared by
-    every ``LoRALinear`` of the model and set once per step by ``set_groups``."""
+    """The step's tokens by adapter slot (-1: the base model), as a tensor (for the C++ kernel) and
+    grouped (for the GEMM path); shared by every ``LoRALinear`` of the model, set once per step."""
 
     groups: list[tuple[int, TokenRows]] = field(default_factory=list)
+    token_slots: torch.Tensor | None = None  # None: no token of the step has an adapter
 
     def set_groups(self, token_slots: np.ndarray, device: torch.device) -> None:
         """``token_slots``: each token's slot in step order (-1: the base model)."""
         self.groups = group_tokens(token_slots, device)
+        self.token_slots = torch.from_numpy(token_slots.astype(np.int64)).to(device) if self.groups else None
 
 
 def group_tokens(token_slots: np.ndarray, device: torch.device) -> list[tuple[int, TokenRows]]:
@@ -52,9 +57,21 @@ class LoRALinear(nn.Module):
         self.lora_a = torch.zeros(max_loras, max_rank_rows, base.in_features, dtype=w.dtype, device=w.device)
         self.lora_b = torch.zeros(max_loras, max_rank_rows, base.out_features, dtype=w.dtype, device=w.device)
         self.ranks = [0] * max_loras
+        self.ranks_tensor = torch.zeros(max_loras, dtype=torch.int64)  # the same, for the C++ kernel
+        self.use_cpu_kernel = w.device.type == "cpu" and w.dtype == torch.float32 and cpu_ops.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        batch = self.batch
+        if batch.token_slots is None:
+            return out
+        if self.use_cpu_kernel and x.dim() == 2:
+            cpu_ops.lora_apply(out, x.contiguous(), self.lora_a, self.lora_b, batch.token_slots, self.ranks_tensor)
+            return out
+        return self.add_grouped(out, x)
+
+    def add_grouped(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The GEMM path: per adapter of the step, its tokens gathered, ``(x A^T) B`` added back."""
         for slot, rows in self.batch.groups:
             r = self.ranks[slot]
             if r:
@@ -68,12 +85,11 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Puts an adapter's ``(A, B)`` for this projection in ``slot`` (None: it does not target it)."""
-        if weights is None:
-            self.ranks[slot] = 0
-            return
-        a, b = weights
-        r = a.shape[0]
-        assert r <= self.lora_a.shape[1], (r, self.lora_a.shape)
-        self.lora_a[slot, :r].copy_(a)
-        self.lora_b[slot, :r].copy_(b)
+        r = 0 if weights is None else weights[0].shape[0]
+        if weights is not None:
+            a, b = weights
+            assert r <= self.lora_a.shape[1], (r, self.lora_a.shape)
+            self.lora_a[slot, :r].copy_(a)
+            self.lora_b[slot, :r].copy_(b)
         self.ranks[slot] = r
+        self.ranks_tensor[slot] = r

@@ -67,21 +67,40 @@ class LoRAManager:
         self.slot_order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(config.max_loras))
         self.counters = LoRACounters()
 
+    def holds(self, key: AdapterKey) -> bool:
+        """Whether the adapter is in host memory (safe from any thread: one dict lookup)."""
+        return key in self.loaded
+
+    def adapter_names(self) -> list[str]:
+        return sorted({key[0] for key in list(self.loaded)})
+
     @property
     def num_slots_used(self) -> int:
         return sum(key is not None for key in self.slots)
 
-    def add(self, request: LoRARequest, in_use: Callable[[], set[AdapterKey]] = set) -> LoRAWeights:
-        """Reads the adapter (once; later calls only refresh its LRU place), then drops idle adapters
-        (in no slot and not ``in_use``) beyond ``max_cpu_loras``. Raises ``LoRAAdapterError``."""
+    def read(self, request: LoRARequest) -> LoRAWeights:
+        """The adapter read from disk and checked against the model; touches nothing of the
+        manager's state, so any thread may call it. Raises ``LoRAAdapterError``."""
+        return load_peft_adapter(
+            request.lora_name, request.lora_path, self.shapes, self.config.max_lora_rank, self.dtype
+        )
+
+    def add(
+        self,
+        request: LoRARequest,
+        in_use: Callable[[], set[AdapterKey]] = set,
+        weights: LoRAWeights | None = None,
+    ) -> LoRAWeights:
+        """Holds the adapter in host memory (``weights`` if already ``read``, else read now; held
+        already: only its LRU place is refreshed), then drops idle adapters (in no slot and not
+        ``in_use``) beyond ``max_cpu_loras``. Raises ``LoRAAdapterError``."""
         key = request.key
-        weights = self.loaded.get(key)
-        if weights is None:
-            weights = load_peft_adapter(
-                request.lora_name, request.lora_path, self.shapes, self.config.max_lora_rank, self.dtype
-            )
+        held = self.loaded.get(key)
+        if held is None:
+            held = weights or self.read(request)
             self.counters.num_reads += 1
-            self.loaded[key] = weights
+            self.loaded[key] = held
+        weights = held
         self.loaded.move_to_end(key)
         self._trim_host_memory(in_use)
         return weights

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cb_serve import EngineConfig
 from cb_serve.serve.engine_replica import EngineReplica
+from cb_serve.serve.lora_registry import check_lora_name
 from cb_serve.serve.router import Router, RouterSettings
 
 DEFAULT_REQUEST_ROUTER = "cb_serve.serve.request_router:KVCacheAwareRouter"
@@ -46,6 +47,7 @@ class RoutingSettings(BaseModel):
     prefix_weight: float = Field(1.0, ge=0, description="Cost cut of an expected prefix hit of one token budget.")
     imbalance_threshold: float = Field(0.25, ge=0, description="Load lead beyond which load alone decides.")
     session_affinity: bool = Field(True, description="Requests with one user / x-session-id prefer one replica.")
+    adapter_weight: float = Field(1.0, ge=0, description="Cost cut of a replica holding the request's LoRA adapter.")
     stale_after_s: float | None = Field(None, gt=0, description="Default: 4 stats periods, at least 2 s.")
     request_router_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -58,6 +60,7 @@ class RoutingSettings(BaseModel):
             "prefix_weight": self.prefix_weight,
             "imbalance_threshold": self.imbalance_threshold,
             "session_affinity": self.session_affinity,
+            "adapter_weight": self.adapter_weight,
             **self.request_router_kwargs,
         }
 
@@ -69,6 +72,10 @@ class AppArgs(BaseModel):
 
     model: str | None = Field(None, description="Model path / hub id; None or 'default' = built-in SmolLM2.")
     engine: dict[str, Any] = Field(default_factory=dict, description="Engine arguments (see EngineConfig).")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served under the model field: name -> PEFT adapter directory (needs enable_lora).",
+    )
     router: RouterSettings = Field(default_factory=RouterSettings)
     routing_stats_period_s: float = Field(0.5, gt=0)
     log_requests: bool = Field(True, description="One log line per finished request in its engine replica's log.")
@@ -84,6 +91,14 @@ class AppArgs(BaseModel):
         except TypeError as e:  # unknown names; pydantic reports only ValueErrors as validation errors
             raise ValueError(str(e)) from None
         return v
+
+    @model_validator(mode="after")
+    def _lora_modules_need_enable_lora(self) -> AppArgs:
+        if self.lora_modules and not self.engine.get("enable_lora"):
+            raise ValueError("lora_modules needs enable_lora: true under engine.")
+        for name in self.lora_modules:
+            check_lora_name(name)
+        return self
 
 
 def tensor_parallel_bundles(size: int, ray_actor_options: dict[str, Any] | None) -> list[dict[str, float]]:
@@ -119,6 +134,6 @@ def build_app(args: dict[str, Any]) -> Application:
             request_routing_stats_timeout_s=max(1.0, 2 * parsed.routing_stats_period_s),
             request_router_kwargs=parsed.routing.router_kwargs(parsed.routing_stats_period_s),
         ),
-    ).bind(engine_args, parsed.log_requests)
+    ).bind(engine_args, parsed.log_requests, parsed.lora_modules)
     router = Router.options(**parsed.router_replica.model_dump(exclude_none=True))
-    return router.bind(engine, parsed.router.model_dump(), engine_args)
+    return router.bind(engine, parsed.router.model_dump(), engine_args, parsed.lora_modules)

@@ -10,8 +10,9 @@ from typing import Any
 
 from ray import serve
 
-from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob, RequestOutput
+from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob, LoRARequest, RequestOutput
 from cb_serve.serve.engine_request import EngineRequest, InspectRequest
+from cb_serve.serve.lora_registry import LoRARegistry
 from cb_serve.serve.metrics import EngineMetrics
 from cb_serve.serve.routing_report import ReplicaReporter
 
@@ -68,7 +69,9 @@ def log_finished(out: RequestOutput, num_output_tokens: int) -> None:
 class EngineReplica:
     """Streams plain-dict chunks (no tensors cross this boundary) and reports its load."""
 
-    def __init__(self, engine_args: dict[str, Any], log_requests: bool = True) -> None:
+    def __init__(
+        self, engine_args: dict[str, Any], log_requests: bool = True, lora_modules: dict[str, str] | None = None
+    ) -> None:
         log_to_serve()
         self.log_requests = log_requests
         self.engine = AsyncLLM(EngineConfig.from_kwargs(**engine_args))
@@ -76,6 +79,14 @@ class EngineReplica:
         self.metrics = EngineMetrics(self.engine, self.engine.model_name)  # cb_serve_* metrics (metrics.py)
         self.num_requests = 0  # generate() calls in progress, including those the engine has not taken yet
         self.reporter = ReplicaReporter()  # report numbers, and the request routers' picks that arrived
+        for lora_request in LoRARegistry(lora_modules).adapters.values():  # the config's adapters: a bad one fails here
+            self.engine.add_lora_blocking(lora_request)
+
+    async def load_lora(self, lora_request: LoRARequest) -> list[str]:
+        """Reads and checks an adapter and holds it (``POST /v1/load_lora_adapter``); raises
+        ``InvalidRequestError`` for one this engine cannot serve. Returns the adapters held."""
+        await self.engine.add_lora(lora_request)
+        return self.engine.lora_adapters()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[dict[str, Any]]]:
         """Streams ``request`` (token ids: the router tokenized it). Yields, per engine output, a
@@ -88,7 +99,8 @@ class EngineReplica:
         self.reporter.arrived(request)
         num_output_tokens = 0  # the engine's outputs are deltas
         try:
-            async for out in self.engine.generate(request.prompt_token_ids, request.params, request_id):
+            outputs = self.engine.generate(request.prompt_token_ids, request.params, request_id, request.lora_request)
+            async for out in outputs:
                 num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                 timeline = None
                 if out.finished and request.return_timeline:
@@ -140,6 +152,7 @@ class EngineReplica:
             "token_budget": self.engine.config.max_num_batched_tokens,
             "max_num_seqs": self.engine.config.max_num_seqs,
             "alive": self.engine.is_alive,  # False: the router skips this replica at once
+            "lora_adapters": self.engine.lora_adapters(),  # held in slots or host memory (adapter-aware routing)
             "time": time.time(),  # for people reading it; the router ages a report by its own clock
             **report,
         }

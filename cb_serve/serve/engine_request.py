@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cb_serve import SamplingParams
+from cb_serve import LoRARequest, SamplingParams
 
 
 @dataclass
@@ -31,6 +31,7 @@ class EngineRequest:
     # Set by the request router: its id and pick number, reported back by the replica (ReplicaReporter).
     router_pick: tuple[str, int] | None = None
     return_timeline: bool = False  # the final chunk carries the request's timeline
+    lora_request: LoRARequest | None = None  # the adapter named by the ``model`` field (None: the base model)
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) % 32 == 0 and (self.block_size > 0 or not self.block_hashes)

@@ -57,7 +57,10 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "num_preemptions": ("counter", "Sequences preempted (their KV blocks freed, recomputed later)."),
     "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("counter", "Prompt tokens found in the prefix cache."),
-    "request_success": ("counter", "Requests finished, by finished_reason (stop, length)."),
+    "request_success": (
+        "counter",
+        "Requests finished, by finished_reason (stop, length) and lora_name (the LoRA adapter; empty: the base model).",
+    ),
     "time_to_first_token_seconds": ("histogram", "Arrival in the engine to the first token."),
     "inter_token_latency_seconds": ("histogram", "Time between consecutive tokens of a sequence."),
     "e2e_request_latency_seconds": ("histogram", "Arrival in the engine to the last token."),
@@ -83,11 +86,22 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Speculative decoding: draft tokens accepted at each draft position (label position, from 0).",
     ),
+    "lora_slots_used": ("gauge", "LoRA: adapter slots holding an adapter (of max_loras)."),
+    "lora_slots_total": ("gauge", "LoRA: adapter slots (max_loras; 0 without enable_lora)."),
+    "lora_adapters_loaded": ("gauge", "LoRA: adapters held in slots or host memory."),
+    "lora_loads": ("counter", "LoRA: adapters copied into a slot."),
+    "lora_evictions": ("counter", "LoRA: adapters displaced from a slot by another."),
 }
 # Labels beside the model's, per metric.
-EXTRA_TAGS = {"request_success": ("finished_reason",), "spec_decode_num_accepted_tokens_per_pos": ("position",)}
+EXTRA_TAGS = {
+    "request_success": ("finished_reason", "lora_name"),
+    "spec_decode_num_accepted_tokens_per_pos": ("position",),
+}
 ROUTER_METRICS: dict[str, tuple[str, str]] = {
-    "router_requests": ("counter", "Requests the router sent to each engine replica (label engine_replica)."),
+    "router_requests": (
+        "counter",
+        "Requests the router sent to each engine replica (labels engine_replica, lora_name: empty for the base model).",
+    ),
     "router_rejections": ("counter", "Requests answered with an error, by HTTP status and error type."),
     "router_predicted_prefix_hit_tokens": (
         "counter",
@@ -120,6 +134,8 @@ _COUNTER_FIELDS = {
     "prefix_cache_queries": "prefix_cache_queries",
     "prefix_cache_hits": "prefix_cache_hits",
     "structured_output_requests": "num_constrained_requests",
+    "lora_loads": "lora_loads",
+    "lora_evictions": "lora_evictions",
 }
 
 
@@ -224,7 +240,8 @@ class EngineMetrics:
                 self._last_token.pop(out.request_id, None)
                 m["e2e_request_latency_seconds"].observe((t.finished_time or t.last_token_time) - t.arrival_time)
                 reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
-                m["request_success"].inc(1, tags={"finished_reason": reason})
+                lora = out.lora_request.lora_name if out.lora_request is not None else ""
+                m["request_success"].inc(1, tags={"finished_reason": reason, "lora_name": lora})
             else:
                 self._last_token[out.request_id] = t.last_token_time
 
@@ -259,6 +276,9 @@ class EngineMetrics:
         m["kv_cache_blocks_used"].set(s.kv_blocks_used)
         m["kv_cache_blocks_total"].set(s.kv_blocks_total)
         m["num_requests_waiting_grammar"].set(s.num_requests_waiting_grammar)
+        m["lora_slots_used"].set(s.lora_slots_used)
+        m["lora_slots_total"].set(s.max_loras)
+        m["lora_adapters_loaded"].set(s.lora_adapters_loaded)
         for name, field in _COUNTER_FIELDS.items():
             value = getattr(s, field)
             if value > self._counted[name]:
@@ -271,15 +291,19 @@ class RouterMetrics:
 
     def __init__(self, api: ModuleType | None = None) -> None:
         api = api or _serve_metrics()
-        self.requests = _make(api, "router_requests", (*MODEL_TAGS, "engine_replica"), {})
+        self.requests = _make(api, "router_requests", (*MODEL_TAGS, "engine_replica", "lora_name"), {})
         self.rejections = _make(api, "router_rejections", ("status", "type"), {})
-        self.predicted_hits = _make(api, "router_predicted_prefix_hit_tokens", (*MODEL_TAGS, "engine_replica"), {})
-        self.hits = _make(api, "router_prefix_hit_tokens", (*MODEL_TAGS, "engine_replica"), {})
+        tags = (*MODEL_TAGS, "engine_replica", "lora_name")
+        self.predicted_hits = _make(api, "router_predicted_prefix_hit_tokens", tags, {})
+        self.hits = _make(api, "router_prefix_hit_tokens", tags, {})
 
-    def routed(self, model: str, engine_replica: str, predicted_hit_tokens: int | None, hit_tokens: int) -> None:
+    def routed(
+        self, model: str, engine_replica: str, predicted_hit_tokens: int | None, hit_tokens: int, lora_name: str = ""
+    ) -> None:
         """One request sent to ``engine_replica``: what the router expected of its prefix cache
-        (None: no prediction, e.g. the replica had no fresh report) and what it served."""
-        tags = {"model_name": model, "model": model, "engine_replica": engine_replica}
+        (None: no prediction, e.g. the replica had no fresh report) and what it served;
+        ``lora_name``: its adapter (empty: the base model)."""
+        tags = {"model_name": model, "model": model, "engine_replica": engine_replica, "lora_name": lora_name}
         self.requests.inc(1, tags=tags)
         if predicted_hit_tokens:  # Ray's counters take only positive increments
             self.predicted_hits.inc(predicted_hit_tokens, tags=tags)

@@ -52,9 +52,14 @@ report made before a failure but arriving after the ingress marked the replica l
 replica's reports stopped takes the last one as new, so it ranks that replica fresh for up to
 ``stale_after_s``.
 
+LoRA adapters: a replica reports the adapters it holds (``lora_adapters``); among the replicas
+within the threshold, one holding the request's adapter costs ``adapter_weight`` less, so an
+adapter's requests stay where it is loaded until that replica's load pulls ahead (Ray Serve's
+model multiplexing prefers replicas with the model loaded in the same way).
+
 The knobs are ``request_router_kwargs`` (``initialize_state``): ``stale_after_s``,
-``prefix_weight`` (0 turns prefix affinity off), ``imbalance_threshold`` and
-``session_affinity``.
+``prefix_weight`` (0 turns prefix affinity off), ``imbalance_threshold``,
+``session_affinity`` and ``adapter_weight``.
 """
 
 from __future__ import annotations
@@ -96,6 +101,12 @@ def expected_hit_tokens(stats: dict[str, Any], request: EngineRequest | None) ->
     return PrefixDigest.from_dict(digest).hit_blocks(request.block_hashes) * request.block_size
 
 
+def holds_adapter(stats: dict[str, Any], request: EngineRequest | None) -> bool:
+    """Whether the replica reported holding the request's LoRA adapter (in a slot or host memory)."""
+    lora = request.lora_request if request is not None else None
+    return lora is not None and lora.lora_name in (stats.get("lora_adapters") or ())
+
+
 def hit_advantage(hits: dict[Any, int]) -> dict[Any, int]:
     """Each replica's expected hit beyond what a majority of the replicas holds: a prefix most
     replicas hold (one system prompt for everyone) is cheap anywhere, and the others get it with
@@ -127,15 +138,18 @@ def order_by_cost(
     prefix_weight: float,
     imbalance_threshold: float,
     preferred: Any = None,
+    credit: dict[Any, float] | None = None,
 ) -> list[Any]:
     """Replicas within ``imbalance_threshold`` of the lowest load, by ``load - prefix_weight *
-    hit_fraction`` (``preferred`` first among them, if it is one), then the rest by load.
-    ``hit_fraction``: expected hit tokens over the replica's token budget."""
+    hit_fraction - credit`` (``preferred`` first among them, if it is one), then the rest by load.
+    ``hit_fraction``: expected hit tokens over the replica's token budget; ``credit``: more
+    reasons to prefer a replica, in load units (it holds the request's LoRA adapter)."""
     if not loads:
         return []
     lowest = min(loads.values())
+    credit = credit or {}
     near = {
-        r: load - prefix_weight * hit_fraction.get(r, 0.0)
+        r: load - prefix_weight * hit_fraction.get(r, 0.0) - credit.get(r, 0.0)
         for r, load in loads.items()
         if load - lowest <= imbalance_threshold
     }
@@ -203,13 +217,17 @@ class KVCacheAwareRouter(RequestRouter):
         prefix_weight: float = 1.0,
         imbalance_threshold: float = 0.25,
         session_affinity: bool = True,
+        adapter_weight: float = 1.0,
         **kwargs: Any,
     ) -> None:
         """``prefix_weight``: how much an expected prefix hit of one token budget lowers a
         replica's cost (0: load only). ``imbalance_threshold``: how far above the least loaded
         replica (in load units: 1 = a full ``max_num_seqs``) a replica may be and still win by
-        its cache or session. ``session_affinity``: follow the ``user`` / ``x-session-id``."""
-        assert stale_after_s > 0 and prefix_weight >= 0 and imbalance_threshold >= 0
+        its cache or session. ``session_affinity``: follow the ``user`` / ``x-session-id``.
+        ``adapter_weight``: how much holding the request's LoRA adapter lowers a replica's cost
+        (as Ray Serve's model multiplexing prefers a replica with the model loaded; 0: ignore)."""
+        assert stale_after_s > 0 and prefix_weight >= 0 and imbalance_threshold >= 0 and adapter_weight >= 0
+        self.adapter_weight = adapter_weight
         self.stale_after_s = stale_after_s
         self.prefix_weight = prefix_weight
         self.imbalance_threshold = imbalance_threshold
@@ -274,6 +292,7 @@ class KVCacheAwareRouter(RequestRouter):
         loads: dict[RunningReplica, float] = {}
         hits: dict[RunningReplica, int] = {}
         budgets: dict[RunningReplica, int] = {}
+        credit: dict[RunningReplica, float] = {}
         stale: list[RunningReplica] = []
         dead: list[RunningReplica] = []
         for replica in candidate_replicas:
@@ -288,6 +307,7 @@ class KVCacheAwareRouter(RequestRouter):
                 loads[replica] = replica_load(stats, self._sent_since(replica.replica_id, reported_pick, now))
                 hits[replica] = expected_hit_tokens(stats, request) if self.prefix_weight else 0
                 budgets[replica] = max(1, stats.get("token_budget", 1))
+                credit[replica] = self.adapter_weight * holds_adapter(stats, request)
             else:
                 self._sent_since(replica.replica_id, None, now)
                 stale.append(replica)
@@ -297,7 +317,9 @@ class KVCacheAwareRouter(RequestRouter):
         advantage = hit_advantage(hits)
         fractions = {r: advantage[r] / budgets[r] for r in loads}
         ranks = rank_replicas(
-            order_by_cost(loads, fractions, self.prefix_weight, self.imbalance_threshold, preferred), stale, dead
+            order_by_cost(loads, fractions, self.prefix_weight, self.imbalance_threshold, preferred, credit),
+            stale,
+            dead,
         )
         key = _request_key(pending_request)
         if request is not None:  # travels with the request: the replica reports what was expected of it

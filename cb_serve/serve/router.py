@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
@@ -48,6 +48,7 @@ from cb_serve.serve.api_error import APIError
 from cb_serve.serve.engine_replica import log_to_serve
 from cb_serve.serve.engine_request import ChatEngineRequest, EngineRequest
 from cb_serve.serve.inspect_api import InspectorRoutes, debug_routes
+from cb_serve.serve.lora_registry import MAX_LORA_NAME, LoRARegistry
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from cb_serve.serve.replica_health import mark_unavailable
@@ -63,6 +64,22 @@ class RouterSettings(BaseModel):
     max_tokens_cap: int | None = Field(None, ge=1)
     served_model_name: str | None = None
     inspector: bool = True  # the batch inspector's routes: /inspect, /debug/*, /v1/requests/{id}/timeline
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key); False: 404.
+    allow_runtime_lora_updating: bool = True
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME)
+    lora_int_id: int | None = None  # vLLM's field; the name decides here
 
 
 RETRY_AFTER_S = 1  # Retry-After of overload answers (the openai client honours it when it retries)
@@ -200,7 +217,13 @@ class Router(InspectorRoutes):
     for the request router, and streams from the engine replica it picks (see
     ``request_router.KVCacheAwareRouter``)."""
 
-    def __init__(self, engine: DeploymentHandle, settings: dict[str, Any], engine_args: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        settings: dict[str, Any],
+        engine_args: dict[str, Any],
+        lora_modules: dict[str, str] | None = None,
+    ) -> None:
         log_to_serve()
         self.engine = engine
         self.settings = RouterSettings(**settings)
@@ -208,6 +231,7 @@ class Router(InspectorRoutes):
         self.encoder = PromptEncoder(EngineConfig.from_kwargs(**engine_args))
         self.model_name: str | None = self.settings.served_model_name
         self.engine_info: dict[str, Any] | None = None
+        self.loras = LoRARegistry(lora_modules)  # adapters served under the model field
         self._init_inspector()
 
     async def _info(self) -> dict[str, Any]:
@@ -226,7 +250,11 @@ class Router(InspectorRoutes):
             header = request.headers.get("authorization", "")
             if not secrets.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
                 raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).", "authentication_error")
-        if requested_model is not None and requested_model != await self._model():
+        if (
+            requested_model is not None
+            and requested_model != await self._model()
+            and not self.loras.get(requested_model)
+        ):
             raise APIError(404, f"The model {requested_model!r} does not exist.", "not_found_error", "model")
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
@@ -293,10 +321,40 @@ class Router(InspectorRoutes):
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         await self._check(request, None)
-        return {
-            "object": "list",
-            "data": [{"id": await self._model(), "object": "model", "created": 0, "owned_by": "cb-serve"}],
-        }
+        return {"object": "list", "data": self.loras.model_cards(await self._model())}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's: serve a PEFT adapter directory under ``lora_name`` (read and checked by an engine
+        replica now; the others read it on its first request there). 400 for a bad path or adapter."""
+        req = await self._lora_call(request, LoadLoRAAdapterRequest)
+        name = req.lora_name
+        if self.loras.get(name) is not None or name == await self._model():
+            raise APIError(400, f"The model name {name!r} is already in use; unload it first.", param="lora_name")
+        lora = LoRARegistry().add(name, req.lora_path)
+        try:
+            await self.engine.load_lora.remote(lora)
+        except Exception as e:  # noqa: BLE001 - a bad adapter is a 400 (engine_error maps it)
+            raise engine_error(e, f"load_lora_adapter {name}") from None
+        self.loras.adapters[name] = lora
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's: stop serving an adapter (requests using it finish; engines drop it as it goes idle)."""
+        req = await self._lora_call(request, UnloadLoRAAdapterRequest)
+        if self.loras.remove(req.lora_name) is None:
+            raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found.", "not_found_error", "lora_name")
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    async def _lora_call(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        await self._check(request, None)  # the API key first
+        if not self.settings.allow_runtime_lora_updating:
+            raise APIError(404, "Loading LoRA adapters at run time is turned off on this server.", "not_found_error")
+        try:
+            return model.model_validate(await self._read_json(request))
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -337,7 +395,9 @@ class Router(InspectorRoutes):
         block_size = info["block_size"] if info.get("enable_prefix_caching") else 0
         # At most a context's worth: a longer prompt is refused by the engine, and this runs on the event loop.
         hashed = token_ids[: info["max_model_len"]]
-        hashes = b"".join(prefix_block_hashes(hashed, block_size)) if block_size else b""
+        lora = self.loras.get(req.model) if req.model else None
+        salt = lora.cache_salt if lora is not None else None  # the engine keys an adapter's KV apart
+        hashes = b"".join(prefix_block_hashes(hashed, block_size, salt)) if block_size else b""
         session = request.headers.get(SESSION_HEADER) or req.user
         payload = kind(
             request_id=request_id,
@@ -347,19 +407,21 @@ class Router(InspectorRoutes):
             block_hashes=hashes,
             session_id=hashlib.sha256(session.encode()).hexdigest() if session else None,
             return_timeline=req.return_timeline,
+            lora_request=lora,
             **text,
         )
         gen, first = await self._start(payload)
-        meta = {"id": request_id, "created": int(time.time()), "model": await self._model(), "chat": chat}
+        model = lora.lora_name if lora is not None else await self._model()
+        meta = {"id": request_id, "created": int(time.time()), "model": model, "chat": chat}
         meta["tools"] = chat and req.tool_mode != "none"
         meta["max_calls"] = 1 if chat and req.parallel_tool_calls is False else None
         replica = first[0]["replica"] if first else None
         if replica:
             headers[REPLICA_HEADER] = replica
             self._remember_replica(request_id, replica)
-            router_metrics().routed(
-                meta["model"], replica, first[0]["expected_cached_tokens"], first[0]["cached_tokens"]
-            )
+            lora_name = lora.lora_name if lora is not None else ""
+            expected, cached = first[0]["expected_cached_tokens"], first[0]["cached_tokens"]
+            router_metrics().routed(await self._model(), replica, expected, cached, lora_name)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = self._sse(gen, first, meta, req.n, include_usage)
