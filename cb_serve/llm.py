@@ -56,10 +56,11 @@ class LLM:
                 raise ValueError(f"Got {len(prompts)} prompts but {len(loras)} LoRA requests.")
         # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
         processed = [self.engine.processor.process(p, sp) for p, sp in zip(prompts, params_list)]
-        for req, lora in zip(processed, loras):
+        read = {}
+        for req, lora in zip(processed, loras):  # each adapter read (and checked) once
             if lora is not None:
-                self.engine.add_lora(lora)
                 req.lora_request = lora
+                req.lora_weights = read.get(lora.key) or read.setdefault(lora.key, self.engine.read_lora(lora))
         ids = []
         for req in processed:
             req.params.output_kind = RequestOutputKind.FINAL_ONLY

@@ -92,6 +92,7 @@ class Sequence:
         self.spec_state: Any = None  # speculative decoding's own (``spec_decode.speculator.SeqSpecState``)
         self.lora = lora  # its adapter (None: the base model)
         self.lora_slot = -1  # the device slot holding that adapter this step (``LoRAManager.assign_slots``)
+        self.lora_wait_steps = 0  # admissions it was passed over for lack of a slot (the scheduler's fairness)
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import STRESS_ENGINE_ARGS
 from models import assert_greedy_match, assert_same_greedy, hf_greedy, make_adapter, make_random_model
+from safetensors.torch import save_file
 
 from cb_serve import LLM, LoRARequest, SamplingParams
 from cb_serve.errors import InvalidRequestError
@@ -165,6 +166,14 @@ def test_bad_adapters_are_refused_before_anything_runs(adapters, random_model_di
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
     cases["Cannot read the adapter weights"] = LoRARequest("b", 1, str(broken))
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    save_file(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(4, 64)},
+        half / "adapter_model.safetensors",
+    )
+    cases["lacks lora_B"] = LoRARequest("half", 1, str(half))
     for expected, request in cases.items():
         with pytest.raises(InvalidRequestError, match="(?i)" + re.escape(expected)) as info:
             run(llm, PROMPTS[:1], [4], [request])
@@ -219,18 +228,20 @@ def test_the_cpu_kernel_and_the_gemm_path_add_the_same():
     if not cpu_ops.available():
         pytest.skip("no C++ toolchain: the CPU kernels did not build")
     torch.manual_seed(0)
-    batch = LoRABatch()
-    layer = LoRALinear(Linear(96, 160, bias=False), batch, max_loras=4, max_rank_rows=24)
-    for slot, rank in [(0, 24), (1, 8), (3, 16)]:
-        layer.set_slot(slot, (torch.randn(rank, 96), torch.randn(rank, 160)))
-    batch.set_groups(np.asarray([0, 0, 0, -1, 1, 3, 1, -1, 3, 2]), torch.device("cpu"))
-    x = torch.randn(10, 96)
-    kernel = layer(x)
-    layer.use_cpu_kernel = False
-    grouped = layer(x)
-    torch.testing.assert_close(kernel, grouped, rtol=1e-5, atol=1e-4)
-    base = layer.base(x)
-    assert torch.equal(kernel[[3, 7, 9]], base[[3, 7, 9]])  # the base model's and the empty slot's rows
+    slots = [0, 0, 0, -1, 1, 3, 1, -1, 3, 2, 0, 0, 0, 1, 3, 0]  # 7 tokens of slot 0: 4 at once, then 3 alone
+    for k, n in [(96, 160), (40, 50)]:  # outputs a whole number of the kernel's column chunks, and not
+        batch = LoRABatch()
+        layer = LoRALinear(Linear(k, n, bias=False), batch, max_loras=4, max_rank_rows=24)
+        for slot, rank in [(0, 24), (1, 7), (3, 16)]:
+            layer.set_slot(slot, (torch.randn(rank, k), torch.randn(rank, n)))
+        batch.set_groups(np.asarray(slots), torch.device("cpu"))
+        x = torch.randn(len(slots), k)
+        kernel = layer(x)
+        layer.use_cpu_kernel = False
+        grouped = layer(x)
+        torch.testing.assert_close(kernel, grouped, rtol=1e-5, atol=1e-4)
+        base = layer.base(x)
+        assert torch.equal(kernel[[3, 7, 9]], base[[3, 7, 9]])  # the base model's and the empty slot's rows
 
 
 def test_the_gemm_path_equals_hf_peft(adapters):
@@ -242,3 +253,52 @@ def test_the_gemm_path_equals_hf_peft(adapters):
     ours = run(llm, loras=lora(paths[3], 3))
     for j, ((tokens, _), (ref_tokens, ref_logits)) in enumerate(zip(ours, peft_greedy(model_dir, paths[3]))):
         assert_greedy_match(tokens, ref_tokens, ref_logits, f"gemm path prompt {j}")
+
+
+def test_a_waiting_adapter_is_not_starved_by_a_stream_of_another():
+    """max_loras=1 and a new request for adapter a every step, behind one for b: b waits at most
+    ``MAX_LORA_WAIT_STEPS`` admissions, then a's newer requests wait until a's running ones drain."""
+    from cb_serve.engine.block_manager import BlockManager
+    from cb_serve.engine.scheduler import MAX_LORA_WAIT_STEPS, Scheduler
+    from cb_serve.sequence import Sequence, SequenceStatus
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    scheduler = Scheduler(BlockManager(512, 16), 512, 16, 256, max_loras=1)
+
+    def request(i: int, adapter: LoRARequest) -> Sequence:
+        seq = Sequence(i, str(i), 0, [i % 50 + 1] * 8, SamplingParams(), 3, lora=adapter)
+        scheduler.add(seq)
+        return seq
+
+    request(0, a)
+    waiting_b = request(1, b)
+    for step in range(4 * MAX_LORA_WAIT_STEPS):
+        request(2 + step, a)
+        out = scheduler.schedule()
+        if waiting_b in out.seqs:
+            break
+        assert len({s.lora.key for s in scheduler.running}) <= 1
+        scheduler.update_after_step(out)
+        for seq in list(scheduler.running):
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(7, 0.0)
+                if seq.num_output_tokens >= 3:
+                    scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    else:
+        raise AssertionError("b never got a slot")
+    assert MAX_LORA_WAIT_STEPS < step < MAX_LORA_WAIT_STEPS + 8
+
+
+def test_an_idle_adapter_is_removed_from_host_memory_and_its_slot(adapters):
+    model_dir, paths = adapters("llama")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, num_gpu_blocks=64, max_model_len=256)
+    first = lora(paths[0], 0)
+    before = run(llm, PROMPTS[:1], [6], [first])
+    manager = llm.engine.lora
+    assert llm.engine.read_lora(first) is manager.loaded[first.key]  # held: no second read
+    assert first.key in manager.slots
+    assert llm.engine.remove_lora(first.lora_name) and first.key not in manager.slots and not manager.loaded
+    assert not llm.engine.remove_lora(first.lora_name)
+    reads = manager.counters.num_reads
+    assert run(llm, PROMPTS[:1], [6], [first]) == before  # read again, the same tokens
+    assert manager.counters.num_reads == reads + 1

@@ -114,6 +114,9 @@ def test_adapters_by_model_name_routing_and_runtime_loading(lora_app):
 
     assert post("/v1/unload_lora_adapter", {"lora_name": "nope"}).status_code == 404
     assert post("/v1/unload_lora_adapter", {"lora_name": "a2"}).status_code == 200
+    assert post("/v1/load_lora_adapter", a2).status_code == 200  # loaded again: a new id, the same text
+    assert asyncio.run(complete(client(), "a2"))[0] == expected["a2"]
+    assert post("/v1/unload_lora_adapter", {"lora_name": "a2"}).status_code == 200
     gone = httpx.post(
         f"{BASE}/v1/completions",
         json={"model": "a2", "prompt": "hi", "max_tokens": 2},

@@ -120,9 +120,9 @@ class AsyncLLM:
         """Drops an idle adapter from host memory (one in use stays until its requests end)."""
         return await self._call(functools.partial(self._engine.remove_lora, lora_name), timeout_s)
 
-    def lora_adapters(self) -> list[str]:
-        """Names of the adapters the engine holds now."""
-        return self._engine.lora_adapters()
+    def lora_adapter_ids(self) -> list[int]:
+        """``lora_int_id`` of the adapters the engine holds now."""
+        return self._engine.lora_adapter_ids()
 
     def _send(self, item: Item) -> None:
         """Queues ``item`` for the engine thread, or fails it at once if the loop has ended."""

@@ -267,7 +267,8 @@ class LLMEngine:
             limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
         if processed.lora_request is not None:
-            self.add_lora(processed.lora_request, processed.lora_weights)
+            weights, processed.lora_weights = processed.lora_weights, None  # handed over: held once, here
+            self.add_lora(processed.lora_request, weights)
         faults = frozenset()
         if self.faults is not None:
             faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
@@ -296,20 +297,22 @@ class LLMEngine:
         except LoRAAdapterError as e:
             raise InvalidRequestError(str(e), "lora_request") from e
 
-    def read_lora(self, lora_request: LoRARequest) -> LoRAWeights | None:
-        """The adapter read and checked off the engine thread (any thread may call this); None if
-        the engine holds it already. Raises ``InvalidRequestError`` as ``add_lora`` does."""
+    def read_lora(self, lora_request: LoRARequest) -> LoRAWeights:
+        """The adapter, read and checked off the engine thread (any thread may call this), or the
+        engine's own copy if it holds it; ``add_lora`` then takes it without touching the disk.
+        Raises ``InvalidRequestError`` as ``add_lora`` does."""
         self._check_lora(lora_request)
-        if self.lora.holds(lora_request.key):
-            return None
+        held = self.lora.held(lora_request.key)
+        if held is not None:
+            return held
         try:
             return self.lora.read(lora_request)
         except LoRAAdapterError as e:
             raise InvalidRequestError(str(e), "lora_request") from e
 
-    def lora_adapters(self) -> list[str]:
-        """Names of the adapters held (in slots or host memory); safe from any thread."""
-        return [] if self.lora is None else self.lora.adapter_names()
+    def lora_adapter_ids(self) -> list[int]:
+        """``lora_int_id`` of the adapters held (in slots or host memory); safe from any thread."""
+        return [] if self.lora is None else self.lora.adapter_ids()
 
     def _check_lora(self, lora_request: LoRARequest) -> None:
         if self.lora is None:
@@ -350,8 +353,6 @@ class LLMEngine:
             with device_context(self.device):  # a draft model's passes launch kernels on the engine's device
                 self.speculator.propose(self.scheduler.running)  # drafts ride along in the ragged batch
         sched = self.scheduler.schedule()
-        if self.lora is not None and not sched.is_empty:
-            self.lora.assign_slots(self.scheduler.running)  # LoRA adapters join the step here
         if sched.is_empty:
             if not refused:
                 self.grammars.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar is compiled
@@ -367,6 +368,8 @@ class LLMEngine:
             if self.faults is not None:
                 kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
                 self.faults.before_step(self.num_steps + self.num_failed_steps + 1, kinds)
+            if self.lora is not None:
+                self.lora.assign_slots(self.scheduler.running)  # LoRA adapters join the step here
             with device_context(self.device):  # Triton launches on the calling thread's current device
                 inp = self.runner.prepare(sched)
                 prepared = time.monotonic()

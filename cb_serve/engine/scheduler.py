@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 
+# Steps a sequence may wait for a LoRA slot while sequences behind it (of adapters already running)
+# go ahead; then no adapter sequence goes ahead of it until the running adapters drain and free a slot.
+MAX_LORA_WAIT_STEPS = 64
+
 
 @dataclass
 class SchedulerCounters:
@@ -116,11 +120,14 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         adapters = {seq.lora.key for seq in self.running if seq.lora is not None}
+        starving = False  # a sequence waited too long for a slot: no more adapter sequences go ahead of it
         i = 0  # the queue's head, past sequences whose adapter has no slot (they wait, holding nothing)
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.lora is not None and seq.lora.key not in adapters:
-                if len(adapters) >= (self.max_loras or 0):
+            if seq.lora is not None and (starving or seq.lora.key not in adapters):
+                if starving or len(adapters) >= (self.max_loras or 0):
+                    seq.lora_wait_steps += 1
+                    starving = starving or seq.lora_wait_steps > MAX_LORA_WAIT_STEPS
                     i += 1
                     continue
             cached = bm.find_cached_prefix(seq)
@@ -136,6 +143,7 @@ class Scheduler:
             del self.waiting[i]
             if seq.lora is not None:
                 adapters.add(seq.lora.key)
+                seq.lora_wait_steps = 0
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += num_computed
             if seq.num_preemptions == 0:

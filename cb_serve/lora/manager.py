@@ -67,12 +67,13 @@ class LoRAManager:
         self.slot_order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(config.max_loras))
         self.counters = LoRACounters()
 
-    def holds(self, key: AdapterKey) -> bool:
-        """Whether the adapter is in host memory (safe from any thread: one dict lookup)."""
-        return key in self.loaded
+    def held(self, key: AdapterKey) -> LoRAWeights | None:
+        """The adapter's weights if held in host memory (safe from any thread: one dict lookup)."""
+        return self.loaded.get(key)
 
-    def adapter_names(self) -> list[str]:
-        return sorted({key[0] for key in list(self.loaded)})
+    def adapter_ids(self) -> list[int]:
+        """``lora_int_id`` of every adapter held (in host memory or a slot)."""
+        return sorted({key[1] for key in [*list(self.loaded), *self.slots] if key is not None})
 
     @property
     def num_slots_used(self) -> int:
@@ -115,12 +116,17 @@ class LoRAManager:
             self.counters.num_cpu_evictions += 1
 
     def remove(self, name: str, in_use: Callable[[], set[AdapterKey]] = set) -> int:
-        """Forgets the adapters called ``name`` held in host memory, in no slot and not ``in_use``
-        (unloading): how many were dropped."""
-        busy = in_use() | set(self.slots)
-        idle = [k for k in self.loaded if k[0] == name and k not in busy]
+        """Forgets the adapters called ``name`` that no request uses (``in_use``), in host memory
+        and in slots (unloading): how many were dropped. One in use stays until its requests end."""
+        busy = in_use()
+        idle = {k for k in [*self.loaded, *self.slots] if k is not None and k[0] == name and k not in busy}
         for key in idle:
-            del self.loaded[key]
+            self.loaded.pop(key, None)
+        for slot, key in enumerate(self.slots):
+            if key in idle:
+                for layer in self.layers.values():
+                    layer.set_slot(slot, None)
+                self.slots[slot] = None
         return len(idle)
 
     def assign_slots(self, seqs: Iterable[Sequence]) -> None:

@@ -93,7 +93,10 @@ def read_adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
 
             return load_file(str(safetensors_file))
         if bin_file.is_file():
-            return torch.load(bin_file, map_location="cpu", weights_only=True)
+            tensors = torch.load(bin_file, map_location="cpu", weights_only=True)
+            if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+                raise ValueError("not a mapping of names to tensors")
+            return tensors
     except Exception as e:  # noqa: BLE001 - a corrupt file is the adapter's problem, reported as such
         raise LoRAAdapterError(f"Cannot read the adapter weights in {str(path)!r}: {e}") from e
     raise LoRAAdapterError(f"No adapter_model.safetensors (or .bin) in {str(path)!r}.")
@@ -108,7 +111,7 @@ def load_peft_adapter(
     if not path.is_dir():
         raise LoRAAdapterError(f"LoRA adapter path {str(path)!r} is not a directory.")
     config = read_adapter_config(path)
-    alpha, use_rslora = float(config.get("lora_alpha", config.get("r", 8))), bool(config.get("use_rslora"))
+    alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora"))  # PEFT's default alpha
     base = config.get("base_model_name_or_path")
     pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in read_adapter_tensors(path).items():
@@ -126,14 +129,15 @@ def load_peft_adapter(
     rank = 0
     for (layer, block, sub), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
-            raise LoRAAdapterError(f"Adapter {name!r}: layers.{layer}.{block}.{sub} lacks lora_{'AB'[len(ab) - 1]}.")
+            missing = "A" if "A" not in ab else "B"
+            raise LoRAAdapterError(f"Adapter {name!r}: layers.{layer}.{block}.{sub} lacks lora_{missing}.")
         fused, index = FUSED_OF[sub]
         module = f"layers.{layer}.{fused}"
         a, b = ab["A"], ab["B"]
-        r = a.shape[0]
+        r = a.shape[0] if a.dim() == 2 else -1
         shape = shapes.get(module)
         expected = None if shape is None else (shape.in_features, shape.sub_out_features[index])
-        if shape is None or a.dim() != 2 or b.shape != (expected[1], r) or a.shape[1] != expected[0]:
+        if shape is None or r < 1 or b.shape != (expected[1], r) or a.shape[1] != expected[0]:
             got = f"lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}"
             want = "no such layer" if shape is None else f"{expected[0]} -> {expected[1]}"
             raise LoRAAdapterError(

@@ -82,11 +82,11 @@ class EngineReplica:
         for lora_request in LoRARegistry(lora_modules).adapters.values():  # the config's adapters: a bad one fails here
             self.engine.add_lora_blocking(lora_request)
 
-    async def load_lora(self, lora_request: LoRARequest) -> list[str]:
+    async def load_lora(self, lora_request: LoRARequest) -> str:
         """Reads and checks an adapter and holds it (``POST /v1/load_lora_adapter``); raises
-        ``InvalidRequestError`` for one this engine cannot serve. Returns the adapters held."""
+        ``InvalidRequestError`` for one this engine cannot serve. Returns this replica's id."""
         await self.engine.add_lora(lora_request)
-        return self.engine.lora_adapters()
+        return self.replica_id
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[dict[str, Any]]]:
         """Streams ``request`` (token ids: the router tokenized it). Yields, per engine output, a
@@ -152,7 +152,7 @@ class EngineReplica:
             "token_budget": self.engine.config.max_num_batched_tokens,
             "max_num_seqs": self.engine.config.max_num_seqs,
             "alive": self.engine.is_alive,  # False: the router skips this replica at once
-            "lora_adapters": self.engine.lora_adapters(),  # held in slots or host memory (adapter-aware routing)
+            "lora_adapters": self.engine.lora_adapter_ids(),  # lora_int_ids held (adapter-aware routing)
             "time": time.time(),  # for people reading it; the router ages a report by its own clock
             **report,
         }

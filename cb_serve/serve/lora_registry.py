@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hashlib
+import secrets
 from typing import Any
 
 from cb_serve import LoRARequest
@@ -12,10 +13,11 @@ from cb_serve import LoRARequest
 MAX_LORA_NAME = 128
 
 
-def lora_int_id(name: str, path: str) -> int:
-    """A positive id fixed by the adapter's name and path, so every router process names one
-    adapter alike (the engines key cached KV by it)."""
-    return int.from_bytes(hashlib.sha256(f"{name}\0{path}".encode()).digest()[:4], "big") % (2**31 - 1) + 1
+def lora_int_id(name: str, path: str, nonce: str = "") -> int:
+    """A positive id fixed by the adapter's name and path (and ``nonce``), so every router process
+    names a config adapter alike (the engines key cached KV by it)."""
+    digest = hashlib.sha256(f"{name}\0{path}\0{nonce}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % (2**31 - 1) + 1
 
 
 def check_lora_name(name: Any) -> str:
@@ -30,8 +32,11 @@ class LoRARegistry:
         for name, path in (modules or {}).items():
             self.add(name, path)
 
-    def add(self, name: str, path: str) -> LoRARequest:
-        request = LoRARequest(check_lora_name(name), lora_int_id(name, path), path)
+    def add(self, name: str, path: str, fresh: bool = False) -> LoRARequest:
+        """``fresh``: a new id even for a name and path seen before (a run-time load: the files may
+        have changed, so nothing an engine held or cached under the old id is reused)."""
+        nonce = secrets.token_hex(8) if fresh else ""
+        request = LoRARequest(check_lora_name(name), lora_int_id(name, path, nonce), path)
         self.adapters[name] = request
         return request
 

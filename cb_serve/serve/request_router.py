@@ -52,7 +52,7 @@ report made before a failure but arriving after the ingress marked the replica l
 replica's reports stopped takes the last one as new, so it ranks that replica fresh for up to
 ``stale_after_s``.
 
-LoRA adapters: a replica reports the adapters it holds (``lora_adapters``); among the replicas
+LoRA adapters: a replica reports the adapters it holds (``lora_adapters``: their ids); among the replicas
 within the threshold, one holding the request's adapter costs ``adapter_weight`` less, so an
 adapter's requests stay where it is loaded until that replica's load pulls ahead (Ray Serve's
 model multiplexing prefers replicas with the model loaded in the same way).
@@ -104,7 +104,7 @@ def expected_hit_tokens(stats: dict[str, Any], request: EngineRequest | None) ->
 def holds_adapter(stats: dict[str, Any], request: EngineRequest | None) -> bool:
     """Whether the replica reported holding the request's LoRA adapter (in a slot or host memory)."""
     lora = request.lora_request if request is not None else None
-    return lora is not None and lora.lora_name in (stats.get("lora_adapters") or ())
+    return lora is not None and lora.lora_int_id in (stats.get("lora_adapters") or ())
 
 
 def hit_advantage(hits: dict[Any, int]) -> dict[Any, int]:

@@ -38,6 +38,7 @@ from cb_serve import (
     EngineShutdownError,
     EngineUnavailableError,
     InvalidRequestError,
+    LoRARequest,
     PromptEncoder,
     RequestFailedError,
     RequestIdInUseError,
@@ -64,8 +65,9 @@ class RouterSettings(BaseModel):
     max_tokens_cap: int | None = Field(None, ge=1)
     served_model_name: str | None = None
     inspector: bool = True  # the batch inspector's routes: /inspect, /debug/*, /v1/requests/{id}/timeline
-    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key); False: 404.
-    allow_runtime_lora_updating: bool = True
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key): False: 404;
+    # None (the default): on when an API key is set (they read paths on the server).
+    allow_runtime_lora_updating: bool | None = None
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -232,6 +234,7 @@ class Router(InspectorRoutes):
         self.model_name: str | None = self.settings.served_model_name
         self.engine_info: dict[str, Any] | None = None
         self.loras = LoRARegistry(lora_modules)  # adapters served under the model field
+        self.lora_names_loading: set[str] = set()  # runtime loads in progress
         self._init_inspector()
 
     async def _info(self) -> dict[str, Any]:
@@ -245,17 +248,19 @@ class Router(InspectorRoutes):
             self.model_name = (await self._info())["model"]
         return self.model_name
 
-    async def _check(self, request: Request, requested_model: str | None) -> None:
+    async def _check(self, request: Request, requested_model: str | None) -> LoRARequest | None:
+        """Checks the API key and the model name: the adapter it names (None: the base model).
+        The base model's name wins over an adapter of the same name."""
         if self.api_key is not None:
             header = request.headers.get("authorization", "")
             if not secrets.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
                 raise APIError(401, "Invalid or missing API key (Authorization: Bearer <key>).", "authentication_error")
-        if (
-            requested_model is not None
-            and requested_model != await self._model()
-            and not self.loras.get(requested_model)
-        ):
+        if requested_model is None or requested_model == await self._model():
+            return None
+        lora = self.loras.get(requested_model)
+        if lora is None:
             raise APIError(404, f"The model {requested_model!r} does not exist.", "not_found_error", "model")
+        return lora
 
     async def _read_json(self, request: Request) -> dict[str, Any]:
         """The body as a JSON object, or an APIError: 415 not JSON, 413 too large (counting the
@@ -285,7 +290,8 @@ class Router(InspectorRoutes):
             raise APIError(400, "The request body must be a JSON object.")
         return data
 
-    async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+    async def _parse(self, request: Request, model: type[BaseModel]) -> tuple[BaseModel, LoRARequest | None]:
+        """The request body as ``model``, and the LoRA adapter its ``model`` field names (if any)."""
         if self.api_key is not None:
             await self._check(request, None)
         data = await self._read_json(request)
@@ -296,8 +302,7 @@ class Router(InspectorRoutes):
         for param, what in parsed.unsupported():
             message = f"Unsupported parameter {param!r}: cb-serve does not implement {what}."
             raise APIError(400, message, "unsupported", param)
-        await self._check(request, parsed.model)
-        return parsed
+        return parsed, await self._check(request, parsed.model)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -329,19 +334,23 @@ class Router(InspectorRoutes):
         replica now; the others read it on its first request there). 400 for a bad path or adapter."""
         req = await self._lora_call(request, LoadLoRAAdapterRequest)
         name = req.lora_name
-        if self.loras.get(name) is not None or name == await self._model():
+        if self.loras.get(name) is not None or name in self.lora_names_loading or name == await self._model():
             raise APIError(400, f"The model name {name!r} is already in use; unload it first.", param="lora_name")
-        lora = LoRARegistry().add(name, req.lora_path)
+        lora = LoRARegistry().add(name, req.lora_path, fresh=True)
+        self.lora_names_loading.add(name)
         try:
             await self.engine.load_lora.remote(lora)
         except Exception as e:  # noqa: BLE001 - a bad adapter is a 400 (engine_error maps it)
             raise engine_error(e, f"load_lora_adapter {name}") from None
+        finally:
+            self.lora_names_loading.discard(name)
         self.loras.adapters[name] = lora
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> PlainTextResponse:
-        """vLLM's: stop serving an adapter (requests using it finish; engines drop it as it goes idle)."""
+        """vLLM's: stop serving an adapter (requests using it finish; engines drop it as it goes idle:
+        a later load of the name gets a new id, so nothing held or cached under this one is reused)."""
         req = await self._lora_call(request, UnloadLoRAAdapterRequest)
         if self.loras.remove(req.lora_name) is None:
             raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found.", "not_found_error", "lora_name")
@@ -349,7 +358,8 @@ class Router(InspectorRoutes):
 
     async def _lora_call(self, request: Request, model: type[BaseModel]) -> BaseModel:
         await self._check(request, None)  # the API key first
-        if not self.settings.allow_runtime_lora_updating:
+        allowed = self.settings.allow_runtime_lora_updating
+        if not (allowed or (allowed is None and self.api_key is not None)):
             raise APIError(404, "Loading LoRA adapters at run time is turned off on this server.", "not_found_error")
         try:
             return model.model_validate(await self._read_json(request))
@@ -358,20 +368,20 @@ class Router(InspectorRoutes):
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        req = await self._parse(request, CompletionRequest)  # the API key first
+        req, lora = await self._parse(request, CompletionRequest)  # the API key first
         request_id = request_id_of(request, "cmpl")
         prompt = req.prompt
         token_ids = await self._encode(self.encoder.encode, prompt) if isinstance(prompt, str) else list(prompt)
-        return await self._respond(request, request_id, req, EngineRequest, token_ids, prompt=prompt)
+        return await self._respond(request, request_id, req, lora, EngineRequest, token_ids, prompt=prompt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        req = await self._parse(request, ChatCompletionRequest)  # the API key first
+        req, lora = await self._parse(request, ChatCompletionRequest)  # the API key first
         request_id = request_id_of(request, "chatcmpl")
         messages = [m.to_template() for m in req.messages]
         tools = req.prompt_tools()
         token_ids = await self._encode(self.encoder.encode_chat, messages, req.add_generation_prompt, tools)
-        return await self._respond(request, request_id, req, ChatEngineRequest, token_ids, messages=messages)
+        return await self._respond(request, request_id, req, lora, ChatEngineRequest, token_ids, messages=messages)
 
     async def _encode(self, encode, *args) -> list[int]:
         """Tokenizes off the event loop; the client's input errors become 400s."""
@@ -381,7 +391,14 @@ class Router(InspectorRoutes):
             raise APIError(400, short(str(e)), param=e.param) from None
 
     async def _respond(
-        self, request: Request, request_id: str, req, kind: type[EngineRequest], token_ids: list[int], **text
+        self,
+        request: Request,
+        request_id: str,
+        req,
+        lora: LoRARequest | None,
+        kind: type[EngineRequest],
+        token_ids: list[int],
+        **text,
     ):
         chat = kind is ChatEngineRequest
         # Behind Ray Serve's proxy the response gets x-request-id from it (adding ours would repeat it).
@@ -395,7 +412,6 @@ class Router(InspectorRoutes):
         block_size = info["block_size"] if info.get("enable_prefix_caching") else 0
         # At most a context's worth: a longer prompt is refused by the engine, and this runs on the event loop.
         hashed = token_ids[: info["max_model_len"]]
-        lora = self.loras.get(req.model) if req.model else None
         salt = lora.cache_salt if lora is not None else None  # the engine keys an adapter's KV apart
         hashes = b"".join(prefix_block_hashes(hashed, block_size, salt)) if block_size else b""
         session = request.headers.get(SESSION_HEADER) or req.user

@@ -54,21 +54,21 @@ inline void shrink_4x4(const float* const* x, const float* a, int64_t k_dim, flo
 // of B loaded once for the 4 of them, the 4 output chunks held in registers over all r rows.
 constexpr int64_t kChunk = 32;
 inline void expand_4(float* const* y, const float* b, int64_t n_dim, const float* h, int64_t r, int64_t i0,
-                     int64_t n0, int64_t width) {
+                     int64_t n0) {
   float acc[4][kChunk];
   for (int i = 0; i < 4; ++i)
-    for (int64_t c = 0; c < width; ++c) acc[i][c] = y[i][n0 + c];
+    for (int64_t c = 0; c < kChunk; ++c) acc[i][c] = y[i][n0 + c];
   for (int64_t j = 0; j < r; ++j) {
     const float* bj = b + j * n_dim + n0;
     const float h0 = h[i0 * r + j], h1 = h[(i0 + 1) * r + j], h2 = h[(i0 + 2) * r + j], h3 = h[(i0 + 3) * r + j];
 #pragma omp simd
     for (int64_t c = 0; c < kChunk; ++c) {
-      const float w = c < width ? bj[c] : 0.f;
+      const float w = bj[c];
       acc[0][c] += h0 * w, acc[1][c] += h1 * w, acc[2][c] += h2 * w, acc[3][c] += h3 * w;
     }
   }
   for (int i = 0; i < 4; ++i)
-    for (int64_t c = 0; c < width; ++c) y[i][n0 + c] = acc[i][c];
+    for (int64_t c = 0; c < kChunk; ++c) y[i][n0 + c] = acc[i][c];
 }
 
 void lora_apply(at::Tensor out, const at::Tensor& x, const at::Tensor& a_stack, const at::Tensor& b_stack,
@@ -121,8 +121,10 @@ void lora_apply(at::Tensor out, const at::Tensor& x, const at::Tensor& a_stack, 
         for (int64_t j0 = 0; j0 < r4; j0 += 4) shrink_4x4(x_rows + i0, a + j0 * k_dim, k_dim, h.data(), r, i0, j0);
         for (int64_t j = r4; j < r; ++j)
           for (int64_t i = i0; i < i0 + 4; ++i) h[i * r + j] = dot(x_rows[i], a + j * k_dim, k_dim);
-        for (int64_t n0 = 0; n0 < n_dim; n0 += kChunk)
-          expand_4(y_rows + i0, b, n_dim, h.data(), r, i0, n0, std::min(kChunk, n_dim - n0));
+        const int64_t full = n_dim / kChunk * kChunk;
+        for (int64_t n0 = 0; n0 < full; n0 += kChunk) expand_4(y_rows + i0, b, n_dim, h.data(), r, i0, n0);
+        for (int64_t i = i0; i < i0 + 4; ++i)  // the columns past the last whole chunk
+          for (int64_t j = 0; j < r; ++j) axpy(y_rows[i] + full, h[i * r + j], b + j * n_dim + full, n_dim - full);
       }
       for (int64_t i = m4; i < m; ++i) {  // the rest one by one
         for (int64_t j = 0; j < r; ++j) h[i * r + j] = dot(x_rows[i], a + j * k_dim, k_dim);
