@@ -158,31 +158,15 @@ class LLMEngine:
         try:
             tp = workers.group if workers is not None else None
             model = setup.load_model(shard_for(self.hf_config, 0, size), tp)
-            self.lora = None
-            if config.enable_lora:  # its slots are allocated before the KV cache is sized
-                lora_config = LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-                self.lora = LoRAManager(model, lora_config, setup.dtype)
-            s, draft = setup, self.draft
-            if draft is not None:
-                draft.load()  # before the KV cache is sized: its weights and its cache share the memory
-            rank_config = per_rank_config(s.hf_config, size, s.device)
-            d = draft and draft.setup
-            mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype)
-            self.num_blocks = num_kv_blocks(
-                config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror
-            )
+            self.lora = self._make_lora(model, setup.dtype)  # its slots are allocated before the KV cache is sized
+            self.num_blocks = self._num_kv_blocks(setup)
             if workers is not None:
                 workers.start(self.num_blocks)
         except BaseException:
             if workers is not None:
                 workers.shutdown()
             raise
-        graph_sizes = None
-        # Graphs are captured by one process; tensor-parallel ranks run eagerly (see the README), and so do
-        # adapters (their token groups change every step).
-        graphable = size == 1 and self.lora is None and not config.enforce_eager
-        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and graphable:
-            graph_sizes = capture_sizes(config.max_num_seqs)
+        graph_sizes = self._graph_sizes()
         runner = ModelRunner(
             model,
             self.num_blocks,
@@ -208,6 +192,35 @@ class LLMEngine:
             size,
         )
         return runner
+
+    def _make_lora(self, model: torch.nn.Module, dtype: torch.dtype) -> LoRAManager | None:
+        config = self.config
+        if not config.enable_lora:
+            return None
+        return LoRAManager(model, LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras), dtype)
+
+    def _num_kv_blocks(self, setup: ModelSetup) -> int:
+        """KV blocks in the memory the weights left (a draft model's weights loaded first, and its
+        cache, as many blocks as the target's, counted in)."""
+        s, draft = setup, self.draft
+        if draft is not None:
+            draft.load()  # before the KV cache is sized: its weights and its cache share the memory
+        rank_config = per_rank_config(s.hf_config, self.config.tensor_parallel_size, s.device)
+        d = draft and draft.setup
+        mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype)
+        return num_kv_blocks(
+            self.config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror
+        )
+
+    def _graph_sizes(self) -> list[int] | None:
+        """Decode batch sizes to capture CUDA graphs for (None: eager). Graphs are captured by one
+        process; tensor-parallel ranks run eagerly (see the README), and so do adapters (their
+        token groups change every step)."""
+        config = self.config
+        graphable = config.tensor_parallel_size == 1 and self.lora is None and not config.enforce_eager
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and graphable:
+            return capture_sizes(config.max_num_seqs)
+        return None
 
     def _make_speculator(self, spec: SpeculativeConfig) -> Speculator:
         """The speculator; with a draft model, its proposer has a KV cache of its own with as many
