@@ -116,10 +116,6 @@ class AsyncLLM:
         self._send(("call", future, functools.partial(self._engine.add_lora, lora_request, weights)))
         future.result(timeout_s)
 
-    async def remove_lora(self, lora_name: str, timeout_s: float = 30.0) -> bool:
-        """Drops an idle adapter from host memory (one in use stays until its requests end)."""
-        return await self._call(functools.partial(self._engine.remove_lora, lora_name), timeout_s)
-
     def lora_adapter_ids(self) -> list[int]:
         """``lora_int_id`` of the adapters the engine holds now."""
         return self._engine.lora_adapter_ids()

@@ -5,8 +5,6 @@ BGMV form); elsewhere one gathered GEMM pair per adapter (the segmented form).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -17,18 +15,26 @@ from cb_serve import cpu_ops
 TokenRows = slice | torch.Tensor  # a contiguous run of the step's tokens, or their indices
 
 
-@dataclass
 class LoRABatch:
-    """The step's tokens by adapter slot (-1: the base model), as a tensor (for the C++ kernel) and
-    grouped (for the GEMM path); shared by every ``LoRALinear`` of the model, set once per step."""
+    """The step's tokens by adapter slot (-1: the base model), as a tensor (for the C++ kernel) and,
+    when first asked for, grouped (for the GEMM path); shared by every ``LoRALinear`` of the model,
+    set once per step."""
 
-    groups: list[tuple[int, TokenRows]] = field(default_factory=list)
-    token_slots: torch.Tensor | None = None  # None: no token of the step has an adapter
+    def __init__(self) -> None:
+        self.token_slots: torch.Tensor | None = None  # None: no token of the step has an adapter
+        self._slots = np.empty(0, dtype=np.int64)
+        self._groups: list[tuple[int, TokenRows]] | None = []
 
     def set_groups(self, token_slots: np.ndarray, device: torch.device) -> None:
         """``token_slots``: each token's slot in step order (-1: the base model)."""
-        self.groups = group_tokens(token_slots, device)
-        self.token_slots = torch.from_numpy(token_slots.astype(np.int64)).to(device) if self.groups else None
+        self._slots, self._groups, self.device = token_slots.astype(np.int64), None, device
+        self.token_slots = torch.from_numpy(self._slots).to(device) if (self._slots >= 0).any() else None
+
+    @property
+    def groups(self) -> list[tuple[int, TokenRows]]:
+        if self._groups is None:
+            self._groups = group_tokens(self._slots, self.device)
+        return self._groups
 
 
 def group_tokens(token_slots: np.ndarray, device: torch.device) -> list[tuple[int, TokenRows]]:

@@ -101,10 +101,9 @@ class LoRAManager:
             held = weights or self.read(request)
             self.counters.num_reads += 1
             self.loaded[key] = held
-        weights = held
         self.loaded.move_to_end(key)
         self._trim_host_memory(in_use)
-        return weights
+        return held
 
     def _trim_host_memory(self, in_use: Callable[[], set[AdapterKey]]) -> None:
         excess = len(self.loaded) - self.config.cpu_capacity
@@ -133,21 +132,22 @@ class LoRAManager:
         """Gives every adapter of ``seqs`` a slot (at most ``max_loras`` adapters), refilling the
         least recently used slots no sequence needs, and sets each sequence's ``lora_slot``."""
         seqs = list(seqs)
-        needed = list(dict.fromkeys(seq.lora.key for seq in seqs if seq.lora is not None))
+        needed = {seq.lora.key: seq.lora for seq in seqs if seq.lora is not None}
         assert len(needed) <= self.config.max_loras, f"{len(needed)} adapters running, over max_loras"
         slot_of = {key: s for s, key in enumerate(self.slots) if key is not None}
         missing = [key for key in needed if key not in slot_of]
         free = (s for s in self.slot_order if self.slots[s] not in needed)
         for key, slot in zip(missing, free):
-            self._fill(slot, key, next(seq.lora for seq in seqs if seq.lora is not None and seq.lora.key == key))
+            self._fill(slot, needed[key])
             slot_of[key] = slot
         for key in needed:
             self.slot_order.move_to_end(slot_of[key])
         for seq in seqs:
             seq.lora_slot = -1 if seq.lora is None else slot_of[seq.lora.key]
 
-    def _fill(self, slot: int, key: AdapterKey, request: LoRARequest) -> None:
-        weights = self.loaded.get(key) or self.add(request)
+    def _fill(self, slot: int, request: LoRARequest) -> None:
+        key = request.key
+        weights = self.loaded.get(key) or self.read(request)  # held: every request's adapter stays in memory
         if self.slots[slot] is not None:
             self.counters.num_evictions += 1
         for name, layer in self.layers.items():
