@@ -89,6 +89,7 @@ class EngineStats:
     lora_loads: int = 0
     lora_evictions: int = 0
     lora_adapters_loaded: int = 0
+    cpu_kernels: str = ""  # the CPU GEMM kernels (cpu_ops.kernel_choice's label); empty on other devices
 
     @property
     def kv_cache_usage(self) -> float:

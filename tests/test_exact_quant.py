@@ -12,10 +12,16 @@ from gguf import GGMLQuantizationType, quants
 
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
-from cb_serve.model_executor.linear import AMX_MIN_ROWS, DECODE_MAX_ROWS, Linear
+from cb_serve.cpu_ops.kernel_choice import kernel_choice
+from cb_serve.model_executor.linear import DECODE_MAX_ROWS, Linear
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
 needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 here (or its kernel did not build)")
+
+
+def uses_split_kernel() -> bool:
+    choice = kernel_choice()
+    return choice is not None and choice.split != "mkl"
 
 
 def gguf_weight(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
@@ -99,18 +105,18 @@ def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
     weight, bias = q4_layer.weight.detach().clone(), q4_layer.bias.detach().clone()
     q4_layer.prepare_for_cpu(pack=True)
     assert q4_layer.decode_weight.dtype == torch.uint8
-    assert (q4_layer.amx_weight is not None) == cpu_ops.amx_available()
+    assert (q4_layer.split_weight is not None) == uses_split_kernel()
     fp32_layer.decode_weight = cpu_ops.pack_decode_weight(fp32_layer.weight)
     with torch.inference_mode():
         for rows in (1, 34, 300):  # from 13 rows on AMX where there is one; 300 rows else on MKL
             x = torch.randn(rows, 576)
             torch.testing.assert_close(q4_layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-            if rows < AMX_MIN_ROWS or (rows <= DECODE_MAX_ROWS and not cpu_ops.amx_available()):
+            if rows < q4_layer.split_min_rows or (rows <= DECODE_MAX_ROWS and not uses_split_kernel()):
                 assert torch.equal(q4_layer(x), fp32_layer(x))
 
     plain = Linear(64, 32)
     plain.prepare_for_cpu(pack=True)
-    assert plain.decode_weight.dtype == torch.float32 and plain.amx_weight is None
+    assert plain.decode_weight.dtype == torch.float32 and plain.split_weight is None
 
 
 @needs_kernels
@@ -125,7 +131,7 @@ def test_the_default_model_decodes_from_4_bit_weights(smol_llm):
     assert len(projections) == 120
     assert all(linear.decode_weight.dtype == torch.uint8 for linear in projections)
     assert model.lm_head.decode_weight.dtype == torch.int8
-    assert all((linear.amx_weight is not None) == cpu_ops.amx_available() for linear in [*projections, model.lm_head])
+    assert all((linear.split_weight is not None) == uses_split_kernel() for linear in [*projections, model.lm_head])
 
 
 @needs_amx

@@ -129,6 +129,9 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     for name in ("structured_output_requests", "grammar_compile_seconds", "grammar_bitmask_fill_seconds"):
         assert not m[name].all(), name  # no constrained request (tests/test_structured_metrics.py has them)
     assert set(m["num_requests_waiting_grammar"].all()) == {0}
+    if stats.cpu_kernels:  # the C++ kernels built: the kernel choice is a label
+        kernels = (("kernels", stats.cpu_kernels), ("model", "tiny"), ("model_name", "tiny"))
+        assert set(m["cpu_kernels_info"].values) == {kernels}
 
 
 def test_an_aborted_request_is_forgotten(random_model_dir):

@@ -38,8 +38,19 @@ EXTENSIONS = {
     "cb_serve_gemm_ops": ("decode_gemm.cpp", ["-mprefer-vector-width=512"]),
     "cb_serve_lora_ops": ("lora_ops.cpp", ["-mprefer-vector-width=512"]),
 }
-# Optional, x86-64 Linux only: AMX tile GEMM (amx_available()).
+# Optional, x86-64 Linux only: AMX tile GEMM (amx_available()) and its AVX512-BF16 port (bf16_available()).
 AMX_EXTENSION = ("cb_serve_amx_ops", "amx_gemm.cpp", ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"])
+BF16_EXTENSION = (
+    "cb_serve_bf16_ops",
+    "bf16_gemm.cpp",
+    ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512bf16", "-ffp-contract=off"],  # multiply, then add
+)
+# decode_gemm built for one instruction set on any x86-64 CPU (decode_gemm_variant): what a CPU without
+# AVX-512 runs, testable here.
+ISA_VARIANTS = {
+    "avx2": ["-mno-avx512f"],
+    "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx"],
+}
 STALE_LOCK_S = 300  # no build takes this long (a few seconds each)
 BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
 OPS = (
@@ -116,7 +127,7 @@ def amx_available() -> bool:
     kernel granting this process the tile state; ``CB_SERVE_AMX=0`` turns it off."""
     if os.environ.get("CB_SERVE_AMX", "1") == "0" or not available():
         return False
-    if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+    if not _x86_64_linux():
         return False
     try:
         build(*AMX_EXTENSION)
@@ -125,6 +136,45 @@ def amx_available() -> bool:
         BUILD_ERROR.append(str(e))
         logger.info("AMX GEMM unavailable (%s).", e)
         return False
+
+
+def _x86_64_linux() -> bool:
+    return sys.platform == "linux" and platform.machine().lower() in ("x86_64", "amd64")
+
+
+@functools.cache
+def bf16_available() -> bool:
+    """``bf16_gemm`` runs here: an x86-64 Linux CPU with AVX512-BF16 and a compiler that targets it;
+    ``CB_SERVE_BF16_GEMM=0`` turns it off."""
+    if os.environ.get("CB_SERVE_BF16_GEMM", "1") == "0" or not available() or not _x86_64_linux():
+        return False
+    try:
+        build(*BF16_EXTENSION)
+        return bool(torch.ops.cb_serve.bf16_gemm_supported())
+    except Exception as e:  # a compiler without AVX512-BF16 support
+        BUILD_ERROR.append(str(e))
+        logger.info("AVX512-BF16 GEMM unavailable (%s).", e)
+        return False
+
+
+@functools.cache
+def decode_gemm_variant(isa: str) -> bool:
+    """Builds ``decode_gemm_<isa>`` (``ISA_VARIANTS``: the kernel compiled for that instruction set
+    only); False off x86-64 Linux or where it does not build."""
+    if not available() or not _x86_64_linux():
+        return False
+    try:
+        build(f"cb_serve_gemm_ops_{isa}", "decode_gemm.cpp", [*ISA_VARIANTS[isa], f"-DCB_SERVE_ISA_VARIANT={isa}"])
+        return hasattr(torch.ops.cb_serve, f"decode_gemm_{isa}")
+    except Exception as e:
+        BUILD_ERROR.append(str(e))
+        logger.info("decode_gemm for %s unavailable (%s).", isa, e)
+        return False
+
+
+def decode_gemm_isa() -> str:
+    """The instruction set the native ``decode_gemm`` was compiled for: avx512, avx2 or scalar."""
+    return str(torch.ops.cb_serve.decode_gemm_isa())
 
 
 def paged_decode_attention(
@@ -207,13 +257,16 @@ def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.cb_serve.pack_decode_weight(weight)
 
 
-def decode_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def decode_gemm(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None, isa: str | None = None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for a small float32 batch ``x`` (``[M, K]``, contiguous), from the
     packed weight (``pack_decode_weight``, or ``exact_quant.pack_decode_weight_quantized``: the same
     result from 4 or 8 bits): every weight byte read once per call, FMA chains in k order
-    (batch-invariant)."""
+    (batch-invariant, the same bits from every build). ``isa``: run ``decode_gemm_variant(isa)``."""
     out = x.new_empty(x.shape[0], out_features)
-    torch.ops.cb_serve.decode_gemm(out, x, packed, bias)
+    op = torch.ops.cb_serve.decode_gemm if isa is None else getattr(torch.ops.cb_serve, f"decode_gemm_{isa}")
+    op(out, x, packed, bias)
     return out
 
 
@@ -238,4 +291,12 @@ def amx_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: tor
     size (``amx_available()`` only)."""
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.cb_serve.amx_gemm(out, x, packed, bias)
+    return out
+
+
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``amx_gemm``'s product on AVX512-BF16 (``bf16_available()`` only), every partial sum exact: bit for bit
+    ``exact_quant.split_gemm_reference``."""
+    out = x.new_empty(x.shape[0], out_features)
+    torch.ops.cb_serve.bf16_gemm(out, x, packed, bias)
     return out

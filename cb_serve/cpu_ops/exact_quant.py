@@ -149,3 +149,39 @@ def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
     # q [N, K] -> [tile, column, group, pair, member] -> [tile, group, pair, column, member]: 32 values a row
     q = _column_tiles(groups.q, tiles, 16).view(tiles, 16, num_groups, 16, 2).permute(0, 2, 3, 1, 4)
     return _with_scales(groups, q.reshape(tiles, num_groups, 16, 32), 16)
+
+
+def _digits(n: torch.Tensor) -> list[torch.Tensor]:
+    """``n = n0 * 2^16 + n1 * 2^8 + n2`` with ``n1``, ``n2`` in -128..127 (int64)."""
+    out = []
+    for _ in range(2):
+        digit = ((n + 128) & 255) - 128
+        out.append(digit)
+        n = (n - digit) >> 8
+    return [n, out[1], out[0]]
+
+
+def split_gemm_reference(x: torch.Tensor, groups: QuantGroups, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``cpu_ops.bf16_gemm`` computes, in PyTorch: per row and group, x on a 24-bit grid below its
+    largest value (``N = rint(x * 2^(23 - e))``) split into three integers exact in bf16, each piece's group
+    sum against q exact, ``C = c0 2^16 + c1 2^8 + c2`` rounded to float32 once, then per group
+    ``acc += d * C * 2^(e - 23)`` and for 4 bits ``acc += m * S`` (float32 operations)."""
+    m, k = x.shape
+    n, num_groups = groups.q.shape[0], k // GROUP
+    xg = x.view(m, num_groups, GROUP)
+    amax = xg.abs().amax(-1)
+    finite = torch.isfinite(amax)
+    e = torch.where((amax > 0) & finite, torch.frexp(amax).exponent - 1, 0)
+    big_n = torch.round(torch.ldexp(xg, (23 - e)[..., None].float()))
+    big_n = torch.where(finite[..., None], big_n, 0).to(torch.int64)
+    unit = torch.where(finite, torch.ldexp(torch.ones(()), (e - 23).float()), float("nan"))
+    sums = torch.ldexp(big_n.sum(-1).float(), (e - 23).float())
+    q = groups.q.view(n, num_groups, GROUP).double()
+    c0, c1, c2 = (torch.einsum("mgk,ngk->mng", p.double(), q) for p in _digits(big_n))
+    v = (c0 * 65536 + c1 * 256 + c2).float() * unit[:, None, :]
+    acc = torch.zeros(m, n)
+    for g in range(num_groups):
+        acc = acc + groups.d[None, :, g] * v[:, :, g]
+        if groups.m is not None:
+            acc = acc + groups.m[None, :, g] * sums[:, g, None]
+    return acc + (0.0 if bias is None else bias)

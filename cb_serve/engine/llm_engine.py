@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from cb_serve.config import EngineConfig
+from cb_serve.cpu_ops.kernel_choice import kernel_choice
 from cb_serve.distributed.sharding import shard_for
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.grammar_admission import GrammarAdmission
@@ -116,6 +117,8 @@ class LLMEngine:
             self.draft = DraftModel.for_target(config, setup, spec.model, self.tokenizer)
         with device_context(self.device):  # load, KV sizing and graph capture on the engine's device
             self.runner = self._make_runner(setup)
+        choice = kernel_choice() if self.device.type == "cpu" else None
+        self.cpu_kernels = choice.label if choice is not None else ""
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -667,6 +670,7 @@ class LLMEngine:
             num_requests_waiting=len(waiting_requests) + num_waiting_grammar,
             num_requests_waiting_grammar=num_waiting_grammar,
             num_constrained_requests=self.num_constrained_requests,
+            cpu_kernels=self.cpu_kernels,
             **self._lora_stats(),
         )
 

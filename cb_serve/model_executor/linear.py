@@ -7,9 +7,10 @@
 - **Exactly low-bit weights** (the default model's Q4_1 projections and Q8_0 LM head, recognized
   by ``cpu_ops.exact_quant``) are kept as 4 or 8 bits and dequantized per tile into the same
   float32 values: a fraction of the memory traffic, the same results.
-- **AMX CPUs** run such low-bit weights on ``cpu_ops.amx_gemm`` from ``AMX_MIN_ROWS`` rows up
-  (float32-accurate, from the same 4/8 bits), prefill-sized batches included.
-- Anything else (prefill without AMX, GPUs) runs ``F.linear`` on the weight stored transposed.
+- **Larger batches of low-bit weights** run a split-bf16 kernel where ``cpu_ops.kernel_choice`` picks one:
+  ``amx_gemm`` on AMX CPUs from ``AMX_MIN_ROWS`` rows up, ``bf16_gemm`` (AVX512-BF16) where it measured
+  faster than the float32 GEMM; both float32-accurate from the same 4/8 bits, prefill-sized batches included.
+- Anything else (prefill on other CPUs, GPUs) runs ``F.linear`` on the weight stored transposed.
 
 The measured effect of each path is in ``bench/HISTORY.md``.
 """
@@ -22,29 +23,45 @@ from torch import nn
 
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
+from cb_serve.cpu_ops.kernel_choice import AMX_MIN_ROWS, kernel_choice
 
+__all__ = ["AMX_MIN_ROWS", "DECODE_MAX_ROWS", "Linear"]
 DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
-AMX_MIN_ROWS = 13  # below this the tiles' fixed costs outweigh decode_gemm's (bench/micro_kernels.py gemm)
+SPLIT_KERNELS = {"amx": cpu_ops.amx_gemm, "avx512_bf16": cpu_ops.bf16_gemm}
 
 
 class Linear(nn.Linear):
     decode_weight: torch.Tensor | None = None
-    amx_weight: torch.Tensor | None = None
+    split_weight: torch.Tensor | None = None  # exact_quant.pack_amx_weight's layout, for split_kernel
+    split_kernel: str = "mkl"
+    split_min_rows: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        if self.amx_weight is not None and rows >= AMX_MIN_ROWS:
-            return cpu_ops.amx_gemm(x.contiguous(), self.amx_weight, self.out_features, self.bias)
+        if self.split_weight is not None and rows >= self.split_min_rows:
+            kernel = SPLIT_KERNELS[self.split_kernel]
+            return kernel(x.contiguous(), self.split_weight, self.out_features, self.bias)
         if self.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
             return cpu_ops.decode_gemm(x.contiguous(), self.decode_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def bytes_read(self, rows: int) -> int:
+        """Bytes of weight (and bias) that ``forward`` streams for a batch of ``rows`` rows."""
+        if self.split_weight is not None and rows >= self.split_min_rows:
+            weight = self.split_weight
+        elif self.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
+            weight = self.decode_weight
+        else:
+            weight = self.weight
+        bias = 0 if self.bias is None else self.bias.nbytes
+        return weight.nbytes + bias
 
     @torch.no_grad()
     def prepare_for_cpu(self, pack: bool, transpose: bool = True) -> None:
         """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight
         when the weight is exactly a dequantized GGUF Q4_1 / Q4_0 / Q8_0 one (``cpu_ops.exact_quant``), else
-        a second float32 copy; for such a low-bit weight on an AMX CPU, also the layout ``amx_gemm`` runs
-        batches of ``AMX_MIN_ROWS`` and more from. ``transpose``: store the weight transposed (still an ``[out, in]``
+        a second float32 copy; for such a low-bit weight, where ``kernel_choice()`` picks a split-bf16 kernel,
+        also the layout it runs larger batches from. ``transpose``: store the weight transposed (still an ``[out, in]``
         parameter) so ``F.linear`` runs an NN GEMM, ~10% faster on CPU; leave it off for a weight
         shared with an embedding (row lookups want the plain layout)."""
         if transpose:
@@ -53,7 +70,9 @@ class Linear(nn.Linear):
             groups = exact_quant.find_quant_groups(self.weight)
             if groups is not None:
                 self.decode_weight = exact_quant.pack_decode_weight_quantized(groups)
-                if cpu_ops.amx_available():
-                    self.amx_weight = exact_quant.pack_amx_weight(groups)
+                choice = kernel_choice()
+                if choice is not None and choice.split in SPLIT_KERNELS:
+                    self.split_weight = exact_quant.pack_amx_weight(groups)
+                    self.split_kernel, self.split_min_rows = choice.split, choice.split_min_rows
             else:
                 self.decode_weight = cpu_ops.pack_decode_weight(self.weight)

@@ -91,11 +91,13 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "lora_adapters_loaded": ("gauge", "LoRA: adapters held in slots or host memory."),
     "lora_loads": ("counter", "LoRA: adapters copied into a slot."),
     "lora_evictions": ("counter", "LoRA: adapters displaced from a slot by another."),
+    "cpu_kernels_info": ("gauge", "The CPU GEMM kernels this replica runs (label kernels, value 1; CPU engines)."),
 }
 # Labels beside the model's, per metric.
 EXTRA_TAGS = {
     "request_success": ("finished_reason", "lora_name"),
     "spec_decode_num_accepted_tokens_per_pos": ("position",),
+    "cpu_kernels_info": ("kernels",),
 }
 ROUTER_METRICS: dict[str, tuple[str, str]] = {
     "router_requests": (
@@ -279,6 +281,8 @@ class EngineMetrics:
         m["lora_slots_used"].set(s.lora_slots_used)
         m["lora_slots_total"].set(s.max_loras)
         m["lora_adapters_loaded"].set(s.lora_adapters_loaded)
+        if s.cpu_kernels:
+            m["cpu_kernels_info"].set(1, tags={"kernels": s.cpu_kernels})
         for name, field in _COUNTER_FIELDS.items():
             value = getattr(s, field)
             if value > self._counted[name]:

@@ -5,7 +5,10 @@
 // of a tile also prefetch the next tile into L2, so its memory stream overlaps their arithmetic
 // instead of stalling the next tile's first block.
 // Each output is an FMA chain over k in order, so results do not depend on M (batch invariance) and
-// need no horizontal sums.
+// need no horizontal sums; the AVX-512, AVX2 (8 lanes, 3-row blocks) and scalar (std::fma) builds run
+// the same chain, so they agree bit for bit. Built with -DCB_SERVE_ISA_VARIANT=<name> (for tests and
+// benchmarks: an AVX2-only or a scalar build on any CPU), the ops are decode_gemm_<name> and
+// pack_decode_weight is left to the native build.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,17 +17,42 @@
 #include <array>
 #include <cstdint>
 #include <cmath>
+#include <string>
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+#define CB_SERVE_STR2(x) #x
+#define CB_SERVE_STR(x) CB_SERVE_STR2(x)
+#if defined(CB_SERVE_ISA_VARIANT)
+#define CB_SERVE_OP(name) name "_" CB_SERVE_STR(CB_SERVE_ISA_VARIANT)
+#else
+#define CB_SERVE_OP(name) name
 #endif
 
 namespace {
 
 constexpr int64_t kCols = 32;  // output columns per tile
-constexpr int kMaxRows = 12;   // rows per register block
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 12;  // rows per register block: 12 x 2 accumulators
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kMaxRows = 3;  // 3 x 4 accumulators, 3 broadcasts and a weight vector in 16 registers
+#else
+constexpr int kMaxRows = 4;
+#endif
+
+const char* isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 at::Tensor pack_decode_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "weight: float32 [N, K]");
@@ -69,6 +97,37 @@ void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, in
     _mm512_mask_storeu_ps(out + r * ld_out + 16, m1, _mm512_add_ps(hi[r], b1));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+template <int Rows>
+void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
+                const float* bias, const float* ahead, int64_t ahead_rows) {
+  __m256 acc[Rows][4];
+  for (int r = 0; r < Rows; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  const uint64_t ahead_step = ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0;
+  uint64_t ahead_pos = 0;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    _mm_prefetch((const char*)(tile + (k + 16) * kCols), _MM_HINT_T0);
+    _mm_prefetch((const char*)(tile + (k + 16) * kCols + 16), _MM_HINT_T0);
+    if (ahead) {
+      const float* line = ahead + (ahead_pos >> 32) * kCols;
+      _mm_prefetch((const char*)line, _MM_HINT_T1);
+      _mm_prefetch((const char*)(line + 16), _MM_HINT_T1);
+      ahead_pos += ahead_step;
+    }
+    __m256 a[Rows];
+    for (int r = 0; r < Rows; ++r) a[r] = _mm256_broadcast_ss(x + r * k_dim + k);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 w = _mm256_loadu_ps(tile + k * kCols + 8 * c);
+      for (int r = 0; r < Rows; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], w, acc[r][c]);
+    }
+  }
+  alignas(32) float row[kCols];
+  for (int r = 0; r < Rows; ++r) {
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(row + 8 * c, acc[r][c]);
+    for (int64_t c = 0; c < cols; ++c) out[r * ld_out + c] = row[c] + (bias ? bias[c] : 0.f);
+  }
+}
 #else
 template <int Rows>
 void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
@@ -76,7 +135,7 @@ void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, in
   for (int r = 0; r < Rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       float acc = 0.f;
-      for (int64_t k = 0; k < k_dim; ++k) acc += x[r * k_dim + k] * tile[k * kCols + c];
+      for (int64_t k = 0; k < k_dim; ++k) acc = std::fma(x[r * k_dim + k], tile[k * kCols + c], acc);
       out[r * ld_out + c] = acc + (bias ? bias[c] : 0.f);
     }
 }
@@ -142,6 +201,28 @@ void dequantize_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
       _mm512_storeu_ps(rows + k * kCols, _mm512_fmadd_ps(d0, q0, m0));
       _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    _mm_prefetch((const char*)(group + 4 * group_bytes), _MM_HINT_T0);
+    for (int64_t k = 0; k < kGroup; ++k) {
+      __m256i words[4];  // columns 0-7, 8-15, 16-23, 24-31
+      if constexpr (FourBit) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+        const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0xF));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0xF));
+        words[0] = _mm256_cvtepu8_epi32(lo);
+        words[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        words[2] = _mm256_cvtepu8_epi32(hi);
+        words[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+      } else {
+        for (int c = 0; c < 4; ++c)
+          words[c] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 32 + 8 * c)));
+      }
+      for (int c = 0; c < 4; ++c) {
+        const __m256 m_c = FourBit ? _mm256_loadu_ps(m + 8 * c) : _mm256_setzero_ps();
+        _mm256_storeu_ps(rows + k * kCols + 8 * c,
+                         _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * c), _mm256_cvtepi32_ps(words[c]), m_c));
+      }
+    }
 #else
     for (int64_t k = 0; k < kGroup; ++k)
       for (int64_t c = 0; c < kCols; ++c) {
@@ -204,11 +285,16 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
+#if !defined(CB_SERVE_ISA_VARIANT)
   m.def("pack_decode_weight(Tensor weight) -> Tensor");
-  m.def("decode_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
+#endif
+  m.def(CB_SERVE_OP("decode_gemm_isa") "() -> str", [] { return std::string(isa()); });
+  m.def(CB_SERVE_OP("decode_gemm") "(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
+#if !defined(CB_SERVE_ISA_VARIANT)
   m.impl("pack_decode_weight", &pack_decode_weight);
-  m.impl("decode_gemm", &decode_gemm);
+#endif
+  m.impl(CB_SERVE_OP("decode_gemm"), &decode_gemm);
 }

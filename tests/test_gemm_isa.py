@@ -1,0 +1,157 @@
+"""Every instruction-set path of the low-bit GEMMs gives the same bits as its reference, on the GEMM shapes
+of the test models (Llama, Qwen2 and Mistral test configs, SmolLM2):
+
+- ``decode_gemm`` built for AVX-512 (where the CPU has it), for AVX2/FMA only and for scalar code only (both
+  built on any x86-64 CPU, so CI covers the path a CPU without AVX-512 runs): each output one FMA chain over
+  k in order, equal to ``F.linear``'s reference chain and to each other bit for bit;
+- ``bf16_gemm`` (AVX512-BF16, where present): bit for bit ``exact_quant.split_gemm_reference``, and as
+  accurate as a float32 GEMM;
+- ``amx_gemm`` (AMX, where present): its tiles round inside a dot product as the hardware does (no
+  sequential float32 order reproduces it), so it is held to float32 accuracy (``test_exact_quant.py``) and
+  to exactness where every partial sum is an integer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cb_serve import cpu_ops
+from cb_serve.cpu_ops import exact_quant
+from cb_serve.cpu_ops.kernel_choice import decide
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
+needs_bf16 = pytest.mark.skipif(
+    not cpu_ops.bf16_available(), reason="no AVX512-BF16 here (or its kernel did not build)"
+)
+needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 here (or its kernel did not build)")
+
+# (out, in) of the projections: tests' random Llama / Qwen2 / Mistral configs and SmolLM2-135M
+SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128), (960, 576), (576, 576), (3072, 576), (576, 1536)]
+ROWS = [1, 5, 13, 64]
+
+
+def random_groups(n: int, k: int, bits: int, seed: int) -> exact_quant.QuantGroups:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+        return exact_quant.QuantGroups(q, d, (-torch.rand(n, k // 32, generator=g) * 0.2).half().float())
+    return exact_quant.QuantGroups(torch.randint(-127, 128, (n, k), generator=g).to(torch.int8), d, None)
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=g)]
+
+
+def fma_chain_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``acc = fma(x[k], w[k], acc)`` over k in order, correctly rounded: the exact sum (float64 holds the
+    product and, with the error term of the addition, the whole) rounded to float32 once per step."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for k in range(x.shape[1]):
+        product = x[:, k, None].double() * w[None, :, k].double()  # exact: 24 + 24 bits
+        total = acc + product
+        error = (acc - (total - (total - acc))) + (product - (total - acc))  # TwoSum: total + error is exact
+        rounded = total.float()
+        # total is one rounding away from the exact sum; redo the float32 rounding where it was a tie
+        tie = (total - rounded.double()).abs() * 2 == (torch.nextafter(rounded, rounded * 2) - rounded).double().abs()
+        nudged = torch.where(error > 0, torch.nextafter(total, total + 1), torch.nextafter(total, total - 1))
+        acc = torch.where(tie & (error != 0), nudged.float(), rounded).double()
+    out = acc.float()
+    return out + (0.0 if bias is None else bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_gemm_builds_agree_bit_for_bit(shape, bits):
+    n, k = shape
+    groups = random_groups(n, k, bits, seed=n + k)
+    packed = exact_quant.pack_decode_weight_quantized(groups)
+    isas = [None] + [isa for isa in ("avx2", "scalar") if cpu_ops.decode_gemm_variant(isa)]
+    if len(isas) == 1:
+        pytest.skip("no x86-64 ISA variants on this machine")
+    bias = torch.randn(n)
+    for rows in ROWS:
+        x = activations(rows, k, seed=rows)
+        outs = [cpu_ops.decode_gemm(x, packed, n, bias, isa) for isa in isas]
+        assert all(torch.equal(outs[0], out) for out in outs[1:]), rows
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_gemm_is_the_fma_chain_reference(bits):
+    n, k = 96, 128
+    groups = random_groups(n, k, bits, seed=bits)
+    packed, bias = exact_quant.pack_decode_weight_quantized(groups), torch.randn(n)
+    x = activations(7, k, seed=bits)
+    reference = fma_chain_reference(x, groups.dequantize(), bias)
+    for isa in [None] + [isa for isa in ("avx2",) if cpu_ops.decode_gemm_variant(isa)]:
+        assert torch.equal(cpu_ops.decode_gemm(x, packed, n, bias, isa), reference), isa
+
+
+@needs_kernels
+def test_the_native_decode_gemm_names_its_instruction_set():
+    assert cpu_ops.decode_gemm_isa() in ("avx512", "avx2", "scalar")
+
+
+@needs_bf16
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_gemm_is_its_reference_bit_for_bit(shape, bits):
+    n, k = shape
+    groups = random_groups(n, k, bits, seed=n * k)
+    packed, bias = exact_quant.pack_amx_weight(groups), torch.randn(n)
+    for rows in [*ROWS, 300]:
+        x = activations(rows, k, seed=rows + bits)
+        out = cpu_ops.bf16_gemm(x, packed, n, bias)
+        assert torch.equal(out, exact_quant.split_gemm_reference(x, groups, bias)), rows
+        if rows == 300:  # as accurate as a float32 GEMM (measured: 0.5-0.9x MKL's RMS error)
+            exact = x.double() @ groups.dequantize().double().T + bias.double()
+            rms = [(y.double() - exact).pow(2).mean().sqrt() for y in (out, x @ groups.dequantize().T + bias)]
+            assert rms[0] <= 1.25 * rms[1]
+
+
+@needs_bf16
+def test_bf16_gemm_propagates_non_finite_activations():
+    groups = random_groups(64, 64, 4, seed=0)
+    x = torch.randn(3, 64)
+    x[1, 40] = float("inf")
+    out = cpu_ops.bf16_gemm(x, exact_quant.pack_amx_weight(groups), 64, None)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+
+
+@needs_amx
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_and_bf16_agree_where_every_partial_sum_is_an_integer(bits):
+    if not cpu_ops.bf16_available():
+        pytest.skip("no AVX512-BF16 kernel")
+    groups = random_groups(96, 576, bits, seed=1)
+    groups = exact_quant.QuantGroups(
+        groups.q, torch.ones_like(groups.d), None if bits == 8 else -torch.ones_like(groups.d)
+    )
+    x = torch.randint(-255, 256, (40, 576), generator=torch.Generator().manual_seed(2)).float()
+    packed = exact_quant.pack_amx_weight(groups)
+    assert torch.equal(cpu_ops.amx_gemm(x, packed, 96, None), cpu_ops.bf16_gemm(x, packed, 96, None))
+
+
+@pytest.mark.parametrize(
+    ("forced", "amx", "bf16", "faster", "expected"),
+    [
+        (None, True, True, None, "amx"),
+        (None, False, True, True, "avx512_bf16"),
+        (None, False, True, False, "mkl"),
+        (None, False, False, None, "mkl"),
+        ("avx512_bf16", True, True, None, "avx512_bf16"),
+        ("mkl", True, True, None, "mkl"),
+        ("amx", False, True, False, "mkl"),  # not usable here: chosen as usual
+    ],
+)
+def test_kernel_choice(forced, amx, bf16, faster, expected):
+    assert decide(forced, amx, bf16, faster)[0] == expected
+
+
+def test_an_unknown_forced_kernel_is_refused():
+    with pytest.raises(ValueError, match="CB_SERVE_GEMM"):
+        decide("avx9", False, False, None)
