@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "split_gemm.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define CB_SERVE_AMX 1
 #include <cpuid.h>
@@ -32,10 +34,10 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;           // inputs per scale, and per tile product
+using split_gemm::kGroup;  // inputs per scale, and per tile product
 constexpr int64_t kTileElems = 512;      // bf16 values in a 16 x 32 tile (1 KB)
 constexpr int64_t kTileFloats = 256;     // float32 values in a 16 x 16 tile (1 KB)
-constexpr int64_t kScaleBytes = 16 * sizeof(float);
+using split_gemm::kScaleBytes;
 constexpr int64_t kMaxInputs = 16384;    // K: a row's group sums fit one 2 KB buffer
 constexpr int64_t kChunkBytes = 1 << 20;  // x pieces a thread keeps in L2 per column tile pair
 constexpr int64_t kMaxChunkTiles = 16;
@@ -103,31 +105,8 @@ void split_rows(const float* x, int64_t m, int64_t k, int64_t rows, uint16_t* pi
   }
 }
 
-// bf16 of 0..15, indexed by vpermw.
-inline __m512i nibble_table() {
-  alignas(64) float v[32];
-  for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(i & 15);
-  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(v + 16), _mm512_load_ps(v));
-}
-
-// One weight tile's q (16 VNNI rows of 32 values) as bf16 into `tile`.
-template <bool FourBit>
-inline void unpack_q(const uint8_t* q, uint16_t* tile, __m512i table) {
-  for (int r = 0; r < 16; ++r) {
-    if constexpr (FourBit) {
-      const __m128i b = _mm_loadu_si128((const __m128i*)(q + r * 16));
-      const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
-      const __m512i words = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
-      _mm512_store_si512(tile + r * 32, _mm512_permutexvar_epi16(words, table));
-    } else {
-      const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + r * 32)));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(words)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
-      _mm512_store_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-  }
-}
+using split_gemm::nibble_table;
+using split_gemm::unpack_q;
 
 // One group on the tiles for NR (2, or 1 for an odd last) row tiles and two column tiles: tiles 0..3 take
 // c for (row tile, column tile) 00, 01, 10, 11 from the x piece in 4 (row tile 0) or 5 (row tile 1) and q
@@ -256,19 +235,10 @@ void gemm(float* out, int64_t m, int64_t n, const uint16_t* pieces, const float*
 // out [M, N] = x [M, K] @ w^T (+ bias); packed from exact_quant.pack_amx_weight: uint8 [N / 16, K / 32,
 // 384] (4-bit) or int8 [N / 16, K / 32, 576] (8-bit), N / 16 even.
 void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t group_bytes = split_gemm::check_args(out, x, packed, bias);
   const bool four_bit = packed.scalar_type() == at::kByte;
-  const int64_t group_bytes = four_bit ? 2 * kScaleBytes + 256 : kScaleBytes + 512;
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (four_bit || packed.scalar_type() == at::kChar) &&
-                  packed.size(0) % 2 == 0 && packed.size(2) == group_bytes,
-              "packed: uint8 [N / 16, K / 32, 384] or int8 [N / 16, K / 32, 576], N / 16 even");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(k == groups * kGroup && k <= kMaxInputs, "packed does not match x's K (at most 16384)");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == m && n <= tiles * 16 &&
-                  n > (tiles - 2) * 16,
-              "out: contiguous float32 [M, N] matching packed");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
-              "bias: float32 [N]");
+  TORCH_CHECK(k <= kMaxInputs, "K: at most 16384");
   if (m == 0) return;
   const int64_t rows = (m + 15) / 16 * 16;
   // x's pieces (6 bytes per x value) and group sums, then per thread the q tiles and c / acc buffers. Kept

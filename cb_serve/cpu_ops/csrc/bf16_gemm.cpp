@@ -21,6 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include "split_gemm.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #define CB_SERVE_BF16 1
 #include <immintrin.h>
@@ -28,8 +30,8 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kScaleBytes = 16 * sizeof(float);
+using split_gemm::kGroup;
+using split_gemm::kScaleBytes;
 constexpr int kRows = 4;  // rows per register block: 4 rows x 2 column tiles x 3 pieces = 24 accumulators
 
 #if defined(CB_SERVE_BF16)
@@ -70,33 +72,12 @@ void split_row(const float* x, int64_t k, int64_t m, int64_t row, Split& s) {
   }
 }
 
-inline __m512i nibble_table() {
-  alignas(64) float v[32];
-  for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(i & 15);
-  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(v + 16), _mm512_load_ps(v));
-}
-
 // One column tile's q for all groups as bf16 VNNI rows ([groups][16 pairs][32] into `tile`).
 template <bool FourBit>
 void unpack_tile(const uint8_t* w, int64_t groups, int64_t group_bytes, uint16_t* tile) {
-  const __m512i table = nibble_table();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* q = w + g * group_bytes + (FourBit ? 2 : 1) * kScaleBytes;
-    for (int r = 0; r < 16; ++r) {
-      __m512i words;
-      if constexpr (FourBit) {
-        const __m128i b = _mm_loadu_si128((const __m128i*)(q + r * 16));
-        const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
-        words = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo)), table);
-      } else {
-        const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + r * 32)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
-        words = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-      }
-      _mm512_storeu_si512(tile + (g * 16 + r) * 32, words);
-    }
-  }
+  const __m512i table = split_gemm::nibble_table();
+  for (int64_t g = 0; g < groups; ++g)
+    split_gemm::unpack_q<FourBit>(w + g * group_bytes + (FourBit ? 2 : 1) * kScaleBytes, tile + g * 16 * 32, table);
 }
 
 // float32(c0 2^16 + c1 2^8 + c2) * unit, the c_p exact integers.
@@ -184,19 +165,9 @@ bool bf16_gemm_supported() { return __builtin_cpu_supports("avx512bf16") && __bu
 // out [M, N] = x [M, K] @ w^T (+ bias); packed as for amx_gemm.
 void bf16_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(bf16_gemm_supported(), "this CPU has no AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t group_bytes = split_gemm::check_args(out, x, packed, bias);
   const bool four_bit = packed.scalar_type() == at::kByte;
-  const int64_t group_bytes = four_bit ? 2 * kScaleBytes + 256 : kScaleBytes + 512;
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && (four_bit || packed.scalar_type() == at::kChar) &&
-                  packed.size(0) % 2 == 0 && packed.size(2) == group_bytes,
-              "packed: uint8 [N / 16, K / 32, 384] or int8 [N / 16, K / 32, 576], N / 16 even");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(k == groups * kGroup, "packed does not match x's K");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == m && n <= tiles * 16 &&
-                  n > (tiles - 2) * 16,
-              "out: contiguous float32 [M, N] matching packed");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
-              "bias: float32 [N]");
   if (m == 0) return;
   Split s{std::vector<uint32_t>(3 * m * k / 2), std::vector<float>(m * groups), std::vector<float>(m * groups)};
   const float* xp = x.data_ptr<float>();

@@ -62,17 +62,15 @@ at::Tensor pack_decode_weight(const at::Tensor& weight) {
   return padded.view({tiles, kCols, k}).transpose(1, 2).contiguous();
 }
 
-#if defined(__AVX512F__)
-// `ahead`, `ahead_rows`: a part of the next tile to prefetch into L2 meanwhile, spread over the k loop, so
-// the memory stream of the next tile overlaps this block's arithmetic.
-template <int Rows>
-void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
-                const float* bias, const float* ahead, int64_t ahead_rows) {
-  __m512 lo[Rows], hi[Rows];
-  for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  const uint64_t ahead_step = ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Per k: this tile's row 16 ahead into L1, and a share of `ahead` (the next tile's first rows) into L2.
+struct Prefetcher {
+  const float* tile;
+  const float* ahead;
+  uint64_t ahead_step;  // rows of `ahead` per k, in 32.32 fixed point
   uint64_t ahead_pos = 0;
-  for (int64_t k = 0; k < k_dim; ++k) {
+
+  inline void step(int64_t k) {
     _mm_prefetch((const char*)(tile + (k + 16) * kCols), _MM_HINT_T0);
     _mm_prefetch((const char*)(tile + (k + 16) * kCols + 16), _MM_HINT_T0);
     if (ahead) {
@@ -81,6 +79,21 @@ void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, in
       _mm_prefetch((const char*)(line + 16), _MM_HINT_T1);
       ahead_pos += ahead_step;
     }
+  }
+};
+#endif
+
+#if defined(__AVX512F__)
+// `ahead`, `ahead_rows`: a part of the next tile to prefetch into L2 meanwhile, spread over the k loop, so
+// the memory stream of the next tile overlaps this block's arithmetic.
+template <int Rows>
+void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
+                const float* bias, const float* ahead, int64_t ahead_rows) {
+  __m512 lo[Rows], hi[Rows];
+  for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  Prefetcher prefetch{tile, ahead, ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    prefetch.step(k);
     const __m512 w0 = _mm512_loadu_ps(tile + k * kCols), w1 = _mm512_loadu_ps(tile + k * kCols + 16);
     for (int r = 0; r < Rows; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
@@ -104,17 +117,9 @@ void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, in
   __m256 acc[Rows][4];
   for (int r = 0; r < Rows; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  const uint64_t ahead_step = ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0;
-  uint64_t ahead_pos = 0;
+  Prefetcher prefetch{tile, ahead, ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0};
   for (int64_t k = 0; k < k_dim; ++k) {
-    _mm_prefetch((const char*)(tile + (k + 16) * kCols), _MM_HINT_T0);
-    _mm_prefetch((const char*)(tile + (k + 16) * kCols + 16), _MM_HINT_T0);
-    if (ahead) {
-      const float* line = ahead + (ahead_pos >> 32) * kCols;
-      _mm_prefetch((const char*)line, _MM_HINT_T1);
-      _mm_prefetch((const char*)(line + 16), _MM_HINT_T1);
-      ahead_pos += ahead_step;
-    }
+    prefetch.step(k);
     __m256 a[Rows];
     for (int r = 0; r < Rows; ++r) a[r] = _mm256_broadcast_ss(x + r * k_dim + k);
     for (int c = 0; c < 4; ++c) {
