@@ -1,5 +1,6 @@
 """cb-serve in process (``LLM.generate``): engine arguments from the command line, the untimed warmup,
-step recording through the engine's step-listener interface, and the offline throughput run."""
+step recording through the engine's step-listener interface, the offline throughput run (with its
+decode-only steps for the DRAM bandwidth bound), and batch invariance (requests run again one at a time)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from cb_serve import LLM, SamplingParams, StepStats
+from cb_serve.benchmarks.bandwidth import DecodeStep, decode_bound, decode_steps, kv_bytes_per_token
 from cb_serve.benchmarks.cpu_accounting import Timer
-from cb_serve.benchmarks.report import SystemResult, make_result
+from cb_serve.benchmarks.report import SystemResult, batch_invariance, make_result
 from cb_serve.benchmarks.workload import Workload, warmup_prompt
 from cb_serve.config import EngineConfig
 
@@ -69,15 +71,23 @@ def summarize_steps(steps: list[StepStats]) -> dict[str, Any]:
 
 def run_cb_serve(llm: LLM, workload: Workload) -> SystemResult:
     """The workload through ``llm.generate``, all requests at once; timed after a warmup."""
+    return run_cb_serve_steps(llm, workload)[0]
+
+
+def run_cb_serve_steps(llm: LLM, workload: Workload) -> tuple[SystemResult, list[DecodeStep]]:
+    """``run_cb_serve``, plus its decode-only steps with each sequence's context (from the batch
+    inspector's step records, read after the timed run; none when the inspector is off)."""
     engine = llm.engine
     warm_up(llm, workload)
     before = engine.get_stats()
+    first_step = engine.num_steps + 1  # the listener sees consecutive steps from here
     params = [greedy(n) for n in workload.output_lens]
     with recording_steps(llm) as steps, Timer() as timer:
         outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     after = engine.get_stats()
+    records = engine.inspect("steps", after_step=first_step - 1, limit=len(steps)) or []
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    return make_result(
+    result = make_result(
         "cb-serve",
         timer,
         workload,
@@ -90,3 +100,30 @@ def run_cb_serve(llm: LLM, workload: Workload) -> SystemResult:
         max_num_batched_tokens=engine.config.max_num_batched_tokens,
         max_num_seqs=engine.config.max_num_seqs,
     )
+    return result, decode_steps(steps, records, first_step)
+
+
+def sequential_outputs(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    """Each request alone (one in flight, the prefix cache cleared first so its prompt is computed
+    alone too): its greedy output tokens."""
+    outputs = []
+    for prompt, n in zip(prompts, output_lens):
+        llm.engine.block_manager.reset_prefix_cache()
+        out = llm.generate([prompt], greedy(n), use_tqdm=False)[0]
+        outputs.append(list(out.outputs[0].token_ids))
+    return outputs
+
+
+def check_batch_invariance(llm: LLM, workload: Workload, result: SystemResult, num_requests: int) -> None:
+    """Runs the first ``num_requests`` requests again one at a time; records in ``result.extra``
+    (``batch_invariance``) how many produced the same tokens as in the batched run."""
+    k = min(num_requests, workload.num_requests)
+    alone = sequential_outputs(llm, workload.prompts[:k], workload.output_lens[:k])
+    result.extra["batch_invariance"] = batch_invariance(result.outputs[:k], alone)
+
+
+def decode_bandwidth_bound(llm: LLM, steps: list[DecodeStep], read_gb_s: float) -> dict[str, Any] | None:
+    """``bandwidth.decode_bound`` of cb-serve's decode steps on its model and KV-cache dtype."""
+    engine = llm.engine
+    per_token = kv_bytes_per_token(engine.hf_config, engine.kv_cache_dtype)
+    return decode_bound(engine.runner.model, per_token, steps, read_gb_s)

@@ -1,4 +1,5 @@
-"""The roofline: how fast the machine's GEMMs (and memory copies) could run the model at best.
+"""The roofline: how fast the machine's GEMMs (and memory copies) could run the model at best, and the
+DRAM read bandwidth that bounds decode steps (``cb_serve.benchmarks.bandwidth``).
 
 ``measure_roofline`` times fp32 GEMMs at M=``GEMM_M`` rows over the model's matmul shapes; the model's
 matmul FLOP per token divided by the model-mix GEMM rate gives processed tokens/s, and ``workload_roofline``
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cb_serve.benchmarks.bandwidth import read_bandwidth
 from cb_serve.benchmarks.cpu_accounting import Timer
 from cb_serve.benchmarks.report import log
 from cb_serve.benchmarks.workload import Workload
@@ -109,6 +111,7 @@ def measure_roofline(hf_config, dtype: torch.dtype) -> dict[str, Any]:
                 "gflop_s": flop / seconds / 1e9,
             }
         copy_gb_s = copy_bandwidth()
+        read = read_bandwidth()
     flop_per_token = sum(s.flop_per_token for s in shapes)
     # The model's mix: time per token = sum over shapes of its FLOP / its rate.
     seconds_per_token = sum(s.flop_per_token / (per_shape[s.name]["gflop_s"] * 1e9) for s in shapes)
@@ -122,6 +125,9 @@ def measure_roofline(hf_config, dtype: torch.dtype) -> dict[str, Any]:
         "model_mix_gflop_s": rate / 1e9,
         "roofline_tok_s": rate / flop_per_token,
         "memory_copy_gb_s": copy_gb_s,
+        "memory_read_gb_s": read["gb_s"],
+        "memory_read_method": read["method"],
+        "memory_read": read,
         "foreign_cpu_share": timer.foreign_cpu_share,
     }
 
@@ -139,6 +145,12 @@ def print_roofline(roofline: dict[str, Any], workload: Workload) -> None:
     log(f"    FLOP/token (matmuls incl. LM head): {roofline['flop_per_token'] / 1e9:.4f} GFLOP")
     log(f"    model-mix GEMM rate: {roofline['model_mix_gflop_s']:.1f} GFLOP/s")
     log(f"    memory bandwidth (256 MB tensor copy, read + write): {roofline['memory_copy_gb_s']:.1f} GB/s")
+    read = roofline["memory_read"]
+    methods = ", ".join(f"{name} {gb_s:.1f}" for name, gb_s in read["per_method_gb_s"].items())
+    log(
+        f"    DRAM read bandwidth ({read['bytes'] >> 20} MiB float32, best of {read['reps']}): {read['gb_s']:.1f} GB/s "
+        f"by {read['method']} ({methods})"
+    )
     log(f"    roofline: {roofline['roofline_tok_s']:.1f} processed tok/s")
     processed = workload.prompt_tokens + workload.output_tokens
     log(

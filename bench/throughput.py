@@ -1,4 +1,5 @@
-"""Offline throughput benchmark: cb-serve vs HF transformers (static and continuous batching) vs the CPU GEMM roofline.
+"""Offline throughput benchmark: cb-serve vs HF transformers (static and continuous batching) vs llama.cpp vs
+the CPU GEMM roofline, and how close cb-serve's decode steps come to the DRAM bandwidth bound.
 
 The workload is fixed by ``--seed``: ``--num-requests`` prompts of real text (docstrings of a fixed list of
 Python standard-library modules, tokenized with the model's tokenizer; windows of uniform length in
@@ -14,15 +15,28 @@ Systems:
   3. hf-continuous transformers' continuous batching (``generate_batch``'s manager, one ``add_request`` per
                    request with its own ``max_new_tokens``; ``--hf-cb-api generate_batch`` calls
                    ``model.generate_batch`` with the largest output length for every request instead).
-  4. roofline      fp32 GEMM FLOP/s at M=256 over the model's matmul shapes, divided by the model's matmul
+  4. llama.cpp     (only when named in ``--systems``) ``llama-server`` built from the llama.cpp that the
+                   llama-cpp-python sdist vendors (cached, see ``cb_serve/benchmarks/llama_cpp.py``) on the
+                   same GGUF file, 16 slots with continuous batching, the same threads; the token-id
+                   prompts over loopback HTTP, all at once. Skipped with a one-line reason if it cannot
+                   be built or run here.
+  5. roofline      fp32 GEMM FLOP/s at M=256 over the model's matmul shapes, divided by the model's matmul
                    FLOP per token.
 
+Beside throughput: each system's greedy agreement with hf-static; batch invariance of cb-serve and
+llama.cpp (the first ``--invariance-requests`` requests again one at a time, compared with their batched
+outputs); the DRAM read bandwidth and, over cb-serve's decode-only steps, (bytes read / step time) /
+read bandwidth (``cb_serve/benchmarks/bandwidth.py``); with ``--profile-decode``, torch.profiler's op
+breakdown of a few decode steps (``op_profile``).
+
 The pieces live in modules beside this script: ``workload`` (the seeded workload), ``cb_offline`` (cb-serve),
-``hf_baseline`` (HF), ``roofline``, ``cpu_accounting`` (foreign CPU share) and ``report``.
+``hf_baseline`` (HF), ``llama_cpp``, ``bandwidth``, ``roofline``, ``cpu_accounting`` (foreign CPU share) and
+``report``.
 
 Run from the repository root:
     .venv/bin/python bench/throughput.py                      # everything (~15-20 min on 2 CPU cores)
     .venv/bin/python bench/throughput.py --num-requests 8     # smoke test
+    .venv/bin/python bench/throughput.py --systems cb-serve,hf-static,llama.cpp --json /tmp/all.json
     .venv/bin/python bench/throughput.py --skip-hf --max-num-batched-tokens 1024 --json /tmp/cb.json
 """
 
@@ -34,16 +48,21 @@ import json
 import logging
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
-from cb_offline import engine_kwargs, run_cb_serve
+from cb_offline import check_batch_invariance, decode_bandwidth_bound, engine_kwargs, run_cb_serve_steps
+from op_profile import op_profile
 from roofline import measure_roofline, print_roofline, workload_roofline
 
 from cb_serve import LLM
+from cb_serve.benchmarks.bandwidth import print_decode_bound
 from cb_serve.benchmarks.hf_baseline import HF_STATIC_BATCH_SIZE, load_hf_model, run_hf_continuous, run_hf_static
+from cb_serve.benchmarks.llama_cpp import LlamaCppUnavailable, run_llama_cpp
 from cb_serve.benchmarks.report import (
     SystemResult,
     cb_serve_ratios,
@@ -58,7 +77,8 @@ from cb_serve.benchmarks.workload import Workload, make_workload
 from cb_serve.config import EngineConfig
 from cb_serve.model_executor import loader
 
-SYSTEMS = ("cb-serve", "hf-static", "hf-continuous")
+SYSTEMS = ("cb-serve", "hf-static", "hf-continuous", "llama.cpp")
+DEFAULT_SYSTEMS = ("cb-serve", "hf-static", "hf-continuous")
 
 
 def parse_args(argv: Sequence[str] | None = None, description: str | None = __doc__) -> argparse.Namespace:
@@ -72,8 +92,9 @@ def parse_args(argv: Sequence[str] | None = None, description: str | None = __do
     parser.add_argument("--skip-hf", action="store_true", help="Only cb-serve and the roofline.")
     parser.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        help=f"Comma-separated systems to run (default: {','.join(SYSTEMS)}); the roofline always runs.",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"Comma-separated systems to run, of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}); "
+        "the roofline always runs.",
     )
     parser.add_argument(
         "--hf-cb-api",
@@ -81,6 +102,17 @@ def parse_args(argv: Sequence[str] | None = None, description: str | None = __do
         default="manager",
         help="HF continuous batching through the manager with per-request max_new_tokens (default), or "
         "generate_batch with the largest output length for every request.",
+    )
+    parser.add_argument(
+        "--invariance-requests",
+        type=int,
+        default=8,
+        help="Requests run again one at a time to check batch invariance (cb-serve, llama.cpp; 0: off; default: 8).",
+    )
+    parser.add_argument(
+        "--profile-decode",
+        action="store_true",
+        help="Also torch.profiler's op breakdown of a few cb-serve decode steps (a second, untimed workload).",
     )
     parser.add_argument("--json", metavar="OUT", help="Write the results as JSON to OUT.")
     return parser.parse_args(argv)
@@ -117,14 +149,54 @@ def run_hf_systems(
     return results, errors
 
 
+def run_cb_serve_checks(
+    llm: LLM, workload: Workload, args: argparse.Namespace, read_gb_s: float
+) -> tuple[SystemResult, dict[str, Any] | None, dict[str, Any] | None]:
+    """cb-serve's timed run, then (untimed) its batch invariance, its decode steps' DRAM bandwidth bound and,
+    with ``--profile-decode``, the op profile of a few decode steps of a second workload (seed + 1)."""
+    result, steps = run_cb_serve_steps(llm, workload)
+    if args.invariance_requests:
+        check_batch_invariance(llm, workload, result, args.invariance_requests)
+    print_system(result)
+    bound = decode_bandwidth_bound(llm, steps, read_gb_s)
+    print_decode_bound(bound, result.extra["decode_only_steps"])
+    profile = None
+    if args.profile_decode:
+        start = time.perf_counter()
+        ops, op_kinds = op_profile(llm, make_workload(llm.engine.tokenizer, args.num_requests, args.seed + 1))
+        profile = {"ops": ops, "op_kinds": op_kinds, "seconds": time.perf_counter() - start}
+        log(f"decode op profile took {profile['seconds']:.1f} s")
+    return result, bound, profile
+
+
+def run_llama(
+    source: loader.ModelSource, tokenizer, workload: Workload, invariance_requests: int
+) -> tuple[SystemResult | None, str | None]:
+    """llama.cpp on cb-serve's GGUF file; (None, why) when it cannot run here: never fatal."""
+    try:
+        if source.gguf_file is None:
+            raise LlamaCppUnavailable(f"cb-serve's model {source.name} is not a GGUF file")
+        gguf = str(Path(source.path) / source.gguf_file)
+        log_path = Path(tempfile.gettempdir()) / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        result = run_llama_cpp(gguf, workload, tokenizer, torch.get_num_threads(), invariance_requests, log_path)
+    except Exception as e:  # reported in one line, not fatal: the other systems' numbers still stand
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        log(f"[llama.cpp] skipped: {reason}")
+        return None, reason
+    print_system(result)
+    return result, None
+
+
 def report(workload: Workload, roofline: dict[str, Any], results: dict[str, SystemResult]) -> dict[str, Any]:
     """Prints the roofline, the systems table and cb-serve's ratios; the JSON's ``roofline`` and ``ratios``."""
     roofline["workload_roofline_generated_tok_s"] = bound = workload_roofline(roofline, workload)
     log("")
     print_roofline(roofline, workload)
     log("")
+    ratios = cb_serve_ratios(results, bound)
+    log("")
     print_systems_table(results, bound, [roofline["foreign_cpu_share"]])
-    return {"roofline": roofline, "ratios": cb_serve_ratios(results, bound)}
+    return {"roofline": roofline, "ratios": ratios}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -145,13 +217,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     systems = chosen_systems(args)
     roofline = measure_roofline(llm.engine.hf_config, llm.engine.dtype)
     results: dict[str, SystemResult] = {}
+    bound = profile = None
     if "cb-serve" in systems:
-        results["cb-serve"] = run_cb_serve(llm, workload)
-        print_system(results["cb-serve"])
+        results["cb-serve"], bound, profile = run_cb_serve_checks(llm, workload, args, roofline["memory_read_gb_s"])
     hf_inputs = (llm.engine.source, llm.engine.tokenizer, llm.engine.dtype)
-    del llm  # the HF systems run alone
+    del llm  # the other systems run alone
     hf_results, errors = run_hf_systems(*hf_inputs, workload, systems, args.hf_cb_api)
     results.update(hf_results)
+    if "llama.cpp" in systems:
+        llama, reason = run_llama(hf_inputs[0], hf_inputs[1], workload, args.invariance_requests)
+        if llama is not None:
+            results["llama.cpp"] = llama
+        else:
+            errors["llama.cpp"] = str(reason)
 
     summary = report(workload, roofline, results)
     out = {
@@ -162,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "workload": workload.summary(),
         "systems": {name: r.to_json() for name, r in results.items()},
         **summary,
+        "decode_bandwidth_bound": bound,
+        "decode_op_profile": profile,
         "errors": errors,
     }
     write_json(args.json, out)

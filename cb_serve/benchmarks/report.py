@@ -1,5 +1,5 @@
 """Reporting: logging, run metadata (which cb_serve was measured), JSON output, and the offline benchmark's
-per-system results (``SystemResult``), their greedy-output agreement and the comparison table."""
+per-system results (``SystemResult``), their greedy-output agreement, batch invariance and the comparison table."""
 
 from __future__ import annotations
 
@@ -124,6 +124,11 @@ def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> dic
     return {"identical_requests": same / len(reference), "mean_common_prefix": statistics.fmean(prefix)}
 
 
+def batch_invariance(batched: Sequence[list[int]], sequential: Sequence[list[int]]) -> dict[str, int]:
+    """How many requests produced the same greedy tokens alone (one in flight) as in the batched run."""
+    return {"requests": len(sequential), "identical": sum(a == b for a, b in zip(batched, sequential))}
+
+
 def print_system(result: SystemResult) -> None:
     log(
         f"[{result.name}] {result.generated_tokens} generated tokens in {result.wall_s:.1f} s: "
@@ -136,17 +141,28 @@ def print_system(result: SystemResult) -> None:
 def print_systems_table(
     results: dict[str, SystemResult], workload_roofline: float, other_shares: Sequence[float | None]
 ) -> None:
-    """Each system's wall time, rates, fraction of the workload roofline and foreign CPU share; a warning
-    when any measurement (``other_shares``: e.g. the roofline's) was contended."""
-    header = ("wall s", "gen tok/s", "proc tok/s", "of roofline", "foreign CPU")
-    log(f"{'system':15s} {header[0]:>8s} {header[1]:>10s} {header[2]:>11s} {header[3]:>12s} {header[4]:>12s}")
+    """Each system's wall time, rates, fraction of the workload roofline, cb-serve's speedup over it, its
+    requests with outputs identical to hf-static's, its batch invariance (requests identical when run
+    alone) and foreign CPU share; a warning when any measurement (``other_shares``: e.g. the roofline's)
+    was contended."""
+    header = ("wall s", "gen tok/s", "proc tok/s", "of roofline", "cb-serve/x", "=hf-static", "alone=", "foreign CPU")
+    widths = (8, 10, 11, 12, 11, 11, 8, 12)
+    log(f"{'system':15s} " + " ".join(f"{h:>{w}s}" for h, w in zip(header, widths)))
+    cb, hf = results.get("cb-serve"), results.get("hf-static")
     for r in results.values():
-        frac = r.generated_tok_s / workload_roofline
         foreign = r.extra.get("foreign_cpu_share")
-        busy = "n/a" if foreign is None else f"{foreign:.1%}"
-        log(
-            f"{r.name:15s} {r.wall_s:8.1f} {r.generated_tok_s:10.1f} {r.processed_tok_s:11.1f} {frac:12.1%} {busy:>12s}"
+        invariance = r.extra.get("batch_invariance")
+        cells = (
+            f"{r.wall_s:.1f}",
+            f"{r.generated_tok_s:.1f}",
+            f"{r.processed_tok_s:.1f}",
+            f"{r.generated_tok_s / workload_roofline:.1%}",
+            "n/a" if cb is None else f"{cb.generated_tok_s / r.generated_tok_s:.2f}x",
+            "n/a" if hf is None else f"{sum(a == b for a, b in zip(hf.outputs, r.outputs))}/{len(r.outputs)}",
+            "n/a" if invariance is None else f"{invariance['identical']}/{invariance['requests']}",
+            "n/a" if foreign is None else f"{foreign:.1%}",
         )
+        log(f"{r.name:15s} " + " ".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
     shares = [r.extra.get("foreign_cpu_share") or 0.0 for r in results.values()] + [s or 0.0 for s in other_shares]
     if max(shares) > CONTENTION_WARNING:
         log(
@@ -155,18 +171,33 @@ def print_systems_table(
         )
 
 
+PEERS = ("hf-static", "hf-continuous", "llama.cpp")  # the systems cb-serve's speed is compared with
+
+
+def key_name(system: str) -> str:
+    """A system's name as a JSON key part: ``llama.cpp`` -> ``llama_cpp``."""
+    return system.replace("-", "_").replace(".", "_")
+
+
 def cb_serve_ratios(results: dict[str, SystemResult], workload_roofline: float) -> dict[str, float]:
-    """cb-serve's fraction of the roofline and speedup over each HF system; records (and prints) each HF
-    system's greedy-output agreement with cb-serve in its ``extra``."""
+    """cb-serve's fraction of the roofline and speedup over each peer; records (and prints) each peer's
+    greedy-output agreement with cb-serve in its ``extra``, and that of the systems that are not HF's
+    with hf-static (``agreement_with_hf_static_*``)."""
     ratios: dict[str, float] = {}
+    reference = results.get("hf-static")
+    for name in ("cb-serve", "llama.cpp"):
+        if reference is not None and name in results:
+            agree = agreement(reference.outputs, results[name].outputs)
+            results[name].extra.update({f"agreement_with_hf_static_{k}": v for k, v in agree.items()})
+            log(f"{name} greedy outputs identical to hf-static's for {agree['identical_requests']:.0%} of requests")
     cb = results.get("cb-serve")
     if cb is None:
         return ratios
     ratios["cb_serve_fraction_of_roofline"] = cb.generated_tok_s / workload_roofline
-    for other in ("hf-static", "hf-continuous"):
+    for other in PEERS:
         if other not in results:
             continue
-        ratio = ratios["cb_serve_over_" + other.replace("-", "_")] = cb.generated_tok_s / results[other].generated_tok_s
+        ratio = ratios["cb_serve_over_" + key_name(other)] = cb.generated_tok_s / results[other].generated_tok_s
         agree = agreement(cb.outputs, results[other].outputs)
         results[other].extra.update({f"agreement_with_cb_serve_{k}": v for k, v in agree.items()})
         log(
