@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from cb_serve.benchmarks.cpu_accounting import Timer
-from cb_serve.benchmarks.report import cpu_model_and_flags
+from cb_serve.cpu_ops import cpu_model_and_flags
 from cb_serve.prefix_hash import (
     BITS_PER_BLOCK,
     HASH_BYTES,

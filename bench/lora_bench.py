@@ -20,8 +20,9 @@ import torch
 
 from cb_serve import LLM, LoRARequest, SamplingParams
 from cb_serve.benchmarks.cpu_accounting import Timer
-from cb_serve.benchmarks.report import cpu_model_and_flags, log, run_info, write_json
+from cb_serve.benchmarks.report import log, run_info, write_json
 from cb_serve.benchmarks.workload import make_workload
+from cb_serve.cpu_ops import cpu_model_and_flags
 from cb_serve.model_executor.loader import default_model_source
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

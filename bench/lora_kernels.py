@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from cb_serve import cpu_ops
-from cb_serve.benchmarks.report import cpu_model_and_flags, log, run_info, write_json
+from cb_serve.benchmarks.report import log, run_info, write_json
+from cb_serve.cpu_ops import cpu_model_and_flags
 from cb_serve.lora.layers import LoRABatch, LoRALinear
 from cb_serve.model_executor.linear import Linear
 

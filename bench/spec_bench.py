@@ -28,8 +28,9 @@ from typing import Any
 
 from cb_serve import LLM, SamplingParams, StepStats
 from cb_serve.benchmarks.cpu_accounting import Timer
-from cb_serve.benchmarks.report import cpu_model_and_flags, log, run_info, write_json
+from cb_serve.benchmarks.report import log, run_info, write_json
 from cb_serve.benchmarks.workload import CORPUS_MODULES
+from cb_serve.cpu_ops import cpu_model_and_flags
 
 CHAT_QUESTIONS = (
     "What are three good habits for staying healthy while working from home?",

@@ -65,8 +65,9 @@ import cb_serve.model_executor.sampler as sampler_module
 from cb_serve import LLM, SamplingParams, StepStats
 from cb_serve.benchmarks.cpu_accounting import CONTENTION_WARNING, Timer
 from cb_serve.benchmarks.json_schemas import SCHEMAS
-from cb_serve.benchmarks.report import cb_serve_source, cpu_model_and_flags, log, run_info, write_json
+from cb_serve.benchmarks.report import cb_serve_source, log, run_info, write_json
 from cb_serve.config import EngineConfig
+from cb_serve.cpu_ops import cpu_model_and_flags
 from cb_serve.outputs import RequestOutput
 from cb_serve.structured_outputs import StructuredOutputsParams
 from cb_serve.structured_outputs.llguidance_backend import LLGuidanceBackend

@@ -38,8 +38,9 @@ import torch.distributed as dist
 
 from cb_serve import LLM, SamplingParams
 from cb_serve.benchmarks.cpu_accounting import Contention
-from cb_serve.benchmarks.report import cpu_model_and_flags, log, run_info, write_json
+from cb_serve.benchmarks.report import log, run_info, write_json
 from cb_serve.benchmarks.workload import make_workload
+from cb_serve.cpu_ops import cpu_model_and_flags
 
 ENGINE = dict(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=1024)
 

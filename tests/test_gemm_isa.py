@@ -28,7 +28,7 @@ needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 
 
 # (out, in) of the projections: tests' random Llama / Qwen2 / Mistral configs and SmolLM2-135M
 SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128), (960, 576), (576, 576), (3072, 576), (576, 1536)]
-ROWS = [1, 5, 13, 64]
+ROWS = [1, 5, 8, 13, 64]  # the AVX2 build's row blocks: 6 x 16 columns, then 2 x 32, then 1 x 32
 
 
 def random_groups(n: int, k: int, bits: int, seed: int) -> exact_quant.QuantGroups:
@@ -82,13 +82,27 @@ def test_decode_gemm_builds_agree_bit_for_bit(shape, bits):
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
 def test_decode_gemm_is_the_fma_chain_reference(bits):
-    n, k = 96, 128
+    n, k = 96, 160  # the AVX2 build walks k in chunks of 64: two and a partial one
     groups = random_groups(n, k, bits, seed=bits)
     packed, bias = exact_quant.pack_decode_weight_quantized(groups), torch.randn(n)
-    x = activations(7, k, seed=bits)
+    x = activations(9, k, seed=bits)
     reference = fma_chain_reference(x, groups.dequantize(), bias)
     for isa in [None] + [isa for isa in ("avx2",) if cpu_ops.decode_gemm_variant(isa)]:
         assert torch.equal(cpu_ops.decode_gemm(x, packed, n, bias, isa), reference), isa
+
+
+@needs_kernels
+def test_decode_gemm_on_float32_tiles_is_the_fma_chain_reference():
+    """Unquantized tiles, k not a multiple of the chunk, a partial last tile, rows in every block size."""
+    n, k = 70, 100
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = cpu_ops.pack_decode_weight(weight)
+    for rows in (1, 2, 9, 14):
+        x = activations(rows, k, seed=rows)
+        reference = fma_chain_reference(x, weight, bias)
+        for isa in [None] + [isa for isa in ("avx2", "scalar") if cpu_ops.decode_gemm_variant(isa)]:
+            assert torch.equal(cpu_ops.decode_gemm(x, packed, n, bias, isa), reference), (rows, isa)
 
 
 @needs_kernels
@@ -155,3 +169,25 @@ def test_kernel_choice(forced, amx, bf16, faster, expected):
 def test_an_unknown_forced_kernel_is_refused():
     with pytest.raises(ValueError, match="CB_SERVE_GEMM"):
         decide("avx9", False, False, None)
+
+
+ZEN3_FLAGS = frozenset({"avx", "avx2", "fma", "f16c"})  # an AMD EPYC without AVX-512
+SPR_FLAGS = ZEN3_FLAGS | {"avx512f", "avx512dq", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize(
+    ("name", "flags", "loadable"),
+    [
+        (cpu_ops.AMX_EXTENSION[0], SPR_FLAGS, True),
+        (cpu_ops.AMX_EXTENSION[0], SPR_FLAGS - {"amx_tile"}, False),
+        (cpu_ops.BF16_EXTENSION[0], SPR_FLAGS - {"amx_tile", "amx_bf16"}, True),
+        (cpu_ops.BF16_EXTENSION[0], ZEN3_FLAGS, False),
+        ("cb_serve_gemm_ops_avx2", ZEN3_FLAGS, True),
+        ("cb_serve_gemm_ops_avx2", frozenset({"avx"}), False),
+        ("cb_serve_gemm_ops_scalar", frozenset(), True),
+    ],
+)
+def test_an_optional_build_is_never_loaded_on_a_cpu_without_its_instructions(name, flags, loadable):
+    """Loading a library built for instructions the CPU lacks kills the process (SIGILL) in its
+    initializers, before any check inside it could run."""
+    assert (not cpu_ops.missing_flags(name, flags)) is loadable

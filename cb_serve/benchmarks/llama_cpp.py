@@ -34,9 +34,10 @@ from typing import Any
 import httpx
 
 from cb_serve.benchmarks.cpu_accounting import Contention, Timer
-from cb_serve.benchmarks.report import SystemResult, batch_invariance, cpu_model_and_flags, log, make_result
+from cb_serve.benchmarks.report import SystemResult, batch_invariance, log, make_result
 from cb_serve.benchmarks.server_control import stop
 from cb_serve.benchmarks.workload import Workload, warmup_prompt
+from cb_serve.cpu_ops import cpu_model_and_flags
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cb_serve" / "llama.cpp"

@@ -48,22 +48,6 @@ def cb_serve_source() -> dict[str, Any]:
     return info
 
 
-def cpu_model_and_flags() -> tuple[str, set[str]]:
-    """The CPU's model name and feature flags (Linux ``/proc/cpuinfo``; "unknown" and none elsewhere):
-    every figure a benchmark records names them."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return model or platform.processor() or "unknown", flags
-
-
 def run_info(started: str) -> dict[str, Any]:
     """The first keys of a benchmark's JSON: when, the command line, Python and torch versions."""
     return {

@@ -51,6 +51,14 @@ ISA_VARIANTS = {
     "avx2": ["-mno-avx512f"],
     "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx"],
 }
+# The /proc/cpuinfo flags each optional build's instructions need: a library built with -m<isa> may run
+# them anywhere, even in its load-time initializers, so it is never loaded on a CPU without them.
+REQUIRED_FLAGS = {
+    AMX_EXTENSION[0]: frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512_bf16"}),
+    BF16_EXTENSION[0]: frozenset({"avx512f", "avx512dq", "avx512bw", "avx512_bf16"}),
+    "cb_serve_gemm_ops_avx2": frozenset({"avx", "avx2", "fma"}),
+    "cb_serve_gemm_ops_scalar": frozenset(),
+}
 STALE_LOCK_S = 300  # no build takes this long (a few seconds each)
 BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
 OPS = (
@@ -89,9 +97,35 @@ def build_directory(name: str, source: str, flags: list[str]) -> Path:
     return directory
 
 
+@functools.cache
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and feature flags (Linux ``/proc/cpuinfo``; "unknown" and none elsewhere)."""
+    model, flags = "", frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or "unknown", flags
+
+
+def missing_flags(name: str, cpu_flags: frozenset[str]) -> frozenset[str]:
+    """The CPU features the optional build ``name`` needs and ``cpu_flags`` lacks (pure)."""
+    return REQUIRED_FLAGS.get(name, frozenset()) - cpu_flags
+
+
 def build(name: str, source: str, flags: list[str]) -> None:
-    """Builds (or loads the cached build of) one extension into this process."""
+    """Builds (or loads the cached build of) one extension into this process; refuses (RuntimeError) an
+    optional build whose instructions this CPU lacks."""
     from torch.utils.cpp_extension import load
+
+    missing = missing_flags(name, cpu_model_and_flags()[1])
+    if missing:
+        raise RuntimeError(f"this CPU lacks {', '.join(sorted(missing))}")
 
     directory = build_directory(name, source, COMMON_FLAGS + flags)
     load(

@@ -46,27 +46,6 @@ class KernelChoice:
         return f"decode={self.decode},prefill={self.split}"
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def decide(forced: str | None, amx: bool, bf16: bool, bf16_faster: bool | None) -> tuple[str, str]:
     """The split kernel and why, from what is usable here (pure: tested on any CPU)."""
     if forced:
@@ -110,7 +89,8 @@ def time_bf16_against_float32() -> dict[str, float]:
 
 
 def _cached_bf16_timing() -> dict[str, float]:
-    key = hashlib.sha256(repr((cpu_model(), sorted(cpu_flags()), torch.get_num_threads())).encode()).hexdigest()[:16]
+    model, flags = cpu_ops.cpu_model_and_flags()
+    key = hashlib.sha256(repr((model, sorted(flags), torch.get_num_threads())).encode()).hexdigest()[:16]
     path = Path(os.environ.get("CB_SERVE_CACHE_DIR") or Path.home() / ".cache" / "cb_serve") / f"gemm-{key}.json"
     try:
         return json.loads(path.read_text())
@@ -139,5 +119,5 @@ def kernel_choice() -> KernelChoice | None:
     split, reason = decide(forced, amx, bf16, faster)
     min_rows = {"amx": AMX_MIN_ROWS, "avx512_bf16": BF16_MIN_ROWS, "mkl": 0}[split]
     choice = KernelChoice(cpu_ops.decode_gemm_isa(), split, min_rows, reason)
-    logger.info("CPU GEMM kernels on %s: %s (%s)", cpu_model(), choice.label, reason)
+    logger.info("CPU GEMM kernels on %s: %s (%s)", cpu_ops.cpu_model_and_flags()[0], choice.label, reason)
     return choice

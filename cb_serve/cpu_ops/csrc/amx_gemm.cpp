@@ -59,6 +59,13 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
+
+// Not GCC 12's _tile_loadconfig: its asm names only the first 8 bytes of the config as read (an "m"
+// operand of pointer type), so the compiler may drop the stores to the rows and column widths.
+inline void load_tile_config(const TileConfig& config) {
+  __asm__ volatile("ldtilecfg %0" ::"m"(*reinterpret_cast<const unsigned char(*)[64]>(&config)));
+}
 
 void configure_tiles() {  // all 8 tiles 16 rows x 64 bytes
   TileConfig config;
@@ -66,7 +73,7 @@ void configure_tiles() {  // all 8 tiles 16 rows x 64 bytes
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 inline __m512 widen(__m256bh h) {

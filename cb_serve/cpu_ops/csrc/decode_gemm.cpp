@@ -1,13 +1,17 @@
 // float32 GEMM for decode-sized batches: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), M small.
 // The weight is packed once into tiles of 32 output columns, [ceil(N / 32)][K][32], so one tile is
-// one contiguous stream; each tile is read once from memory and reused from cache for every
-// block of up to 12 rows, with 12 x 2 register accumulators. With more than one row block, the blocks
-// of a tile also prefetch the next tile into L2, so its memory stream overlaps their arithmetic
-// instead of stalling the next tile's first block.
+// one contiguous stream, read once from memory and reused from cache by every block of rows.
+// - AVX-512: blocks of up to 12 rows, 12 x 2 register accumulators over the whole tile. With more than one
+//   row block, the blocks of a tile also prefetch the next tile into L2, so its memory stream overlaps their
+//   arithmetic instead of stalling the next tile's first block.
+// - AVX2 (and scalar): 16 registers hold only 3 rows x 4 accumulators, so per loaded weight there are 4
+//   times fewer FMAs, and a whole tile (up to 196 KB) would stream from L2 for every block. So the tile is
+//   walked in chunks of kChunk inputs that stay in L1 for all row blocks, the accumulators kept in memory
+//   between chunks; blocks of 2 and 3 rows (8 and 12 independent chains: enough for two FMAs a cycle).
 // Each output is an FMA chain over k in order, so results do not depend on M (batch invariance) and
-// need no horizontal sums; the AVX-512, AVX2 (8 lanes, 3-row blocks) and scalar (std::fma) builds run
-// the same chain, so they agree bit for bit. Built with -DCB_SERVE_ISA_VARIANT=<name> (for tests and
-// benchmarks: an AVX2-only or a scalar build on any CPU), the ops are decode_gemm_<name> and
+// need no horizontal sums; the AVX-512, AVX2 (8 lanes) and scalar (std::fma) builds run the same chain
+// whatever their blocking, so they agree bit for bit. Built with -DCB_SERVE_ISA_VARIANT=<name> (for tests
+// and benchmarks: an AVX2-only or a scalar build on any CPU), the ops are decode_gemm_<name> and
 // pack_decode_weight is left to the native build.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,10 +42,8 @@ namespace {
 constexpr int64_t kCols = 32;  // output columns per tile
 #if defined(__AVX512F__)
 constexpr int kMaxRows = 12;  // rows per register block: 12 x 2 accumulators
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kMaxRows = 3;  // 3 x 4 accumulators, 3 broadcasts and a weight vector in 16 registers
 #else
-constexpr int kMaxRows = 4;
+constexpr int64_t kChunk = 64;  // inputs per chunk: 8 KB of tile
 #endif
 
 const char* isa() {
@@ -62,7 +64,7 @@ at::Tensor pack_decode_weight(const at::Tensor& weight) {
   return padded.view({tiles, kCols, k}).transpose(1, 2).contiguous();
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
 // Per k: this tile's row 16 ahead into L1, and a share of `ahead` (the next tile's first rows) into L2.
 struct Prefetcher {
   const float* tile;
@@ -81,9 +83,7 @@ struct Prefetcher {
     }
   }
 };
-#endif
 
-#if defined(__AVX512F__)
 // `ahead`, `ahead_rows`: a part of the next tile to prefetch into L2 meanwhile, spread over the k loop, so
 // the memory stream of the next tile overlaps this block's arithmetic.
 template <int Rows>
@@ -111,62 +111,43 @@ void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, in
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-template <int Rows>
-void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
-                const float* bias, const float* ahead, int64_t ahead_rows) {
-  __m256 acc[Rows][4];
+// acc [Rows][32]: the rows' chains so far in Vecs * 8 of their columns, advanced over the kc inputs of `chunk`
+// ([kc][32] floats, the same columns). The weight vectors are loaded once per k, then one broadcast per row.
+// GCC keeps a loop-carried array of vectors in memory unless its loops are unrolled first: hence the pragmas.
+template <int Rows, int Vecs>
+void chunk_block(const float* x, int64_t ld_x, const float* chunk, int64_t kc, float* acc) {
+  __m256 sum[Rows][Vecs];
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  Prefetcher prefetch{tile, ahead, ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0};
-  for (int64_t k = 0; k < k_dim; ++k) {
-    prefetch.step(k);
-    __m256 a[Rows];
-    for (int r = 0; r < Rows; ++r) a[r] = _mm256_broadcast_ss(x + r * k_dim + k);
-    for (int c = 0; c < 4; ++c) {
-      const __m256 w = _mm256_loadu_ps(tile + k * kCols + 8 * c);
-      for (int r = 0; r < Rows; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], w, acc[r][c]);
+#pragma GCC unroll 4
+    for (int c = 0; c < Vecs; ++c) sum[r][c] = _mm256_loadu_ps(acc + r * kCols + 8 * c);
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 w[Vecs];
+#pragma GCC unroll 4
+    for (int c = 0; c < Vecs; ++c) w[c] = _mm256_loadu_ps(chunk + k * kCols + 8 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * ld_x + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < Vecs; ++c) sum[r][c] = _mm256_fmadd_ps(a, w[c], sum[r][c]);
     }
   }
-  alignas(32) float row[kCols];
-  for (int r = 0; r < Rows; ++r) {
-    for (int c = 0; c < 4; ++c) _mm256_store_ps(row + 8 * c, acc[r][c]);
-    for (int64_t c = 0; c < cols; ++c) out[r * ld_out + c] = row[c] + (bias ? bias[c] : 0.f);
-  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < Vecs; ++c) _mm256_storeu_ps(acc + r * kCols + 8 * c, sum[r][c]);
 }
 #else
-template <int Rows>
-void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
-                const float* bias, const float*, int64_t) {
+template <int Rows, int Vecs>
+void chunk_block(const float* x, int64_t ld_x, const float* chunk, int64_t kc, float* acc) {
   for (int r = 0; r < Rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < k_dim; ++k) acc = std::fma(x[r * k_dim + k], tile[k * kCols + c], acc);
-      out[r * ld_out + c] = acc + (bias ? bias[c] : 0.f);
+    for (int64_t c = 0; c < 8 * Vecs; ++c) {
+      float sum = acc[r * kCols + c];
+      for (int64_t k = 0; k < kc; ++k) sum = std::fma(x[r * ld_x + k], chunk[k * kCols + c], sum);
+      acc[r * kCols + c] = sum;
     }
 }
 #endif
-
-using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*, const float*,
-                         int64_t);
-template <int... R>
-constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
-  return {tile_block<R + 1>...};
-}
-constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kMaxRows>{});
-
-// The row blocks of one tile: out[:, n0:n0 + cols] = x @ tile (+ bias), while prefetching `next`.
-void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const float* next, float* out,
-               int64_t ld_out, int64_t cols, const float* bias) {
-  // One row block is bound by the stream of its own tile; prefetching the next one as well slowed it.
-  if (m_dim <= kMaxRows) next = nullptr;
-  const int64_t blocks = (m_dim + kMaxRows - 1) / kMaxRows, ahead_rows = (k_dim + blocks - 1) / blocks;
-  for (int64_t j = 0, m0 = 0; m0 < m_dim; ++j, m0 += kMaxRows) {
-    const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - m0);
-    const int64_t first = j * ahead_rows, count = std::min<int64_t>(ahead_rows, k_dim - first);
-    kBlocks[rows - 1](x + m0 * k_dim, k_dim, tile, out + m0 * ld_out, ld_out, cols, bias,
-                      next && count > 0 ? next + first * kCols : nullptr, count);
-  }
-}
 
 // Exactly-low-bit weights (cpu_ops/exact_quant.py), per tile and group of 32 inputs: the float32
 // scales d[32] (4-bit: and offsets m[32]) of the tile's 32 columns, then one row per input: 4-bit as 16
@@ -177,11 +158,12 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kQ4GroupBytes = 2 * kCols * 4 + kGroup * kCols / 2;
 constexpr int64_t kQ8GroupBytes = kCols * 4 + kGroup * kCols;
 
-// Dequantizes one tile into `tile` ([K, 32] float32, the layout of pack_decode_weight).
+// Dequantizes `groups` groups of a tile, starting at `packed`, into `tile` ([groups * 32, 32] float32, the
+// layout of pack_decode_weight).
 template <bool FourBit>
-void dequantize_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
+void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
   constexpr int64_t group_bytes = FourBit ? kQ4GroupBytes : kQ8GroupBytes;
-  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = packed + g * group_bytes;
     const float* d = reinterpret_cast<const float*>(group);
     const float* m = d + kCols;  // 4-bit only
@@ -207,26 +189,28 @@ void dequantize_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
       _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    _mm_prefetch((const char*)(group + 4 * group_bytes), _MM_HINT_T0);
+    for (int64_t line = 0; line < group_bytes; line += 64)  // every line of the group 4 ahead
+      _mm_prefetch((const char*)(group + 4 * group_bytes + line), _MM_HINT_T0);
+    __m256 dv[4], mv[4];  // in registers: stores to `rows` would otherwise force reloads
+    for (int c = 0; c < 4; ++c) {
+      dv[c] = _mm256_loadu_ps(d + 8 * c);
+      mv[c] = FourBit ? _mm256_loadu_ps(m + 8 * c) : _mm256_setzero_ps();
+    }
     for (int64_t k = 0; k < kGroup; ++k) {
       __m256i words[4];  // columns 0-7, 8-15, 16-23, 24-31
       if constexpr (FourBit) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
-        const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0xF));
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0xF));
-        words[0] = _mm256_cvtepu8_epi32(lo);
-        words[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-        words[2] = _mm256_cvtepu8_epi32(hi);
-        words[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        const __m256i low = _mm256_cvtepu8_epi32(bytes), high = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+        words[0] = _mm256_and_si256(low, _mm256_set1_epi32(0xF));
+        words[1] = _mm256_and_si256(high, _mm256_set1_epi32(0xF));
+        words[2] = _mm256_srli_epi32(low, 4);
+        words[3] = _mm256_srli_epi32(high, 4);
       } else {
         for (int c = 0; c < 4; ++c)
           words[c] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 32 + 8 * c)));
       }
-      for (int c = 0; c < 4; ++c) {
-        const __m256 m_c = FourBit ? _mm256_loadu_ps(m + 8 * c) : _mm256_setzero_ps();
-        _mm256_storeu_ps(rows + k * kCols + 8 * c,
-                         _mm256_fmadd_ps(_mm256_loadu_ps(d + 8 * c), _mm256_cvtepi32_ps(words[c]), m_c));
-      }
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_ps(rows + k * kCols + 8 * c, _mm256_fmadd_ps(dv[c], _mm256_cvtepi32_ps(words[c]), mv[c]));
     }
 #else
     for (int64_t k = 0; k < kGroup; ++k)
@@ -242,6 +226,80 @@ void dequantize_tile(const uint8_t* packed, int64_t k_dim, float* tile) {
       }
 #endif
   }
+}
+
+#if defined(__AVX512F__)
+using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*, const float*,
+                         int64_t);
+template <int... R>
+constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
+  return {tile_block<R + 1>...};
+}
+constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kMaxRows>{});
+
+// The row blocks of one tile: out[:, n0:n0 + cols] = x @ tile (+ bias), while prefetching `next`.
+void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const float* next, float* out,
+               int64_t ld_out, int64_t cols, const float* bias) {
+  // One row block is bound by the stream of its own tile; prefetching the next one as well slowed it.
+  if (m_dim <= kMaxRows) next = nullptr;
+  const int64_t blocks = (m_dim + kMaxRows - 1) / kMaxRows, ahead_rows = (k_dim + blocks - 1) / blocks;
+  for (int64_t j = 0, m0 = 0; m0 < m_dim; ++j, m0 += kMaxRows) {
+    const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - m0);
+    const int64_t first = j * ahead_rows, count = std::min<int64_t>(ahead_rows, k_dim - first);
+    kBlocks[rows - 1](x + m0 * k_dim, k_dim, tile, out + m0 * ld_out, ld_out, cols, bias,
+                      next && count > 0 ? next + first * kCols : nullptr, count);
+  }
+}
+
+// One tile (float32, or low-bit dequantized into `scratch` first): out[:, n0:n0 + cols] = x @ tile (+ bias).
+void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const uint8_t* quantized, bool q4,
+               const float* next, float* scratch, float* /*acc*/, float* out, int64_t ld_out, int64_t cols,
+               const float* bias) {
+  if (quantized) {
+    q4 ? dequantize_groups<true>(quantized, k_dim / kGroup, scratch)
+       : dequantize_groups<false>(quantized, k_dim / kGroup, scratch);
+    tile = scratch;
+    next = nullptr;
+  }
+  tile_rows(x, m_dim, k_dim, tile, next, out, ld_out, cols, bias);
+}
+constexpr int64_t kScratchInputs = 0;  // a whole tile: k_dim inputs
+#else
+// The row blocks over one chunk: 6 rows x 16 columns (12 chains; 2 weight loads and 6 broadcasts per 12
+// FMAs) while 6 rows remain, then 2 rows x 32 columns (8 chains), a last single row alone.
+void chunk_rows(const float* x, int64_t m_dim, int64_t ld_x, const float* chunk, int64_t kc, float* acc) {
+  int64_t m0 = 0;
+  for (; m_dim - m0 >= 6; m0 += 6)
+    for (int64_t half = 0; half < kCols; half += 16)
+      chunk_block<6, 2>(x + m0 * ld_x, ld_x, chunk + half, kc, acc + m0 * kCols + half);
+  for (; m_dim - m0 >= 2; m0 += 2) chunk_block<2, 4>(x + m0 * ld_x, ld_x, chunk, kc, acc + m0 * kCols);
+  if (m0 < m_dim) chunk_block<1, 4>(x + m0 * ld_x, ld_x, chunk, kc, acc + m0 * kCols);
+}
+
+// One tile, chunk by chunk (low-bit chunks dequantized into `scratch`), every row block over each chunk
+// while it is in L1; acc [M, 32] holds the chains between chunks.
+void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const uint8_t* quantized, bool q4,
+               const float* /*next*/, float* scratch, float* acc, float* out, int64_t ld_out, int64_t cols,
+               const float* bias) {
+  std::fill_n(acc, m_dim * kCols, 0.f);
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, k_dim - k0);
+    if (quantized) {
+      const uint8_t* groups = quantized + k0 / kGroup * (q4 ? kQ4GroupBytes : kQ8GroupBytes);
+      q4 ? dequantize_groups<true>(groups, kc / kGroup, scratch) : dequantize_groups<false>(groups, kc / kGroup, scratch);
+    }
+    chunk_rows(x + k0, m_dim, k_dim, quantized ? scratch : tile + k0 * kCols, kc, acc);
+  }
+  for (int64_t r = 0; r < m_dim; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * ld_out + c] = acc[r * kCols + c] + (bias ? bias[c] : 0.f);
+}
+constexpr int64_t kScratchInputs = kChunk;
+#endif
+
+// At least `size` floats of `buffer`, 64-byte aligned (a row straddling two cache lines costs every load twice).
+float* aligned(std::vector<float>& buffer, int64_t size) {
+  if (buffer.size() < static_cast<size_t>(size + 16)) buffer.resize(size + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
 }
 
 // out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight (float32
@@ -264,25 +322,18 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const bool quantized = q4 || q8;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    // 64-byte aligned (a row straddling two cache lines costs every load twice), kept between calls.
-    thread_local std::vector<float> scratch_buffer;
-    const size_t scratch_size = static_cast<size_t>(k_dim * kCols + 16);
-    if ((q4 || q8) && scratch_buffer.size() < scratch_size) scratch_buffer.resize(scratch_size);
-    const uintptr_t address = reinterpret_cast<uintptr_t>(scratch_buffer.data());
-    float* scratch = reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
+    thread_local std::vector<float> scratch_buffer, acc_buffer;  // kept between calls
+    const int64_t scratch_inputs = kScratchInputs ? std::min(kScratchInputs, k_dim) : k_dim;
+    float* scratch = aligned(scratch_buffer, quantized ? scratch_inputs * kCols : 0);
+    float* acc = aligned(acc_buffer, kScratchInputs ? m_dim * kCols : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
-      const float *tile, *next = nullptr;
-      if (q4 || q8) {
-        const uint8_t* quantized = static_cast<const uint8_t*>(packed.data_ptr()) + t * packed.stride(0);
-        q4 ? dequantize_tile<true>(quantized, k_dim, scratch) : dequantize_tile<false>(quantized, k_dim, scratch);
-        tile = scratch;
-      } else {
-        tile = packed.data_ptr<float>() + t * k_dim * kCols;
-        next = t + 1 < end ? tile + k_dim * kCols : nullptr;
-      }
-      tile_rows(xp, m_dim, k_dim, tile, next, op + n0, n_dim, cols, b ? b + n0 : nullptr);
+      const float* tile = quantized ? nullptr : packed.data_ptr<float>() + t * k_dim * kCols;
+      const float* next = !quantized && t + 1 < end ? tile + k_dim * kCols : nullptr;
+      const uint8_t* low_bit = quantized ? static_cast<const uint8_t*>(packed.data_ptr()) + t * packed.stride(0) : nullptr;
+      gemm_tile(xp, m_dim, k_dim, tile, low_bit, q4, next, scratch, acc, op + n0, n_dim, cols, b ? b + n0 : nullptr);
     }
   });
 }

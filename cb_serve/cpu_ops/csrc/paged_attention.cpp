@@ -127,6 +127,97 @@ void decode_sequence_avx512(const DecodeProblem<float, cache_t>& p, int64_t n) {
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kPrefetch = 8;  // rows ahead (a row holds every KV head): further ahead overflows the miss buffers
+
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// exp(s - max) in place over `scores[0:span]`; returns 1 / their sum.
+inline float softmax_numerators(float* scores, int64_t span, float max) {
+  const __m256 vm = _mm256_set1_ps(max);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= span; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + i), vm));
+    _mm256_storeu_ps(scores + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  if (i < span) {
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(span - i)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(scores + i, lanes), vm)),
+                                   _mm256_castsi256_ps(lanes));
+    _mm256_maskstore_ps(scores + i, lanes, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return 1.f / reduce_add256(vsum);
+}
+
+// float32 queries, head_dim = 8 * NV, a float32 or bf16 cache. Scores token by token (each cached row
+// read once, whole: every KV head's K vectors loaded once for its group's query heads, the queries read
+// from L1); then per query head, one pass over its KV head's V rows with the head's output accumulators in
+// registers (16 registers cannot hold a group's). A score sums two FMA chains over the head dimension (the
+// chains of successive heads and tokens overlap).
+// GCC keeps a loop-carried array of vectors in memory unless its loops are unrolled first: hence the pragmas.
+template <int NV, typename cache_t>
+void decode_sequence_avx2(const DecodeProblem<float, cache_t>& p, int64_t n) {
+  static_assert(NV % 2 == 0, "two chains per score");
+  constexpr int64_t D = 8 * NV;
+  const int64_t heads = p.num_heads, group = p.group(), row_bytes = p.num_kv_heads * D * sizeof(cache_t);
+  const std::vector<int64_t> rows = p.row_offsets(n);
+  const int64_t span = static_cast<int64_t>(rows.size());
+  std::vector<float> scores(heads * span), queries(heads * D);  // [head][token], [head][D] (scaled)
+  std::vector<float> m(heads, -std::numeric_limits<float>::infinity());
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t d = 0; d < D; ++d) queries[h * D + d] = p.q[n * p.q_stride_n + h * p.q_stride_h + d] * p.scale;
+  for (int64_t i = 0; i < span; ++i) {
+    if (i + kPrefetch < span)
+      for (int64_t line = 0; line < row_bytes; line += 64)
+        _mm_prefetch((const char*)(p.k_cache + rows[i + kPrefetch]) + line, _MM_HINT_T0);
+    for (int64_t kv = 0; kv < p.num_kv_heads; ++kv) {
+      const cache_t* key = p.k_cache + rows[i] + kv * D;
+      __m256 kv_vec[NV];
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) kv_vec[j] = load8(key + 8 * j);
+      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+        const float* q = queries.data() + h * D;
+        __m256 even = _mm256_mul_ps(_mm256_loadu_ps(q), kv_vec[0]), odd = _mm256_mul_ps(_mm256_loadu_ps(q + 8), kv_vec[1]);
+#pragma GCC unroll 16
+        for (int j = 2; j < NV; j += 2) {
+          even = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), kv_vec[j], even);
+          odd = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j + 8), kv_vec[j + 1], odd);
+        }
+        const float s = reduce_add256(_mm256_add_ps(even, odd));
+        scores[h * span + i] = s;
+        m[h] = std::max(m[h], s);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t head = (h / group) * D;  // the KV head's columns in a cached row
+    float* sh = scores.data() + h * span;
+    const __m256 inv_sum = _mm256_set1_ps(softmax_numerators(sh, span, m[h]));
+    __m256 acc[NV];
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < span; ++i) {
+      if (i + kPrefetch < span)
+        for (int64_t line = 0; line < D * (int64_t)sizeof(cache_t); line += 64)
+          _mm_prefetch((const char*)(p.v_cache + rows[i + kPrefetch] + head) + line, _MM_HINT_T0);
+      const cache_t* value = p.v_cache + rows[i] + head;
+      const __m256 w = _mm256_set1_ps(sh[i]);
+#pragma GCC unroll 16
+      for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, load8(value + 8 * j), acc[j]);
+    }
+    float* o = p.out + (n * heads + h) * D;
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv_sum));
+  }
+}
 #endif
 
 // Any dtype and head_dim: token rows outer (every KV head of a token read once), float math.
@@ -184,7 +275,7 @@ struct KernelPicker {
   static auto pick(int64_t /*head_dim*/, int64_t /*group*/) { return decode_sequence<scalar_t, cache_t>; }
 };
 
-template <typename cache_t>  // float queries over a float or bf16 cache: the AVX-512 paths
+template <typename cache_t>  // float queries over a float or bf16 cache: the AVX-512 and AVX2 paths
 struct AvxKernelPicker {
   using Kernel = void (*)(const DecodeProblem<float, cache_t>&, int64_t);
   static Kernel pick(int64_t head_dim, int64_t group) {
@@ -197,6 +288,9 @@ struct AvxKernelPicker {
     }
     if (head_dim == 128)
       return group % 2 == 0 ? decode_sequence_avx512<8, 2, cache_t> : decode_sequence_avx512<8, 1, cache_t>;
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (head_dim == 64) return decode_sequence_avx2<8, cache_t>;
+    if (head_dim == 128) return decode_sequence_avx2<16, cache_t>;
 #endif
     return decode_sequence<float, cache_t>;
   }
