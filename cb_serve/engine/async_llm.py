@@ -282,6 +282,10 @@ class AsyncLLM:
         never took with ``EngineUnavailableError``, safe to retry elsewhere), and anything sent
         later fails as it is sent."""
         items, held = self._inbox.end()
+        try:  # first: a caller told of the end finds the request's KV blocks already free
+            self._engine.abort_request(list(self._engine.requests))
+        except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
+            logger.exception("freeing the requests of the stopped engine failed")
         for item in items:
             self._inbox.fail(item, self._not_running())
         for stream in self._live.values():
@@ -295,9 +299,5 @@ class AsyncLLM:
             if not stream.ended:
                 stream.put(self._not_running())
                 self._inbox.release(stream)
-        try:
-            self._engine.abort_request(list(self._engine.requests))
-        except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
-            logger.exception("freeing the requests of the stopped engine failed")
         if self.error is not None:
             self._engine.shutdown()  # no step will run again: stop the tensor-parallel workers
