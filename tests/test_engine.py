@@ -265,6 +265,33 @@ def test_an_explicit_gguf_path_loads_the_same_model(smol_llm):
     assert ours == [o.outputs[0].token_ids for o in smol_llm.generate(PROMPTS[:3], params, use_tqdm=False)]
 
 
+def test_a_gguf_files_config_and_tokenizer_are_parsed_once_per_process(tmp_path):
+    """transformers parses the whole GGUF file (every vocabulary string) for a config or a
+    tokenizer: the loader keeps each per file, hands every caller its own copy, and parses
+    again once the file changes."""
+    import os
+    import shutil
+
+    from cb_serve.model_executor import loader
+
+    default = loader.default_model_source()
+    gguf = tmp_path / "model.gguf"
+    shutil.copy(f"{default.path}/{default.gguf_file}", gguf)
+    source = loader.resolve_model_source(str(gguf))
+    loader.load_config.cache_clear()
+    first, second = loader.load_config(source), loader.load_config(source)
+    assert first is not second and first.to_dict() == second.to_dict()
+    first.num_hidden_layers = 1
+    assert loader.load_config(source).num_hidden_layers == second.num_hidden_layers == 30
+    assert (loader.load_config.cache_info().hits, loader.load_config.cache_info().misses) == (2, 1)
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    loader.load_config(source)
+    assert loader.load_config.cache_info().misses == 2
+    a, b = loader.load_tokenizer(source), loader.load_tokenizer(source)
+    assert a is not b and a.chat_template == b.chat_template and a.encode("Hi there") == b.encode("Hi there")
+
+
 def test_a_sharded_checkpoint_loads(random_model_dir, tiny_llm, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -5,7 +5,7 @@ engine's fault-injection hook makes requests, steps or the whole engine fail. Ev
 bounded; the figures the closing note quotes are printed (``pytest -s``).
 
 Opt-in longer runs: ``CB_SERVE_FUZZ_EXAMPLES`` (default 200) and ``CB_SERVE_SOAK_SECONDS``
-(default 45)."""
+(default 20)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ FAULTS = "request:REQUEST_FAULT,step:STEP_FAULT,fatal:FATAL_FAULT,slow:SLOW_STRE
 MAX_TOKENS_CAP = 256
 GRACEFUL_S = 2.0
 FUZZ_EXAMPLES = int(os.environ.get("CB_SERVE_FUZZ_EXAMPLES", "200"))
-SOAK_SECONDS = float(os.environ.get("CB_SERVE_SOAK_SECONDS", "45"))
+SOAK_SECONDS = float(os.environ.get("CB_SERVE_SOAK_SECONDS", "20"))
 INTERNALS = ("Traceback", 'File "', ".py", "ActorID", "actor_id", "ray::", "site-packages")
 
 

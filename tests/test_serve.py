@@ -871,7 +871,7 @@ def test_the_schema_suite_through_serve(server):
         fmt = {"type": "json_schema", "json_schema": {"name": name[:64], "schema": schema}}
         return await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": content}], response_format=fmt,
-            n=3, temperature=0.7, seed=1, max_tokens=300,
+            n=3, temperature=0.7, seed=1, max_tokens=200,
         )  # fmt: skip
 
     async def run_all():

@@ -264,7 +264,7 @@ def test_sampled_and_greedy_requests_speculate_side_by_side(random_model_dir, to
     assert len(runs[0][3]) == 2 and runs[0][3][0] != runs[0][3][1]
 
 
-def test_sampling_with_drafts_keeps_the_distribution(tokenizer):
+def test_sampling_with_drafts_keeps_the_distribution(tokenizer, smol_llm):
     """SmolLM2 continuing a count at temperature 1: the second and third sampled tokens (the first
     ones drafts can touch) of 600 seeded requests follow the same distribution with drafts
     (rejection sampling; the drafts are the greedy continuation, often but not always accepted) as
@@ -274,8 +274,8 @@ def test_sampling_with_drafts_keeps_the_distribution(tokenizer):
     prompt = tokenizer.encode("Counting: 1, 2, 3, 4, 5, 6, 7,")
     n = 600
     args = dict(max_model_len=128, num_gpu_blocks=1024, max_num_seqs=128, max_num_batched_tokens=2048)
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True) for seed in range(n)]
-    greedy = LLM(model, **args).generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=3, ignore_eos=True) for seed in range(n)]
+    greedy = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     likely = greedy[0].outputs[0].token_ids
     outputs = {}
     for spec in (None, NGRAM):

@@ -170,7 +170,7 @@ def test_every_suite_schema_completed_by_smollm2_validates(smol_llm):
         ]
         for name, _ in SCHEMAS
     ]
-    params = [greedy(StructuredOutputsParams(json=schema), 300) for _, schema in SCHEMAS]
+    params = [greedy(StructuredOutputsParams(json=schema), 200) for _, schema in SCHEMAS]
     outs = smol_llm.chat(messages, params, use_tqdm=False)
     completed = 0
     for (name, schema), out in zip(SCHEMAS, outs):

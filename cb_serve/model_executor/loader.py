@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,6 +70,37 @@ def resolve_model_source(model: str | None) -> ModelSource:
     return ModelSource(model, None, model)  # a hub id
 
 
+def gguf_stamp(source: ModelSource) -> tuple[str, int, int] | None:
+    """The GGUF file's path, size and modification time (None for other sources): the key under
+    which its parsed config and tokenizer are kept, since transformers parses the whole file
+    (every vocabulary string) for each."""
+    if source.gguf_file is None:
+        return None
+    path = Path(source.path) / source.gguf_file
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+def memoized_per_gguf(load: Callable[..., Any]) -> Callable[..., Any]:
+    """``load(source, *args)`` once per GGUF file and arguments in this process; each caller gets
+    its own copy. Other sources load every time (cheap, and a directory may be rewritten)."""
+    cached = functools.lru_cache(maxsize=4)(lambda stamp, source, *args, **kwargs: load(source, *args, **kwargs))
+
+    @functools.wraps(load)
+    def wrapper(source: ModelSource, *args, **kwargs):
+        stamp = gguf_stamp(source)
+        if stamp is None:
+            return load(source, *args, **kwargs)
+        return copy.deepcopy(cached(stamp, source, *args, **kwargs))
+
+    wrapper.cache_info, wrapper.cache_clear = cached.cache_info, cached.cache_clear  # type: ignore[attr-defined]
+    return wrapper
+
+
+@memoized_per_gguf
 def load_config(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
@@ -84,9 +117,16 @@ def load_config(source: ModelSource, trust_remote_code: bool = False):
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None, trust_remote_code: bool = False):
+    if tokenizer:
+        return _load_tokenizer(ModelSource(tokenizer, None, tokenizer), trust_remote_code)
+    return _load_tokenizer(source, trust_remote_code)
+
+
+@memoized_per_gguf
+def _load_tokenizer(source: ModelSource, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    path, kwargs = (tokenizer, {}) if tokenizer else (source.path, source.hf_kwargs())
+    path, kwargs = source.path, source.hf_kwargs()
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
@@ -162,6 +202,7 @@ def load_model(
     else:
         hf_model = AutoModelForCausalLM.from_pretrained(
             source.path,
+            config=copy.deepcopy(config),  # not parsed again (from a GGUF file: seconds)
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             low_cpu_mem_usage=True,
