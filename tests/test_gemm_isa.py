@@ -182,9 +182,9 @@ SPR_FLAGS = ZEN3_FLAGS | {"avx512f", "avx512dq", "avx512bw", "avx512_bf16", "amx
         (cpu_ops.AMX_EXTENSION[0], SPR_FLAGS - {"amx_tile"}, False),
         (cpu_ops.BF16_EXTENSION[0], SPR_FLAGS - {"amx_tile", "amx_bf16"}, True),
         (cpu_ops.BF16_EXTENSION[0], ZEN3_FLAGS, False),
-        ("cb_serve_gemm_ops_avx2", ZEN3_FLAGS, True),
-        ("cb_serve_gemm_ops_avx2", frozenset({"avx"}), False),
-        ("cb_serve_gemm_ops_scalar", frozenset(), True),
+        (cpu_ops.variant_extension("avx2"), ZEN3_FLAGS, True),
+        (cpu_ops.variant_extension("avx2"), frozenset({"avx"}), False),
+        (cpu_ops.variant_extension("scalar"), frozenset(), True),
     ],
 )
 def test_an_optional_build_is_never_loaded_on_a_cpu_without_its_instructions(name, flags, loadable):

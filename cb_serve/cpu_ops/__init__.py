@@ -46,18 +46,23 @@ BF16_EXTENSION = (
     ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512bf16", "-ffp-contract=off"],  # multiply, then add
 )
 # decode_gemm built for one instruction set on any x86-64 CPU (decode_gemm_variant): what a CPU without
-# AVX-512 runs, testable here.
+# AVX-512 runs, testable here. Each: its compiler flags, and the /proc/cpuinfo flags its instructions need.
 ISA_VARIANTS = {
-    "avx2": ["-mno-avx512f"],
-    "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx"],
+    "avx2": (["-mno-avx512f"], frozenset({"avx", "avx2", "fma"})),
+    "scalar": (["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx"], frozenset()),
 }
+
+
+def variant_extension(isa: str) -> str:
+    return f"cb_serve_gemm_ops_{isa}"
+
+
 # The /proc/cpuinfo flags each optional build's instructions need: a library built with -m<isa> may run
 # them anywhere, even in its load-time initializers, so it is never loaded on a CPU without them.
 REQUIRED_FLAGS = {
     AMX_EXTENSION[0]: frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512_bf16"}),
     BF16_EXTENSION[0]: frozenset({"avx512f", "avx512dq", "avx512bw", "avx512_bf16"}),
-    "cb_serve_gemm_ops_avx2": frozenset({"avx", "avx2", "fma"}),
-    "cb_serve_gemm_ops_scalar": frozenset(),
+    **{variant_extension(isa): needs for isa, (_, needs) in ISA_VARIANTS.items()},
 }
 STALE_LOCK_S = 300  # no build takes this long (a few seconds each)
 BUILD_ERROR: list[str] = []  # why the last build failed, for tests and logs
@@ -198,7 +203,8 @@ def decode_gemm_variant(isa: str) -> bool:
     if not available() or not _x86_64_linux():
         return False
     try:
-        build(f"cb_serve_gemm_ops_{isa}", "decode_gemm.cpp", [*ISA_VARIANTS[isa], f"-DCB_SERVE_ISA_VARIANT={isa}"])
+        compiler_flags, _ = ISA_VARIANTS[isa]
+        build(variant_extension(isa), "decode_gemm.cpp", [*compiler_flags, f"-DCB_SERVE_ISA_VARIANT={isa}"])
         return hasattr(torch.ops.cb_serve, f"decode_gemm_{isa}")
     except Exception as e:
         BUILD_ERROR.append(str(e))

@@ -7,7 +7,8 @@
 // - AVX2 (and scalar): 16 registers hold only 3 rows x 4 accumulators, so per loaded weight there are 4
 //   times fewer FMAs, and a whole tile (up to 196 KB) would stream from L2 for every block. So the tile is
 //   walked in chunks of kChunk inputs that stay in L1 for all row blocks, the accumulators kept in memory
-//   between chunks; blocks of 2 and 3 rows (8 and 12 independent chains: enough for two FMAs a cycle).
+//   between chunks; blocks of 6 rows x 16 columns and 2 x 32 (12 and 8 independent chains: enough for two
+//   FMAs a cycle).
 // Each output is an FMA chain over k in order, so results do not depend on M (batch invariance) and
 // need no horizontal sums; the AVX-512, AVX2 (8 lanes) and scalar (std::fma) builds run the same chain
 // whatever their blocking, so they agree bit for bit. Built with -DCB_SERVE_ISA_VARIANT=<name> (for tests
