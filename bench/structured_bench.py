@@ -206,13 +206,13 @@ def timed_generate(
     engine.block_manager.reset_prefix_cache()  # every run prefills its prompts: no hits from earlier ones
     records.clear()
     engine.add_step_listener(listener)
-    jump = engine.jump
-    engine.jump = jump if jump_forward else None
+    jump = engine.structured.enable_jump_forward
+    engine.structured.enable_jump_forward = jump and jump_forward
     try:
         with Timer() as timer:
             outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        engine.jump = jump
+        engine.structured.enable_jump_forward = jump
         engine.remove_step_listener(listener)
     return outputs, timer, list(records)
 
@@ -371,7 +371,7 @@ def warm_up(llm: LLM, prompts: list[list[int]], schemas: list[tuple[str, dict]])
     t0 = time.perf_counter()
     llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.generate([prompts[0]], constrained_params(schemas[0][1], 4), use_tqdm=False)
-    compiler = llm.engine.grammars.compiler
+    compiler = llm.engine.structured.compiler
     distinct = {name: schema for name, schema in schemas}
     for future in [compiler.submit(StructuredOutputsParams(json=s)) for s in distinct.values()]:
         future.result()

@@ -19,12 +19,12 @@ from cb_serve.errors import (
 )
 from cb_serve.inputs import PromptType, TextPrompt, TokensPrompt
 from cb_serve.llm import LLM
-from cb_serve.lora.request import LoRARequest
+from cb_serve.lora_request import LoRARequest
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
 from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from cb_serve.stats import EngineStats, StepPhases, StepStats
-from cb_serve.structured_outputs.params import ConstraintLimits, StructuredOutputsParams
+from cb_serve.structured_outputs_params import ConstraintLimits, StructuredOutputsParams
 from cb_serve.tool_format import tool_call_constraint
 from cb_serve.tool_parser import ParsedToolCall, ToolCallParser
 

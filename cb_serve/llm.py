@@ -11,7 +11,7 @@ from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine
 from cb_serve.engine.processor import apply_chat_template
 from cb_serve.inputs import PromptType, is_single_prompt
-from cb_serve.lora.request import LoRARequest
+from cb_serve.lora_request import LoRARequest
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cb_serve.errors import EngineError
-from cb_serve.lora.request import LoRARequest
+from cb_serve.lora_request import LoRARequest
 
 
 @dataclass

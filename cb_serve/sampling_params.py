@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from cb_serve.errors import InvalidRequestError
-from cb_serve.structured_outputs.params import StructuredOutputsParams
+from cb_serve.structured_outputs_params import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1

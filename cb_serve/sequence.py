@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cb_serve.lora.request import LoRARequest
+from cb_serve.lora_request import LoRARequest
 from cb_serve.outputs import Logprob
 from cb_serve.sampling_params import SamplingParams
 
@@ -91,8 +91,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # drafts the next step verifies (speculative decoding)
         self.spec_state: Any = None  # speculative decoding's own (``spec_decode.speculator.SeqSpecState``)
         self.lora = lora  # its adapter (None: the base model)
-        self.lora_slot = -1  # the device slot holding that adapter this step (``LoRAManager.assign_slots``)
-        self.lora_wait_steps = 0  # admissions it was passed over for lack of a slot (the scheduler's fairness)
+        self.lora_wait_steps = 0  # admissions it was passed over for lack of a slot (``lora.admission``'s fairness)
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -115,10 +114,6 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     def output_token_ids_from(self, start: int) -> list[int]:
         """Output tokens from index ``start`` on (O(new tokens), for streaming)."""
@@ -156,6 +151,9 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_admitted: int = 0  # the last ``num_admitted`` of ``seqs`` came from the waiting queue this step
+    # The grammar's masks of the step's constrained sampling positions, being filled while the
+    # forward pass runs (``StructuredOutputManager.grammar_bitmask``); None: no constrained row.
+    grammar_bitmask: Any = None
 
     @property
     def total_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,69 @@ class StepPhases:
     @property
     def total_s(self) -> float:
         return self.schedule_s + self.prepare_s + self.execute_s + self.output_s
+
+
+class _Nested:
+    """A field of a capability's stats object, read and written through its parent's attribute."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    def __set_name__(self, cls: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.owner), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.owner), self.name, value)
+
+
+@dataclass
+class StructuredOutputStats:
+    """One step's structured outputs (``StructuredOutputManager.take_stats``)."""
+
+    num_constrained_seqs: int = 0  # sampling sequences of this step that carry a grammar matcher
+    grammar_fill_s: float = 0.0  # the bitmask filler thread's wall seconds on this step's masks (0: none)
+    grammar_wait_s: float = 0.0  # sampling's wall seconds waiting for those masks after the forward
+    # Since the previous step: the seconds of the grammar compiles that completed, the requests
+    # added with a constraint, and the tokens a grammar forced (jump-forward: no forward pass of their own).
+    grammar_compile_s: tuple[float, ...] = ()
+    num_constrained_requests: int = 0
+    jump_forward_tokens: int = 0
+
+
+@dataclass
+class SpecDecodingStats:
+    """One step's speculative decoding (``Speculator.take_stats``), as vLLM's ``spec_decode`` metrics count."""
+
+    num_drafts: int = 0  # sequences whose drafts this step verified
+    num_draft_tokens: int = 0  # their drafts
+    num_accepted_tokens: int = 0  # of those, drafts the target agreed with (emitted beside its own token)
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One verified sequence-step: ``num_drafts`` drafted, ``num_accepted`` of them accepted
+        (``num_accepted_tokens_per_pos`` starts as zeros, one per draft position)."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_pos = list(self.num_accepted_tokens_per_pos)
+        for i in range(num_accepted):
+            per_pos[i] += 1
+        self.num_accepted_tokens_per_pos = tuple(per_pos)
+
+
+@dataclass
+class LoRAStats:
+    """The adapters (``LoRAManager.stats``): in device slots now, of ``max_loras``; cumulative slot
+    loads (an adapter copied into a slot) and evictions (one displaced by another); held in host memory."""
+
+    lora_slots_used: int = 0
+    max_loras: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_adapters_loaded: int = 0
 
 
 @dataclass
@@ -35,19 +99,19 @@ class StepStats:
     # finished output passed to the step listeners (aborted, or failed with their step): an
     # observer that keeps per-request state forgets them.
     ended_request_ids: tuple[str, ...] = ()
-    # Structured outputs (grammar-constrained sampling).
-    num_constrained_seqs: int = 0  # sampling rows of this step that carry a grammar matcher
-    grammar_fill_s: float = 0.0  # the bitmask filler thread's wall seconds on this step's masks (0: none)
-    grammar_wait_s: float = 0.0  # sampling's wall seconds waiting for those masks after the forward
-    # Handed over once, like ended_request_ids: the seconds of the grammar compiles that completed,
-    # and the requests added with a constraint, since the previous step.
-    grammar_compile_s: tuple[float, ...] = ()
-    num_constrained_requests: int = 0
-    jump_forward_tokens: int = 0  # tokens a grammar forced after this step's sampling (no forward pass of their own)
-    num_drafts: int = 0  # speculative decoding: sequences whose drafts this step verified
-    num_draft_tokens: int = 0  # their drafts
-    num_accepted_tokens: int = 0  # of those, drafts the target agreed with (emitted beside its own token)
-    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # [i]: drafts accepted at draft position i
+    structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    # The capabilities' fields, as flat names too (what the metrics, inspector and dashboard read).
+    num_constrained_seqs = _Nested("structured_output")
+    grammar_fill_s = _Nested("structured_output")
+    grammar_wait_s = _Nested("structured_output")
+    grammar_compile_s = _Nested("structured_output")
+    num_constrained_requests = _Nested("structured_output")
+    jump_forward_tokens = _Nested("structured_output")
+    num_drafts = _Nested("spec_decoding")
+    num_draft_tokens = _Nested("spec_decoding")
+    num_accepted_tokens = _Nested("spec_decoding")
+    num_accepted_tokens_per_pos = _Nested("spec_decoding")
 
     @property
     def budget_fill(self) -> float:

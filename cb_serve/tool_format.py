@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cb_serve.structured_outputs.params import StructuredOutputsParams
+from cb_serve.structured_outputs_params import StructuredOutputsParams
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -125,19 +125,20 @@ LOGPROB_ATOL = 1e-3  # float32 reduction-order differences (another GEMM kernel 
 TOP_TWO_TIE = 1e-3  # a greedy pick may differ only where the reference's top two log-probabilities are this close
 
 
-def assert_same_greedy(ours, ref, context: str) -> None:
+def assert_same_greedy(ours, ref, context: str, tie: float = TOP_TWO_TIE, atol: float = LOGPROB_ATOL) -> None:
     """``[(token_ids, logprobs)]`` of two greedy runs (logprobs >= 2 asked for): equal tokens, where a
-    pick may differ only at a near-tie of the reference (comparison stops there), and
-    log-probabilities within ``LOGPROB_ATOL``: for runs whose float32 sums differ only in order."""
+    pick may differ only at a near-tie of the reference (top two within ``tie``: comparison stops
+    there), and log-probabilities within ``atol`` (the defaults: for runs whose float32 sums differ
+    only in order)."""
     for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(ours, ref)):
         for t, (a, b) in enumerate(zip(tokens, ref_tokens)):
             top = sorted(ref_logprobs[t].values(), key=lambda lp: -lp.logprob)
             if a != b:
-                assert top[0].logprob - top[1].logprob < TOP_TWO_TIE, f"{context} prompt {i}: token {t} differs"
+                assert top[0].logprob - top[1].logprob < tie, f"{context} prompt {i}: token {t} differs"
                 break
             for token_id, lp in ref_logprobs[t].items():
                 if token_id in logprobs[t]:
                     diff = abs(logprobs[t][token_id].logprob - lp.logprob)
-                    assert diff <= LOGPROB_ATOL, f"{context} prompt {i} token {t}: logprob off by {diff:.2e}"
+                    assert diff <= atol, f"{context} prompt {i} token {t}: logprob off by {diff:.2e}"
         else:
             assert len(tokens) == len(ref_tokens), context

@@ -7,6 +7,7 @@ inspector marks the forced tokens."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -73,11 +74,11 @@ def test_key_heavy_suite_schemas_on_smollm2_match_and_validate(smol_llm):
     jumped = engine.jump_forward_tokens
     outs = smol_llm.chat(messages, params, use_tqdm=False)
     assert engine.jump_forward_tokens > jumped
-    engine.jump, saved = None, engine.jump
+    engine.structured.enable_jump_forward = False
     try:
         plain = smol_llm.chat(messages, params, use_tqdm=False)
     finally:
-        engine.jump = saved
+        engine.structured.enable_jump_forward = True
     for (name, schema), a, b in zip(heavy, outs, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
         if a.outputs[0].finish_reason == "stop":
@@ -98,19 +99,34 @@ def test_max_tokens_stop_strings_and_logprobs_still_hold(engines):
 
 
 def test_only_a_token_the_mask_alone_admits_is_forced(tokenizer):
-    from cb_serve.structured_outputs.jump_forward import JumpForward
     from cb_serve.structured_outputs.llguidance_backend import LLGuidanceBackend
+    from cb_serve.structured_outputs.manager import StructuredOutputManager
 
     backend = LLGuidanceBackend(tokenizer, len(tokenizer))
     matcher = backend.compile(StructuredOutputsParams(choice=["alphabet soup", "alpha"])).matcher()
-    jump = JumpForward(backend.vocab_size)
-    assert jump.candidates(matcher, 8) == [] or not jump.is_only_choice(matcher, jump.candidates(matcher, 8)[0])
+    manager = StructuredOutputManager(tokenizer, backend.vocab_size, enable_jump_forward=True)
+    seq = SimpleNamespace(matcher=matcher, params=SamplingParams())
+    assert list(manager.forced_tokens(seq, 8)) == []  # "alpha" or "alphabet soup": nothing forced yet
     for token_id in tokenizer.encode("alphabet", add_special_tokens=False):
         assert matcher.accept_token(token_id)
-    forced = jump.candidates(matcher, 8)
-    assert forced and all(jump.is_only_choice(matcher, t) and matcher.accept_token(t) for t in forced)
+    forced = []
+    for token_id in manager.forced_tokens(seq, 8):  # each appended before the next is checked
+        assert not manager.accept_token(seq, token_id) or tokenizer.decode([*forced, token_id]) == " soup"
+        forced.append(token_id)
     assert tokenizer.decode(forced) == " soup" and matcher.is_terminated
-    assert not jump.is_only_choice(matcher, -1) and not jump.is_only_choice(matcher, backend.vocab_size)
+    assert list(manager.forced_tokens(SimpleNamespace(matcher=matcher, params=SamplingParams(logprobs=1)), 8)) == []
+
+    class Offers(SimpleNamespace):  # a backend offering tokens outside the vocabulary: never forced
+        def forced_tokens(self):
+            return self.tokens
+
+        def fill_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+
+    for bad in (-1, backend.vocab_size):
+        assert (
+            list(manager.forced_tokens(SimpleNamespace(matcher=Offers(tokens=[bad]), params=SamplingParams()), 8)) == []
+        )
 
 
 def test_the_inspector_marks_forced_tokens(engines):

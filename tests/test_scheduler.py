@@ -125,10 +125,10 @@ class Simulation:
         return out
 
     def run(self) -> None:
-        while self.pending or self.scheduler.num_unfinished:
+        while self.pending or (self.scheduler.waiting or self.scheduler.running):
             assert self.step_no < MAX_STEPS, f"not done after {MAX_STEPS} steps: {self.unfinished()}"
             self.arrive_and_abort()
-            if not self.scheduler.num_unfinished:  # idle until the next arrival
+            if not (self.scheduler.waiting or self.scheduler.running):  # idle until the next arrival
                 self.step_no += 1
                 continue
             out = self.step()

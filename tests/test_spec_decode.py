@@ -15,7 +15,7 @@ from conftest import STRESS_ENGINE_ARGS
 from models import assert_same_greedy
 
 from cb_serve import LLM, SamplingParams
-from cb_serve.spec_decode.config import SpeculativeConfig
+from cb_serve.config.speculative import SpeculativeConfig
 from cb_serve.spec_decode.ngram import NgramIndex
 from cb_serve.spec_decode.policy import StepCostCurve, choose_num_drafts, draft_gains
 from cb_serve.spec_decode.proposer import DraftProposer

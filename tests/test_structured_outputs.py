@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -192,8 +191,8 @@ def test_the_compiler_caches_by_constraint_and_compiles_off_the_calling_thread(b
 def test_the_compile_deadline_counts_compiling_only(backend):
     """A compile over ``compile_timeout_s`` refuses its request (a 400); the request queued behind
     it is not charged for the wait, nor for the backend's one-off setup."""
-    from cb_serve.engine.grammar_admission import GrammarAdmission
-    from cb_serve.structured_outputs.params import ConstraintLimits
+    from cb_serve.structured_outputs.manager import StructuredOutputManager
+    from cb_serve.structured_outputs_params import ConstraintLimits
 
     slow, fast = StructuredOutputsParams(regex="slow+"), StructuredOutputsParams(regex="fast+")
     real = backend.compile
@@ -206,18 +205,16 @@ def test_the_compile_deadline_counts_compiling_only(backend):
         time.sleep(0.5)  # as wrapping a tokenizer does
         return backend
 
-    admission = GrammarAdmission(None, backend.vocab_size, ConstraintLimits(compile_timeout_s=0.4))
+    admission = StructuredOutputManager(None, backend.vocab_size, limits=ConstraintLimits(compile_timeout_s=0.4))
     admission._make_backend = setup
     backend.compile = compile_
     try:
-        states = {rid: SimpleNamespace(request_id=rid, params=SimpleNamespace(structured_outputs=c), seqs=[])
-                  for rid, c in (("slow", slow), ("fast", fast))}  # fmt: skip
-        for state in states.values():
-            admission.add(state)
+        for rid, constraint in (("slow", slow), ("fast", fast)):
+            admission.add_request(rid, constraint, [])
         refused: list = []
         deadline = time.monotonic() + 10
         while admission.waiting and time.monotonic() < deadline:
-            refused += admission.admit(SimpleNamespace(add=lambda seq: None))
+            refused += admission.admit()[1]
             time.sleep(0.02)
     finally:
         backend.compile = real
@@ -239,7 +236,7 @@ def test_the_compile_deadline_counts_compiling_only(backend):
     ],
 )
 def test_schemas_with_small_instances_are_never_refused(schema):
-    from cb_serve.structured_outputs.schema_bounds import smallest_instance
+    from cb_serve.schema_bounds import smallest_instance
 
     assert smallest_instance(schema) <= 3
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -29,6 +32,7 @@ PROMPTS = [
     list(range(50, 200)),  # longer than the token budget: chunked prefill across steps
     list(range(100, 120)) + [7, 8, 9],  # shares a prefix block with the first: a prefix-cache hit
 ]
+BF16_TIE = 0.1  # bfloat16 rounding of a random model's logits: top-two gaps below it are ties
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
 
 
@@ -75,8 +79,8 @@ def test_shards_split_by_kv_head_and_replicate_past_them():
         EngineConfig(tensor_parallel_size=0)
 
 
-def generate(llm: LLM):
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+def generate(llm: LLM, params: SamplingParams = GREEDY):
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
@@ -164,24 +168,53 @@ def test_a_killed_worker_ends_the_streams_with_an_error(random_model_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_two_gpus_equal_one(random_model_dir):
-    """NCCL across two GPUs (workers spawned on cuda:1), bfloat16, eager: the picks of one GPU, with
-    log-probabilities within bfloat16 rounding."""
+    """NCCL across two GPUs (workers on cuda:1), bfloat16, eager: every token one GPU picks, and each
+    log-probability within bfloat16 rounding. The bfloat16 tie rule: where one GPU's top two
+    log-probabilities are within ``BF16_TIE``, the two runs may pick differently (comparison stops)."""
     model = str(random_model_dir("llama"))
-    args = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=8)
+    args = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=8, num_gpu_blocks=256)
     one = LLM(model, **args)
     two = LLM(model, tensor_parallel_size=2, **args)
     try:
-        params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-        for a, b in zip(two.generate(PROMPTS, params, use_tqdm=False), one.generate(PROMPTS, params, use_tqdm=False)):
-            assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+        ours, ref = (generate(llm, params) for llm in (two, one))
+        assert_same_greedy(ours, ref, "two GPUs, bfloat16", tie=BF16_TIE, atol=BF16_TIE)
     finally:
         two.engine.shutdown()
+
+
+NO_MAIN_GUARD = """
+import json
+from cb_serve import LLM, SamplingParams
+
+print("the script's own output")
+params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+tokens = {}
+for size in (1, 2):
+    llm = LLM(MODEL, tensor_parallel_size=size, num_gpu_blocks=64, max_model_len=256, max_num_batched_tokens=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    tokens[size] = [o.outputs[0].token_ids for o in outs]
+print("TOKENS", json.dumps(tokens))
+"""
+
+
+def test_a_script_without_a_main_guard_runs_two_ranks(tmp_path, random_model_dir):
+    """A user's plain script (no ``if __name__ == "__main__":``) with ``tensor_parallel_size=2``: the
+    worker is a fresh interpreter that never runs the script, and the tokens are TP=1's."""
+    script = tmp_path / "plain.py"
+    script.write_text(f"MODEL = {str(random_model_dir('llama'))!r}\nPROMPTS = {PROMPTS!r}\n" + NO_MAIN_GUARD)
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("the script's own output") == 1, run.stdout
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("TOKENS ")]
+    tokens = json.loads(line.removeprefix("TOKENS "))
+    assert tokens["1"] == tokens["2"] and all(len(t) == 12 for t in tokens["1"])
 
 
 def test_each_gpu_sizes_its_kv_cache_for_its_own_heads():
     from transformers import LlamaConfig
 
-    from cb_serve.engine.llm_engine import per_rank_config
+    from cb_serve.engine.builder import per_rank_config
 
     smol = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, intermediate_size=1536)
     assert per_rank_config(smol, 2, torch.device("cuda")).num_key_value_heads == 2  # ranks hold 2 and 1

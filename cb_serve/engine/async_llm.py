@@ -32,7 +32,7 @@ from cb_serve.errors import (
     RequestFailedError,
 )
 from cb_serve.inputs import PromptType
-from cb_serve.lora.request import LoRARequest
+from cb_serve.lora_request import LoRARequest
 from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device
 from cb_serve.outputs import RequestOutput
 from cb_serve.prefix_hash import PrefixDigest

@@ -57,7 +57,7 @@ def num_kv_blocks(
 ) -> int:
     """``num_gpu_blocks``, else ``kv_cache_memory``, else (CUDA) free device memory, else 1 GiB;
     raises if that cannot hold one ``max_model_len`` sequence. ``mirror_bytes_per_block``: a second
-    cache with as many blocks shares the memory (a draft model's, ``model_executor.draft_model``)."""
+    cache with as many blocks shares the memory (a draft model's, ``spec_decode.draft_model``)."""
     per_block = kv_cache_bytes_per_block(hf_config, block_size, kv_cache_dtype) + mirror_bytes_per_block
     if config.num_gpu_blocks:
         num = config.num_gpu_blocks

@@ -10,10 +10,10 @@ from typing import Any
 from cb_serve.config import EngineConfig
 from cb_serve.errors import InvalidRequestError
 from cb_serve.inputs import PromptType, parse_prompt
-from cb_serve.lora.request import LoRARequest
+from cb_serve.lora_request import LoRARequest
 from cb_serve.model_executor import loader
 from cb_serve.sampling_params import SamplingParams
-from cb_serve.structured_outputs.params import ConstraintLimits
+from cb_serve.structured_outputs_params import ConstraintLimits
 from cb_serve.tool_format import render_builtin, template_supports_tools
 
 CONSTRAINT_LIMITS = ConstraintLimits()  # what a client's constraint must fit before it is compiled

@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 
-# Steps a sequence may wait for a LoRA slot while sequences behind it (of adapters already running)
-# go ahead; then no adapter sequence goes ahead of it until the running adapters drain and free a slot.
-MAX_LORA_WAIT_STEPS = 64
+
+class AdmissionGate(Protocol):
+    """A capability's say over which waiting sequences may start (``lora.admission.LoRAAdmission``):
+    a sequence it holds back waits, holding nothing, and those behind it may go ahead."""
+
+    def begin(self, running: Iterable[Sequence]) -> None: ...
+    def may_admit(self, seq: Sequence) -> bool: ...
+    def admitted(self, seq: Sequence) -> None: ...
+
+
+class AdmitAll:
+    def begin(self, running: Iterable[Sequence]) -> None:
+        pass
+
+    def may_admit(self, seq: Sequence) -> bool:
+        return True
+
+    def admitted(self, seq: Sequence) -> None:
+        pass
 
 
 @dataclass
@@ -42,8 +59,11 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
-        max_loras: int | None = None,
+        admission: AdmissionGate | None = None,
+        on_release: Callable[[Sequence], None] | None = None,
     ) -> None:
+        """``admission``: which waiting sequences may start (default: all, in FCFS order);
+        ``on_release(seq)``: a sequence's blocks went back (it finished or was preempted)."""
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"Without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
@@ -53,15 +73,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.max_loras = max_loras  # most LoRA adapters among running sequences (None: no adapters)
+        self.admission = admission or AdmitAll()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
-        self.on_release: Callable[[Sequence], None] | None = None  # a sequence's blocks went back (finish, preempt)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        self.on_release = on_release
 
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
@@ -119,17 +135,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        adapters = {seq.lora.key for seq in self.running if seq.lora is not None}
-        starving = False  # a sequence waited too long for a slot: no more adapter sequences go ahead of it
-        i = 0  # the queue's head, past sequences whose adapter has no slot (they wait, holding nothing)
+        self.admission.begin(self.running)
+        i = 0  # the queue's head, past sequences the admission gate holds back (they wait, holding nothing)
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.lora is not None and (starving or seq.lora.key not in adapters):
-                if starving or len(adapters) >= (self.max_loras or 0):
-                    seq.lora_wait_steps += 1
-                    starving = starving or seq.lora_wait_steps > MAX_LORA_WAIT_STEPS
-                    i += 1
-                    continue
+            if not self.admission.may_admit(seq):
+                i += 1
+                continue
             cached = bm.find_cached_prefix(seq)
             num_computed = len(cached) * bm.block_size
             num_new = seq.num_tokens - num_computed
@@ -141,9 +153,7 @@ class Scheduler:
             if not bm.allocate(seq, num_new, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             del self.waiting[i]
-            if seq.lora is not None:
-                adapters.add(seq.lora.key)
-                seq.lora_wait_steps = 0
+            self.admission.admitted(seq)
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += num_computed
             if seq.num_preemptions == 0:
@@ -169,7 +179,7 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` of what the step computed: a speculating sequence's drafts
-        are not its tokens yet (the engine counts those the verification accepted, ``LLMEngine._append_emitted``)."""
+        are not its tokens yet (the output processor counts those the verification accepted)."""
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += n - len(seq.spec_token_ids)
             assert seq.num_computed_tokens <= seq.num_tokens

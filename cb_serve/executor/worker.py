@@ -22,7 +22,7 @@ STORE_TIMEOUT_S = 300
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker needs to join its driver (it pickles: workers are spawned processes or Ray actors)."""
+    """What a worker needs to join its driver (it pickles: workers are processes or Ray actors)."""
 
     config: EngineConfig
     rank: int

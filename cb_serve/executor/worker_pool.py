@@ -1,15 +1,17 @@
-"""The driver's side of tensor parallelism: it starts ranks 1..N-1 (spawned processes, or Ray
-actors in the replica's placement group), joins their process group as rank 0, and sends each
-step's batch to all of them once; the scheduler, block manager and sampler stay on the driver."""
+"""The driver's side of tensor parallelism: it starts ranks 1..N-1 (fresh interpreters running
+``python -m cb_serve.executor``, or Ray actors in the replica's placement group), joins their
+process group as rank 0, and sends each step's batch to all of them once; the scheduler, block
+manager and sampler stay on the driver."""
 
 from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing
 import os
 import pickle
 import secrets
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from cb_serve.config import EngineConfig
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.errors import EngineFatalError
-from cb_serve.executor.worker import STORE_TIMEOUT_S, RayWorker, WorkerSpec, worker_main
+from cb_serve.executor.worker import STORE_TIMEOUT_S, RayWorker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ T = TypeVar("T")
 
 
 def executor_backend(config: EngineConfig) -> str:
-    """``mp`` (spawned processes) or ``ray`` (actors): ``auto`` picks ray inside a Ray worker that
+    """``mp`` (worker processes) or ``ray`` (actors): ``auto`` picks ray inside a Ray worker that
     holds a placement group (a Serve replica with bundles: its workers then land in its bundles,
     on its node), else mp."""
     if config.distributed_executor_backend != "auto":
@@ -158,14 +160,39 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+class WorkerProcess:
+    """A worker rank as a fresh interpreter, ``python -m cb_serve.executor``, reading its
+    ``WorkerSpec`` from its standard input. Neither forked (the driver's threads, OpenMP pool and
+    CUDA state are not fork-safe) nor spawned by ``multiprocessing`` (whose children import the
+    driver's ``__main__``: a user's script without an ``if __name__ == "__main__":`` guard would
+    run again in every worker). It ends by itself when the driver goes away (its connection closes)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        command = [sys.executable, "-m", "cb_serve.executor"]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, close_fds=True)
+        self.pid = self.proc.pid
+        assert self.proc.stdin is not None
+        with self.proc.stdin:
+            self.proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
 def _launch_mp(specs: list[WorkerSpec]) -> list[Any]:
-    ctx = multiprocessing.get_context("spawn")  # a clean interpreter: no forked threads or CUDA state
-    procs = []
-    for spec in specs:
-        proc = ctx.Process(target=worker_main, args=(spec,), name=f"cb-serve-tp{spec.rank}", daemon=True)
-        proc.start()
-        procs.append(proc)
-    return procs
+    return [WorkerProcess(spec) for spec in specs]
 
 
 def _launch_ray(specs: list[WorkerSpec]) -> list[Any]:

@@ -4,16 +4,24 @@ sequences, refilled in LRU order; up to ``max_cpu_loras`` more stay loaded in ho
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from cb_serve.lora.config import LoRAConfig
+from cb_serve.config.lora import LoRAConfig
+from cb_serve.errors import InvalidRequestError
 from cb_serve.lora.layers import LoRABatch, LoRALinear
-from cb_serve.lora.peft_adapter import FUSED_PROJECTIONS, LoRAWeights, ProjectionShape, load_peft_adapter
-from cb_serve.lora.request import LoRARequest
-from cb_serve.sequence import Sequence
+from cb_serve.lora.peft_adapter import (
+    FUSED_PROJECTIONS,
+    LoRAAdapterError,
+    LoRAWeights,
+    ProjectionShape,
+    load_peft_adapter,
+)
+from cb_serve.lora_request import LoRARequest
+from cb_serve.stats import LoRAStats
 
 AdapterKey = tuple[str, int, str]
 
@@ -51,10 +59,31 @@ def projection_shapes(model: torch.nn.Module) -> dict[str, ProjectionShape]:
     return {f"layers.{i}.{k}": v for i in range(len(model.layers)) for k, v in per_layer.items()}
 
 
+def checked(manager: LoRAManager | None, lora_request: object) -> LoRAManager:
+    """The engine's manager for serving ``lora_request``; ``InvalidRequestError`` (param
+    ``lora_request``) when adapters are off or it is no ``LoRARequest``."""
+    if manager is None:
+        raise InvalidRequestError("LoRA adapters are not enabled on this engine (enable_lora).", "lora_request")
+    if not isinstance(lora_request, LoRARequest):
+        raise InvalidRequestError(f"Expected a LoRARequest, got {type(lora_request).__name__}.", "lora_request")
+    return manager
+
+
+def lora_stats(manager: LoRAManager | None) -> LoRAStats:
+    """The adapters' stats (all zero without adapters)."""
+    return LoRAStats() if manager is None else manager.stats()
+
+
+def adapter_ids(manager: LoRAManager | None) -> list[int]:
+    """``lora_int_id`` of the adapters held (none without adapters); safe from any thread."""
+    return [] if manager is None else manager.adapter_ids()
+
+
 class LoRAManager:
     """Owns the adapters: ``add`` reads one into host memory (validated against the model), and
-    ``assign_slots`` puts the running sequences' adapters in device slots before a step, setting
-    each sequence's ``lora_slot``. The scheduler keeps at most ``max_loras`` adapters running."""
+    ``set_active_loras`` (the model runner's, as it prepares a step) puts the step's adapters in
+    device slots. The scheduler keeps at most ``max_loras`` adapters running. Errors a client
+    caused are ``InvalidRequestError`` (param ``lora_request``)."""
 
     def __init__(self, model: torch.nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
         self.config = config
@@ -79,12 +108,22 @@ class LoRAManager:
     def num_slots_used(self) -> int:
         return sum(key is not None for key in self.slots)
 
+    def stats(self) -> LoRAStats:
+        c = self.counters
+        return LoRAStats(self.num_slots_used, self.config.max_loras, c.num_loads, c.num_evictions, len(self.loaded))
+
     def read(self, request: LoRARequest) -> LoRAWeights:
-        """The adapter read from disk and checked against the model; touches nothing of the
-        manager's state, so any thread may call it. Raises ``LoRAAdapterError``."""
-        return load_peft_adapter(
-            request.lora_name, request.lora_path, self.shapes, self.config.max_lora_rank, self.dtype
-        )
+        """The adapter read from disk and checked against the model, or the weights already held;
+        touches nothing of the manager's state, so any thread may call it."""
+        held = self.held(request.key)
+        if held is not None:
+            return held
+        try:
+            return load_peft_adapter(
+                request.lora_name, request.lora_path, self.shapes, self.config.max_lora_rank, self.dtype
+            )
+        except LoRAAdapterError as e:
+            raise InvalidRequestError(str(e), "lora_request") from e
 
     def add(
         self,
@@ -94,7 +133,7 @@ class LoRAManager:
     ) -> LoRAWeights:
         """Holds the adapter in host memory (``weights`` if already ``read``, else read now; held
         already: only its LRU place is refreshed), then drops idle adapters (in no slot and not
-        ``in_use``) beyond ``max_cpu_loras``. Raises ``LoRAAdapterError``."""
+        ``in_use``) beyond ``max_cpu_loras``."""
         key = request.key
         held = self.loaded.get(key)
         if held is None:
@@ -114,25 +153,11 @@ class LoRAManager:
             del self.loaded[key]
             self.counters.num_cpu_evictions += 1
 
-    def remove(self, name: str, in_use: Callable[[], set[AdapterKey]] = set) -> int:
-        """Forgets the adapters called ``name`` that no request uses (``in_use``), in host memory
-        and in slots (unloading): how many were dropped. One in use stays until its requests end."""
-        busy = in_use()
-        idle = {k for k in [*self.loaded, *self.slots] if k is not None and k[0] == name and k not in busy}
-        for key in idle:
-            self.loaded.pop(key, None)
-        for slot, key in enumerate(self.slots):
-            if key in idle:
-                for layer in self.layers.values():
-                    layer.set_slot(slot, None)
-                self.slots[slot] = None
-        return len(idle)
-
-    def assign_slots(self, seqs: Iterable[Sequence]) -> None:
-        """Gives every adapter of ``seqs`` a slot (at most ``max_loras`` adapters), refilling the
-        least recently used slots no sequence needs, and sets each sequence's ``lora_slot``."""
-        seqs = list(seqs)
-        needed = {seq.lora.key: seq.lora for seq in seqs if seq.lora is not None}
+    def set_active_loras(self, adapters: list[LoRARequest | None], token_rows: np.ndarray, device) -> None:
+        """The step's adapters (one per row of the batch; None: the base model) in slots (at most
+        ``max_loras``), refilling the least recently used slots the step does not need, and each
+        token's slot (``token_rows``: the row of each token of the step) for ``LoRALinear``."""
+        needed = {a.key: a for a in adapters if a is not None}
         assert len(needed) <= self.config.max_loras, f"{len(needed)} adapters running, over max_loras"
         slot_of = {key: s for s, key in enumerate(self.slots) if key is not None}
         missing = [key for key in needed if key not in slot_of]
@@ -142,8 +167,8 @@ class LoRAManager:
             slot_of[key] = slot
         for key in needed:
             self.slot_order.move_to_end(slot_of[key])
-        for seq in seqs:
-            seq.lora_slot = -1 if seq.lora is None else slot_of[seq.lora.key]
+        row_slots = np.asarray([-1 if a is None else slot_of[a.key] for a in adapters], dtype=np.int64)
+        self.batch.set_groups(row_slots[token_rows], device)
 
     def _fill(self, slot: int, request: LoRARequest) -> None:
         key = request.key

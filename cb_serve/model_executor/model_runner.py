@@ -3,33 +3,29 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
-from cb_serve.lora.layers import LoRABatch
+from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
-from cb_serve.model_executor.draft_verifier import verify_drafts
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch
 from cb_serve.sequence import SchedulerOutput, Sequence
-from cb_serve.structured_outputs.bitmask_filler import BitmaskFiller
 
 
-class StepBroadcaster(Protocol):
-    """The driver's link to its tensor-parallel workers (``cb_serve.executor.worker_pool``)."""
+class DraftVerifier(Protocol):
+    """Speculative decoding's verification (``Speculator.verify``): a speculating sequence's
+    emitted tokens and their logprobs from its ``1 + k`` logits rows, under its grammar's masks."""
 
-    pids: list[int]
-
-    def send_step(self, batch: StepBatch) -> None: ...
-
-    def dead_workers(self) -> list[int]: ...
-
-    def shutdown(self) -> None: ...
+    def __call__(
+        self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None
+    ) -> tuple[list[int], list[dict | None]]: ...
 
 
 INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
@@ -66,12 +62,15 @@ class ModelInput:
 
 
 @dataclass
-class StepSample:
-    """Per sampling sequence, the tokens it emits and their logprobs (None: not asked): the sampled
-    token, or for a sequence that verified drafts its accepted drafts and the target's token."""
+class StepResult:
+    """Per sampling sequence (in batch order), the tokens it emits and their logprobs (None: not
+    asked): the sampled token, or for a sequence that verified drafts its accepted drafts and the
+    target's token. ``prepare_s``: the wall seconds spent building the batch."""
 
-    token_ids: list[list[int]]
-    logprobs: list[list[dict | None]]
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict | None]] = field(default_factory=list)
+    prepare_s: float = 0.0
 
 
 class HostStaging:
@@ -117,20 +116,12 @@ def dtype_np(dtype: torch.dtype) -> type:
     return np.int64 if dtype == torch.int64 else np.int32
 
 
-class GrammarTiming(NamedTuple):
-    """One step's structured-output cost: its constrained sampling rows, the filler thread's wall
-    seconds on their bitmask, and the wall seconds sampling then waited for it (what the forward
-    pass did not hide)."""
-
-    num_seqs: int = 0
-    fill_s: float = 0.0
-    wait_s: float = 0.0
-
-
 class ModelRunner:
-    """Owns the model, its KV cache and (on CUDA) the decode CUDA graphs. Under tensor parallelism
-    every rank has one, holding its shard's KV heads; the driver's also has the ``workers`` it
-    sends each step's batch to, and alone samples."""
+    """Owns the model, its KV cache and (on CUDA) the decode CUDA graphs; the same class on every
+    tensor-parallel rank, holding its shard's KV heads (the executor hands the driver's batch to
+    the other ranks, which run ``compute_logits``; the driver alone samples). Capabilities join at
+    construction: ``lora`` (its slots are assigned as the batch is prepared, as vLLM's
+    ``set_active_loras``) and ``draft_verifier`` (a speculating sequence's rows)."""
 
     def __init__(
         self,
@@ -141,22 +132,22 @@ class ModelRunner:
         device: torch.device,
         cuda_graph_sizes: list[int] | None = None,
         max_model_len: int = 0,
-        workers: StepBroadcaster | None = None,
+        lora: LoRAManager | None = None,
+        draft_verifier: DraftVerifier | None = None,
     ) -> None:
         cfg = model.config
         attn = model.layers[0].self_attn
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.workers = workers
+        self.num_blocks = num_blocks
+        self.lora = lora
+        self.draft_verifier = draft_verifier
         self.staging = HostStaging(device)
         shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)  # this rank's KV heads
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.sampler = Sampler()
-        self.bitmasks = BitmaskFiller(cfg.vocab_size)
-        self.last_grammar_timing = GrammarTiming()  # of the latest execute()
         self.graph_runner: DecodeGraphRunner | None = None
-        self.lora_batch: LoRABatch | None = None  # set when LoRA adapters are served
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
                 self.forward, cuda_graph_sizes, max_model_len, block_size, device, capture=device.type == "cuda"
@@ -212,8 +203,8 @@ class ModelRunner:
             "block_table": block_table,
         }
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
-        if self.lora_batch is not None:  # each token's adapter slot, grouped
-            self.lora_batch.set_groups(np.asarray([s.lora_slot for s in seqs])[row_of_token], self.device)
+        if self.lora is not None:  # each token's adapter slot, grouped
+            self.lora.set_active_loras([s.lora for s in seqs], row_of_token, self.device)
         inp = self.to_device(batch, seqs, [seqs[i] for i in sampling])
         inp.rows_per_seq = rows_of
         return inp
@@ -238,38 +229,42 @@ class ModelRunner:
         return ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> StepSample | None:
-        self.last_grammar_timing = GrammarTiming()
+    def execute(self, sched: SchedulerOutput, broadcast: Callable[[StepBatch], None] | None = None) -> StepResult:
+        """Prepares, runs and samples one step (``broadcast``: hands the batch to the other
+        tensor-parallel ranks before the forward pass). The grammar's masks
+        (``sched.grammar_bitmask``, filled while the forward pass runs) apply before any pick."""
+        start = time.perf_counter()
+        inp = self.prepare(sched)
         seqs, rows_per_seq = inp.sampling_seqs, inp.rows_per_seq
-        single = [i for i, n in enumerate(rows_per_seq) if n == 1]  # sequences sampling one token
-        constrained = [(row, seqs[i].matcher) for row, i in enumerate(single) if seqs[i].matcher is not None]
-        masks = self.bitmasks.start(constrained)  # filled while the forward pass runs
-        if self.workers is None:
+        out = StepResult(seqs, [[] for _ in seqs], [[] for _ in seqs], time.perf_counter() - start)
+        if broadcast is None:
             logits = self.compute_logits(inp)
         else:
             try:
-                self.workers.send_step(inp.batch)
+                broadcast(inp.batch)
                 logits = self.compute_logits(inp)
             except Exception as e:  # a rank failed mid-step: the group cannot get back in step
                 raise EngineFatalError(f"a tensor-parallel step failed: {e}") from e
         if logits is None:
-            return None
+            return out
+        masks = {} if sched.grammar_bitmask is None else sched.grammar_bitmask.masks()
         starts = np.cumsum([0, *rows_per_seq]).tolist()
-        out = StepSample([[] for _ in seqs], [[] for _ in seqs])
+        single = [i for i, n in enumerate(rows_per_seq) if n == 1]  # sequences sampling one token
         if single:
             one_row = logits if len(single) == len(seqs) else logits[[starts[i] for i in single]]
             batch = SamplingBatch.from_seqs([seqs[i] for i in single])
-            if masks is not None:
-                waited = time.perf_counter()
-                grammar_rows, bitmask, fill_s = masks.result()
+            grammar_rows = [row for row, i in enumerate(single) if seqs[i].seq_id in masks]
+            if grammar_rows:
+                bitmask = torch.cat([masks[seqs[single[row]].seq_id] for row in grammar_rows])
                 batch.grammar = (grammar_rows, bitmask)
-                self.last_grammar_timing = GrammarTiming(len(grammar_rows), fill_s, time.perf_counter() - waited)
             sampled = self.sampler(one_row, batch)
             for row, i in enumerate(single):
                 out.token_ids[i], out.logprobs[i] = [sampled.token_ids[row]], [sampled.logprobs[row]]
         for i, n in enumerate(rows_per_seq):
             if n > 1:  # drafts to verify
-                out.token_ids[i], out.logprobs[i] = verify_drafts(seqs[i], logits[starts[i] : starts[i] + n])
+                assert self.draft_verifier is not None, "drafts without a verifier"
+                rows = logits[starts[i] : starts[i] + n]
+                out.token_ids[i], out.logprobs[i] = self.draft_verifier(seqs[i], rows, masks.get(seqs[i].seq_id))
         return out
 
     @torch.inference_mode()
@@ -284,8 +279,3 @@ class ModelRunner:
         if inp.batch.num_sampling == 0:
             return None
         return self.model.compute_logits(hidden[inp.logits_indices])
-
-    def shutdown(self) -> None:
-        """Stops the tensor-parallel workers, if any (idempotent)."""
-        if self.workers is not None:
-            self.workers.shutdown()

@@ -1,24 +1,29 @@
-"""Speculation joins the engine step at two places: ``propose`` drafts tokens for the running
-sequences before the step is scheduled (the scheduler gives a speculating sequence ``1 + k``
-query tokens in the ragged batch), and ``record`` counts what the verification accepted; the
-engine reports every step's size and time (``observe_step``) to the adaptive policy.
+"""``Speculator``: the one owner of speculative decoding in the engine step. It joins the step at
+two named places: ``propose`` drafts tokens for the running sequences before the step is scheduled
+(the scheduler gives a speculating sequence ``1 + k`` query tokens in the ragged batch, and cuts
+drafts first when the budget or the KV blocks run short), and ``verify``, handed to the model
+runner at construction, turns a speculating sequence's ``1 + k`` logits rows into the tokens it
+emits (``verifier``: greedy acceptance, or rejection sampling for sampled requests) and counts
+them. The step's size and time (``observe_step``) feed the adaptive policy.
 
 Which sequences speculate: those past ``min_tokens`` that have caught up (one token to compute);
-a sequence with a grammar keeps the drafts its grammar admits (``grammar_prefix``), and each of its
-``1 + k`` positions is verified under the grammar's mask there. ``k`` is capped so a step never
-emits more than ``max_tokens`` allows and never places a draft at ``max_model_len`` or beyond; with
-``adaptive`` (the default) the policy of ``spec_decode.policy`` keeps only the drafts that raise
-the step's expected tokens per second. The model runner verifies the drafts
-(``model_executor.draft_verifier``: greedy acceptance, or rejection sampling for sampled requests).
+a sequence with a grammar keeps the drafts its grammar admits (``draft_filter``, the structured
+outputs manager's ``valid_drafts``), and each of its ``1 + k`` positions is verified under the
+grammar's mask there. ``k`` is capped so a step never emits more than ``max_tokens`` allows and
+never places a draft at ``max_model_len`` or beyond; with ``adaptive`` (the default) the policy of
+``spec_decode.policy`` keeps only the drafts that raise the step's expected tokens per second.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from cb_serve.config.speculative import SpeculativeConfig
 from cb_serve.sequence import Sequence
-from cb_serve.spec_decode.config import SpeculativeConfig
 from cb_serve.spec_decode.policy import (
     ENGINE_DECAY,
     PRIOR,
@@ -30,6 +35,10 @@ from cb_serve.spec_decode.policy import (
     draft_gains,
 )
 from cb_serve.spec_decode.proposer import DraftProposer, NgramProposer
+from cb_serve.spec_decode.verifier import verify_drafts
+from cb_serve.stats import SpecDecodingStats
+
+DraftFilter = Callable[[Sequence, list[int]], list[int]]
 
 
 @dataclass
@@ -50,22 +59,23 @@ class SeqSpecState:
     ngram: Any = None
 
 
-def grammar_prefix(seq: Sequence, drafts: list[int]) -> list[int]:
-    """The drafts ``seq``'s grammar admits, up to the first it refuses or the one that would end it
-    (the grammar's end is the target's to emit); the matcher is rolled back to where it was."""
-    matcher = seq.matcher
-    if matcher is None or not drafts:
-        return drafts
-    consumed = 0
-    for token in drafts[: matcher.valid_prefix(drafts)]:  # each admitted, so accepting it is safe
-        assert matcher.accept_token(token)
-        consumed += 1
-        if matcher.is_terminated:
-            break
-    keep = consumed - matcher.is_terminated
-    if consumed:
-        matcher.rollback(consumed)
-    return drafts[:keep]
+class NoSpeculation:
+    """Speculative decoding off: the ``Speculator``'s interface, with nothing proposed."""
+
+    def propose(self, running: list[Sequence]) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None) -> tuple[list, list]:
+        raise AssertionError("a sequence carries drafts while speculative decoding is off")
+
+    def observe_step(self, num_scheduled_tokens: int, seconds: float) -> None:
+        pass
+
+    def take_stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats()
 
 
 class Speculator:
@@ -75,14 +85,18 @@ class Speculator:
         max_model_len: int,
         max_num_batched_tokens: int,
         proposer: DraftProposer | None = None,
+        draft_filter: DraftFilter | None = None,
     ) -> None:
-        """``proposer``: the draft model's (the engine builds it); None for n-gram drafts."""
+        """``proposer``: the draft model's (the engine builds it); None for n-gram drafts.
+        ``draft_filter(seq, drafts)``: the drafts ``seq`` may keep (its grammar's)."""
         assert (proposer is None) == (config.method == "ngram"), config.method
         self.config = config
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.draft_filter = draft_filter or (lambda seq, drafts: drafts)
+        self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)  # cumulative
+        self._step = self._new_step_stats()
         self.cost = StepCostCurve()
         self.first_draft = AcceptanceEstimate()  # engine-wide
         self.later_drafts = [AcceptanceEstimate() for _ in range(config.num_speculative_tokens - 1)]  # given the last
@@ -114,7 +128,7 @@ class Speculator:
         if adaptive and not free:
             counts = self._choose(running, seqs, counts)
             seqs, counts = [s for s, n in zip(seqs, counts) if n], [n for n in counts if n]
-        drafts = [grammar_prefix(s, d) for s, d in zip(seqs, self.proposer.propose(seqs, counts))]
+        drafts = [self.draft_filter(s, d) for s, d in zip(seqs, self.proposer.propose(seqs, counts))]
         if adaptive and free:
             drafts = [d[:n] for d, n in zip(drafts, self._choose(running, seqs, [len(d) for d in drafts]))]
         for seq, d in zip(seqs, drafts):
@@ -140,12 +154,20 @@ class Speculator:
         """``seq`` finished or was preempted (the scheduler's ``on_release``)."""
         self.proposer.release(seq)
 
+    def verify(
+        self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None
+    ) -> tuple[list[int], list[dict | None]]:
+        """The tokens ``seq`` emits from its ``1 + k`` logits rows (its accepted drafts, then the
+        target's token) and their logprobs; counted in the stats and the policy's estimates."""
+        emitted, logprobs = verify_drafts(seq, logits, grammar)
+        self.record(seq, len(seq.spec_token_ids), len(emitted))
+        return emitted, logprobs
+
     def record(self, seq: Sequence, num_drafts: int, num_emitted: int) -> None:
-        """One verified sequence-step: ``num_drafts`` drafted, ``num_emitted`` tokens emitted (the
-        accepted drafts and the target's own token)."""
-        if not num_drafts:
-            return
+        """One verified sequence-step: ``num_drafts`` drafted, ``num_emitted`` emitted (the accepted
+        drafts and the target's own token)."""
         accepted = num_emitted - 1
+        self._step.observe(num_drafts, accepted)
         c = self.counters
         c.num_drafts += 1
         c.num_draft_tokens += num_drafts
@@ -158,4 +180,13 @@ class Speculator:
             self.later_drafts[j - 1].record(j < accepted, ENGINE_DECAY)
 
     def observe_step(self, num_scheduled_tokens: int, seconds: float) -> None:
+        """A step of decodes only (drafts included) took ``seconds``: the policy's cost curve."""
         self.cost.observe(num_scheduled_tokens, seconds)
+
+    def take_stats(self) -> SpecDecodingStats:
+        """The verifications since the previous call."""
+        stats, self._step = self._step, self._new_step_stats()
+        return stats
+
+    def _new_step_stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats(num_accepted_tokens_per_pos=(0,) * self.config.num_speculative_tokens)

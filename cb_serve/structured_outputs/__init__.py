@@ -9,7 +9,7 @@ from cb_serve.structured_outputs.base import (
     apply_bitmask,
 )
 from cb_serve.structured_outputs.compiler import GrammarCompiler
-from cb_serve.structured_outputs.params import ConstraintLimits, StructuredOutputsParams
+from cb_serve.structured_outputs_params import ConstraintLimits, StructuredOutputsParams
 
 __all__ = [
     "CompiledGrammar",

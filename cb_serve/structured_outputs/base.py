@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from cb_serve.structured_outputs.params import StructuredOutputsParams
+from cb_serve.structured_outputs_params import StructuredOutputsParams
 
 
 class GrammarMatcher(ABC):

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend
-from cb_serve.structured_outputs.params import StructuredOutputsParams
+from cb_serve.structured_outputs_params import StructuredOutputsParams
 
 
 class GrammarCompiler:

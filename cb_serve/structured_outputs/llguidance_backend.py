@@ -19,7 +19,7 @@ import torch
 
 from cb_serve.errors import InvalidRequestError
 from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend, GrammarMatcher, allocate_bitmask
-from cb_serve.structured_outputs.params import PARAM, StructuredOutputsParams
+from cb_serve.structured_outputs_params import PARAM, StructuredOutputsParams
 
 # Parser resource limits (llguidance's own fuel): a grammar that needs more fails, it never stalls.
 LIMITS = dict(max_grammar_size=200_000, max_lexer_states=100_000, step_lexer_fuel=200_000, verbose_errors=False)

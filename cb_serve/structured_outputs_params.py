@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cb_serve.errors import InvalidRequestError
-from cb_serve.structured_outputs.schema_bounds import smallest_instance
+from cb_serve.schema_bounds import smallest_instance
 
 PARAM = "structured_outputs"
 

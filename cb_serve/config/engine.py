@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cb_serve.config.lora import LoRAConfig
+from cb_serve.config.speculative import SpeculativeConfig
 from cb_serve.fault_injection import FaultInjector
-from cb_serve.lora.config import LoRAConfig
-from cb_serve.spec_decode.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
@@ -50,7 +50,7 @@ class EngineConfig:
     )
     distributed_executor_backend: str = _arg(
         "auto",
-        "How tensor-parallel workers start: mp (spawned processes), ray (actors in the current placement "
+        "How tensor-parallel workers start: mp (worker processes), ray (actors in the current placement "
         "group), or auto (ray inside a Ray worker with a placement group, such as a Serve replica with "
         "placement_group_bundles; else mp).",
         choices=EXECUTOR_BACKENDS,

@@ -9,31 +9,23 @@ import torch
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.verify import accept_greedy, rejection_sample
-from cb_serve.structured_outputs.base import GrammarMatcher, allocate_bitmask, apply_bitmask
+from cb_serve.structured_outputs.base import apply_bitmask
 
 
-def grammar_masks(matcher: GrammarMatcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
-    """The grammar's bitmask before each draft and after the last (``1 + k`` rows)."""
-    masks = allocate_bitmask(len(drafts) + 1, vocab_size)
-    matcher.fill_bitmask(masks, 0)
-    for row, token in enumerate(drafts, 1):
-        assert matcher.accept_token(token), "a draft the grammar refuses was kept"
-        matcher.fill_bitmask(masks, row)
-    matcher.rollback(len(drafts))
-    return masks
-
-
-def verify_drafts(seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list[dict | None]]:
+def verify_drafts(
+    seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None = None
+) -> tuple[list[int], list[dict | None]]:
     """The tokens ``seq`` emits (its accepted drafts, then the target's token) and their logprobs.
     ``logits``: float32 ``[1 + k, vocab]``, unmodified (a speculating sequence is past its banned
-    tokens). A grammar's mask at each position (the matcher stepped through the drafts, which it
-    admits, and rolled back) applies before any pick; logprobs are of the raw logits, as sampled."""
+    tokens). ``grammar``: the grammar's bitmask at each of the ``1 + k`` positions
+    (``StructuredOutputManager.grammar_bitmask``), applied before any pick; logprobs are of the raw
+    logits, as sampled."""
     drafts = seq.spec_token_ids
     assert logits.shape[0] == len(drafts) + 1
     raw_logits = logits
-    if seq.matcher is not None:
+    if grammar is not None:
         logits = logits.clone()
-        apply_bitmask(logits, grammar_masks(seq.matcher, drafts, logits.shape[-1]))
+        apply_bitmask(logits, grammar)
     if seq.params.greedy:
         emitted = accept_greedy(drafts, logits.max(dim=-1).indices.tolist())  # the first maximum, as sampled
     else:

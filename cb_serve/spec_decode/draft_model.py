@@ -21,6 +21,7 @@ from typing import Protocol
 
 from cb_serve.config import EngineConfig
 from cb_serve.model_executor import loader
+from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.sampling_params import SamplingParams
@@ -105,6 +106,10 @@ class DraftModelProposer(DraftProposer):
         self._ids = itertools.count()
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
+        with device_context(self.runner.device):  # the draft's passes launch kernels on the engine's device
+            return self._propose(seqs, num_drafts)
+
+    def _propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
         shadows = [self._synced(seq) for seq in seqs]
         budget = self.max_num_batched_tokens  # the first pass computes what each shadow lacks
@@ -157,8 +162,5 @@ class DraftModelProposer(DraftProposer):
         sched = SchedulerOutput()
         sched.seqs.extend(seqs)
         sched.num_scheduled_tokens.extend(num_tokens)
-        inp = self.runner.prepare(sched)
-        sample = self.runner.execute(inp)
-        if sample is None:
-            return {}
-        return {id(seq): tokens[0] for seq, tokens in zip(inp.sampling_seqs, sample.token_ids)}
+        result = self.runner.execute(sched)
+        return {id(seq): tokens[0] for seq, tokens in zip(result.sampling_seqs, result.token_ids)}

@@ -1,0 +1,220 @@
+"""``build(config) -> EngineParts``: the model loaded (with its tensor-parallel ranks), the KV cache
+sized in the memory the weights left, and every part of the step made and wired once, here."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cb_serve.config import EngineConfig, LoRAConfig, SpeculativeConfig
+from cb_serve.cpu_ops.kernel_choice import kernel_choice
+from cb_serve.distributed.sharding import shard_for
+from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.inspector import Inspector
+from cb_serve.engine.kv_cache_sizing import kv_cache_bytes_per_block, num_kv_blocks
+from cb_serve.engine.processor import InputProcessor
+from cb_serve.engine.scheduler import Scheduler
+from cb_serve.executor.base import Executor
+from cb_serve.executor.tensor_parallel import TensorParallelExecutor
+from cb_serve.executor.uniproc import UniProcExecutor
+from cb_serve.executor.worker_pool import WorkerPool
+from cb_serve.fault_injection import FaultInjector
+from cb_serve.lora.admission import LoRAAdmission
+from cb_serve.lora.manager import LoRAManager
+from cb_serve.model_executor import loader
+from cb_serve.model_executor.cuda_graph import capture_sizes
+from cb_serve.model_executor.device_context import device_context
+from cb_serve.model_executor.model_runner import ModelRunner
+from cb_serve.model_executor.model_setup import ModelSetup
+from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
+from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
+from cb_serve.structured_outputs.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What one engine is made of. Structured outputs are always on (a request brings its
+    constraint); speculation off is ``NoSpeculation``; ``lora`` is None without ``enable_lora``."""
+
+    config: EngineConfig
+    setup: ModelSetup
+    tokenizer: Any
+    processor: InputProcessor
+    executor: Executor
+    block_manager: BlockManager
+    scheduler: Scheduler
+    structured: StructuredOutputManager
+    speculator: Speculator | NoSpeculation
+    lora: LoRAManager | None
+    inspector: Inspector | None
+    faults: FaultInjector | None
+    cpu_kernels: str  # the CPU GEMM kernels' label; empty on other devices
+
+
+def per_rank_config(hf_config, tensor_parallel_size: int, device: torch.device):
+    """``hf_config`` as one GPU's KV cache sees it under tensor parallelism: the most KV heads any
+    rank holds (each rank allocates the same number of blocks, on its own GPU). On CPU the ranks
+    share one memory, so the KV-cache size stays the whole model's."""
+    if tensor_parallel_size == 1 or device.type != "cuda":
+        return hf_config
+    ranks = [shard_for(hf_config, r, tensor_parallel_size) for r in range(tensor_parallel_size)]
+    rank_config = copy.copy(hf_config)
+    rank_config.num_key_value_heads = max(len(r.kv_heads) for r in ranks)
+    return rank_config
+
+
+def eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)
+
+
+def build(config: EngineConfig) -> EngineParts:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(config.seed)
+    setup = ModelSetup.from_config(config)
+    tokenizer = loader.load_tokenizer(setup.source, config.tokenizer, config.trust_remote_code)
+    spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+    draft = None
+    if spec is not None and spec.method == "draft_model":
+        draft = DraftModel.for_target(config, setup, spec.model, tokenizer)
+    vocab_size = setup.hf_config.vocab_size
+    structured = StructuredOutputManager(tokenizer, vocab_size, config.enable_jump_forward)
+    with device_context(setup.device):  # load, KV sizing and graph capture on the engine's device
+        executor, lora, speculator = _make_executor(config, setup, draft, spec, structured)
+    num_blocks = executor.runner.num_blocks
+    block_manager = BlockManager(num_blocks, setup.block_size, config.enable_prefix_caching)
+    release = speculator.release  # a proposer's per-sequence state goes with its blocks
+    scheduler = Scheduler(
+        block_manager,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        setup.max_model_len,
+        config.enable_chunked_prefill,
+        LoRAAdmission(config.max_loras) if config.enable_lora else None,
+        on_release=release,
+    )
+    inspector = None
+    if config.inspector_steps:
+        budget = config.max_num_batched_tokens
+        inspector = Inspector(config.inspector_steps, config.inspector_requests, block_manager, budget)
+    eos = eos_token_ids(setup.hf_config, tokenizer)
+    processor = InputProcessor(tokenizer, setup.max_model_len, vocab_size, eos, config)
+    choice = kernel_choice() if setup.device.type == "cpu" else None
+    faults = FaultInjector.from_config(config.fault_injection)
+    return EngineParts(
+        config, setup, tokenizer, processor, executor, block_manager, scheduler, structured, speculator, lora,
+        inspector, faults, choice.label if choice is not None else "",
+    )  # fmt: skip
+
+
+def _make_executor(
+    config: EngineConfig,
+    setup: ModelSetup,
+    draft: DraftModel | None,
+    spec: SpeculativeConfig | None,
+    structured: StructuredOutputManager,
+) -> tuple[Executor, LoRAManager | None, Speculator | NoSpeculation]:
+    """Loads the model (this rank's shard, with the tensor-parallel workers started beside it),
+    sizes the KV cache with the memory the weights left, and captures CUDA graphs."""
+    size = config.tensor_parallel_size
+    workers = None
+    if size > 1:
+        shard_for(setup.hf_config, 0, size)  # raises before any worker starts if the heads cannot split
+        workers = WorkerPool(config, setup.device)
+    try:
+        model = setup.load_model(shard_for(setup.hf_config, 0, size), workers.group if workers else None)
+        lora = None  # its slots are allocated before the KV cache is sized
+        if config.enable_lora:
+            lora = LoRAManager(
+                model, LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras), setup.dtype
+            )
+        num_blocks = _num_kv_blocks(config, setup, draft)
+        if workers is not None:
+            workers.start(num_blocks)
+        speculator: Speculator | NoSpeculation = NoSpeculation()
+        if spec is not None:
+            speculator = _make_speculator(config, spec, draft, num_blocks, setup, structured)
+        graph_sizes = _graph_sizes(config, setup, lora)
+        runner = ModelRunner(
+            model,
+            num_blocks,
+            setup.block_size,
+            setup.kv_cache_dtype,
+            setup.device,
+            graph_sizes,
+            setup.max_model_len,
+            lora,
+            speculator.verify,
+        )
+    except BaseException:
+        if workers is not None:
+            workers.shutdown()
+        raise
+    logger.info(
+        "engine ready: model=%s device=%s dtype=%s kv cache %s backend=%s blocks=%d x %d tokens, cuda graphs %s, "
+        "tensor parallel %d",
+        setup.source.name,
+        setup.device,
+        setup.dtype,
+        setup.kv_cache_dtype,
+        setup.backend.name,
+        num_blocks,
+        setup.block_size,
+        graph_sizes and f"{len(graph_sizes)} sizes up to {graph_sizes[-1]}",
+        size,
+    )
+    executor = UniProcExecutor(runner) if workers is None else TensorParallelExecutor(runner, workers)
+    return executor, lora, speculator
+
+
+def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None) -> int:
+    """KV blocks in the memory the weights left (a draft model's weights loaded first, and its
+    cache, as many blocks as the target's, counted in)."""
+    if draft is not None:
+        draft.load()  # before the KV cache is sized: its weights and its cache share the memory
+    rank_config = per_rank_config(s.hf_config, config.tensor_parallel_size, s.device)
+    d = draft and draft.setup
+    mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype)
+    return num_kv_blocks(
+        config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror
+    )
+
+
+def _graph_sizes(config: EngineConfig, setup: ModelSetup, lora: LoRAManager | None) -> list[int] | None:
+    """Decode batch sizes to capture CUDA graphs for (None: eager). Graphs are captured by one
+    process; tensor-parallel ranks run eagerly (see the README), and so do adapters (their
+    token groups change every step)."""
+    graphable = config.tensor_parallel_size == 1 and lora is None and not config.enforce_eager
+    if setup.device.type == "cuda" and setup.backend.supports_cuda_graphs and graphable:
+        return capture_sizes(config.max_num_seqs)
+    return None
+
+
+def _make_speculator(
+    config: EngineConfig,
+    spec: SpeculativeConfig,
+    draft: DraftModel | None,
+    num_blocks: int,
+    setup: ModelSetup,
+    structured: StructuredOutputManager,
+) -> Speculator:
+    """The speculator; with a draft model, its proposer has a KV cache of its own with as many
+    blocks as the target's (sized together, ``_num_kv_blocks``)."""
+    budget = config.max_num_batched_tokens
+    proposer = None
+    if draft is not None:
+        blocks = BlockManager(num_blocks, setup.block_size, enable_prefix_caching=False)
+        proposer = DraftModelProposer(draft.runner(num_blocks), blocks, budget)
+    return Speculator(spec, setup.max_model_len, budget, proposer, structured.valid_drafts)

@@ -1,0 +1,181 @@
+"""``EngineCore``: the request table and the step (vLLM v1's engine core): admit, schedule,
+execute, update, make outputs. Each capability joins the step at one named line of ``step`` or
+``_execute``; failures are contained here, at this one level, and every request ends through
+``_end``."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from cb_serve.engine.builder import EngineParts
+from cb_serve.engine.output_processor import OutputProcessor
+from cb_serve.engine.request_state import RequestState
+from cb_serve.engine.stats_recorder import StatsRecorder
+from cb_serve.errors import EngineFatalError, EngineOverloadedError, RequestFailedError, StepFailedError
+from cb_serve.model_executor.model_runner import StepResult
+from cb_serve.outputs import CompletionOutput, RequestOutput
+from cb_serve.sequence import SchedulerOutput, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+# A step failure fails its requests and the engine goes on; this many in a row mean the
+# engine itself is broken (a sticky device error, say), so it stops and the replica is replaced.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+GRAMMAR_POLL_S = 0.01  # the longest a step with nothing to run waits for a grammar being compiled
+
+
+def waiting_queue_full(num_waiting: int, num_running: int, max_waiting: int | None, max_num_seqs: int) -> bool:
+    """Whether one more request would leave more than ``max_waiting`` requests waiting for one of
+    the ``max_num_seqs`` running slots (queued requests fill free slots first)."""
+    return max_waiting is not None and num_waiting >= max_waiting + max(0, max_num_seqs - num_running)
+
+
+class EngineCore:
+    """One model on one device. Not thread-safe: drive it from one thread (see AsyncLLM)."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.scheduler, self.executor = parts.scheduler, parts.executor
+        self.structured, self.speculator, self.inspector = parts.structured, parts.speculator, parts.inspector
+        self.faults = parts.faults
+        self.requests: dict[str, RequestState] = {}
+        self.output_processor = OutputProcessor(
+            self.requests, self.scheduler, self.structured, parts.setup.max_model_len
+        )
+        self.stats = StatsRecorder(
+            self.scheduler,
+            self.output_processor,
+            self.structured,
+            self.speculator,
+            parts.lora,
+            self.inspector,
+            parts.cpu_kernels,
+        )
+        self.consecutive_step_failures = 0
+
+    # ---- requests -------------------------------------------------------------------
+    def check_capacity(self) -> None:
+        """``EngineOverloadedError`` when the waiting queue is full (``max_waiting_requests``)."""
+        s = self.scheduler
+        if waiting_queue_full(len(s.waiting), len(s.running), self.config.max_waiting_requests, s.max_num_seqs):
+            limit = self.config.max_waiting_requests
+            raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
+
+    def add_state(self, state: RequestState) -> None:
+        """Queues a validated request: its sequences go to the scheduler, or with a constraint to
+        the structured outputs manager until their grammar is compiled (off this thread)."""
+        self.check_capacity()
+        s = self.scheduler
+        self.requests[state.request_id] = state
+        constraint = state.params.structured_outputs
+        if self.inspector is not None:
+            seq = state.seqs[0]
+            self.inspector.on_arrival(
+                state.request_id, seq.times.arrival, seq.num_prompt_tokens, len(state.seqs), constraint is not None
+            )
+        if constraint is not None:
+            self.structured.add_request(state.request_id, constraint, state.seqs)
+            return
+        for seq in state.seqs:
+            s.add(seq)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if request_id in self.requests:
+                self._end(request_id, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the outputs of the requests it advanced.
+
+        Failures are contained: an exception while one request's output is processed fails
+        that request alone (``RequestFailedError``); any other exception of the step fails the
+        step's requests (``StepFailedError``, retryable) and frees their KV blocks. Only
+        ``EngineFatalError`` escapes, also raised after ``MAX_CONSECUTIVE_STEP_FAILURES``
+        failed steps in a row."""
+        start = time.monotonic()
+        outputs = self._admit()  # structured outputs: requests whose grammar is ready join the queue
+        self.speculator.propose(self.scheduler.running)  # speculation: drafts ride along in the ragged batch
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return self._idle(outputs)
+        step = self.stats.begin(start, sched)
+        try:
+            result = self._execute(sched)
+        except EngineFatalError:
+            raise
+        except Exception as e:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
+            return outputs + self._fail_step(sched, e)
+        executed = time.monotonic()
+        outputs += self._update_from_output(result)
+        self.stats.record(step, sched, result, executed, outputs)
+        return outputs
+
+    def _admit(self) -> list[RequestOutput]:
+        """Sequences whose grammar compiled join the scheduler's queue; refused requests end."""
+        ready, refused = self.structured.admit()
+        for seq in ready:
+            self.scheduler.add(seq)
+        return [self._end(request_id, SequenceStatus.FINISHED_ERROR, error) for request_id, error in refused]
+
+    def _idle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if not outputs:
+            self.structured.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar is compiled
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        if self.faults is not None:
+            kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
+            self.faults.before_step(self.stats.num_steps + self.stats.num_failed_steps + 1, kinds)
+        sched.grammar_bitmask = self.structured.grammar_bitmask(sched)  # filled while the forward pass runs
+        result = self.executor.execute(sched)  # LoRA slots are assigned as the runner prepares the batch
+        self.scheduler.update_after_step(sched)
+        self.consecutive_step_failures = 0
+        return result
+
+    def _update_from_output(self, result: StepResult) -> list[RequestOutput]:
+        outputs, failed = self.output_processor.update_from_output(result)
+        for request_id, e in failed.items():
+            logger.error("request %s failed while its output was processed", request_id, exc_info=e)
+            error = RequestFailedError("This request failed on the server.")
+            outputs.append(self._end(request_id, SequenceStatus.FINISHED_ERROR, error))
+        return outputs
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        self.stats.num_failed_steps += 1
+        self.consecutive_step_failures += 1
+        request_ids = list(dict.fromkeys(seq.request_id for seq in sched.seqs))
+        logger.error("engine step failed; failing its %d request(s) %s", len(request_ids), request_ids, exc_info=error)
+        if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineFatalError(f"{self.consecutive_step_failures} engine steps failed in a row") from error
+        failure = StepFailedError("The engine step running this request failed; retry the request.")
+        return [self._end(r, SequenceStatus.FINISHED_ERROR, failure) for r in request_ids if r in self.requests]
+
+    # ---- ending a request: the one path -----------------------------------------------
+    def _end(self, request_id: str, status: SequenceStatus, error: Exception | None = None) -> RequestOutput:
+        """Ends every unfinished sequence of the request with ``status``, freeing its KV blocks (a
+        request still waiting for its grammar holds none), and forgets it. Its final output carries
+        ``error`` (an abort's output is dropped). A request that failed on its own, or was refused
+        before it ran, is counted as failed; one aborted or failed with its step is named in the
+        next step's ``ended_request_ids`` (no finished output reaches the step listeners)."""
+        state = self.requests.pop(request_id)
+        unfinished = [seq for seq in state.seqs if not seq.is_finished]
+        never_scheduled = self.structured.drop(request_id)
+        for seq in unfinished:
+            if never_scheduled:
+                seq.status = status
+            else:
+                self.scheduler.finish(seq, status)
+        if self.inspector is not None:
+            self.inspector.on_finished_outside_step(unfinished, status.finish_reason, self.stats.num_steps)
+        if isinstance(error, (RequestFailedError, StepFailedError)):
+            self.stats.num_failed_requests += 1
+        if error is None or isinstance(error, StepFailedError):
+            self.stats.note_ended(state)
+        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)

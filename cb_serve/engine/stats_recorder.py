@@ -1,0 +1,142 @@
+"""Assembles each step's ``StepStats`` (one nested stats object per capability, each taken from its
+owner with ``take_stats()``: the one per-step delta idiom), tells the step listeners and the
+inspector, and answers ``EngineStats``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cb_serve.engine.inspector import Inspector
+from cb_serve.engine.output_processor import OutputProcessor
+from cb_serve.engine.request_state import RequestState
+from cb_serve.engine.scheduler import Scheduler
+from cb_serve.lora.manager import LoRAManager, lora_stats
+from cb_serve.model_executor.model_runner import StepResult
+from cb_serve.outputs import RequestOutput
+from cb_serve.sequence import SchedulerOutput
+from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
+from cb_serve.stats import EngineStats, StepPhases, StepStats
+from cb_serve.structured_outputs.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+StepListener = Callable[[StepStats, list[RequestOutput]], None]
+
+
+@dataclass
+class StepInProgress:
+    """What a step's stats need from before it ran."""
+
+    start: float
+    scheduled: float
+    num_decode_tokens: int  # output tokens fed back one at a time (not a prompt's last chunk), with drafts
+    before: list[tuple[int, int]] | None  # each sequence's (computed, tokens) for the inspector
+
+
+class StatsRecorder:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        structured: StructuredOutputManager,
+        speculator: Speculator | NoSpeculation,
+        lora: LoRAManager | None,
+        inspector: Inspector | None,
+        cpu_kernels: str,
+    ) -> None:
+        self.scheduler, self.outputs, self.structured = scheduler, outputs, structured
+        self.speculator, self.lora, self.inspector, self.cpu_kernels = speculator, lora, inspector, cpu_kernels
+        self.listeners: tuple[StepListener, ...] = ()
+        self.ended_since_step: list[str] = []
+        self.num_steps = self.num_failed_steps = self.num_failed_requests = self.max_batch_seqs = 0
+        self.step_seconds = self.scheduling_seconds = 0.0
+
+    def begin(self, start: float, sched: SchedulerOutput) -> StepInProgress:
+        before = None if self.inspector is None else [(s.num_computed_tokens, s.num_tokens) for s in sched.seqs]
+        num_decode_tokens = sum(
+            n
+            for seq, n in zip(sched.seqs, sched.num_scheduled_tokens)
+            if n - len(seq.spec_token_ids) == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+        )
+        return StepInProgress(start, time.monotonic(), num_decode_tokens, before)
+
+    def note_ended(self, state: RequestState) -> None:
+        """Names a request that ended with no finished output passed to the step listeners in
+        the next step's ``StepStats.ended_request_ids`` if it ran (observers may hold its state)."""
+        if any(seq.times.first_token is not None for seq in state.seqs):
+            self.ended_since_step.append(state.request_id)
+
+    def record(
+        self, step: StepInProgress, sched: SchedulerOutput, result: StepResult, executed: float, outputs: list
+    ) -> None:
+        now = time.monotonic()
+        execute_s = executed - step.scheduled - result.prepare_s
+        phases = StepPhases(step.scheduled - step.start, result.prepare_s, execute_s, now - executed)
+        self.num_steps += 1
+        self.step_seconds += phases.total_s
+        self.scheduling_seconds += phases.schedule_s + phases.prepare_s
+        if step.num_decode_tokens == sched.total_tokens:  # speculation's cost curve is of decode steps
+            self.speculator.observe_step(sched.total_tokens, phases.total_s)
+        stats = StepStats(
+            num_seqs=len(sched.seqs),
+            num_decode_tokens=step.num_decode_tokens,
+            num_prefill_tokens=sched.total_tokens - step.num_decode_tokens,
+            num_scheduled_tokens=sched.total_tokens,
+            token_budget=self.scheduler.max_num_batched_tokens,
+            num_preempted=len(sched.preempted),
+            duration_s=phases.total_s,
+            phases=phases,
+            ended_request_ids=tuple(self.ended_since_step),
+            structured_output=self.structured.take_stats(),
+            spec_decoding=self.speculator.take_stats(),
+        )
+        self.ended_since_step.clear()
+        self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
+        for listener in self.listeners:
+            try:
+                listener(stats, outputs)
+            except Exception:  # noqa: BLE001 - an observer must not stop the engine
+                logger.exception("step listener %r failed", listener)
+        if self.inspector is not None:
+            s, grammar_s = self.scheduler, (stats.grammar_fill_s, stats.grammar_wait_s)
+            args = (sched, step.before, len(s.running), len(s.waiting), grammar_s)
+            self.inspector.on_step(self.num_steps, step.start, phases.total_s, *args)
+
+    def engine_stats(self) -> EngineStats:
+        s, out = self.scheduler, self.outputs
+        compiling = list(self.structured.waiting_seqs())  # waiting, as vLLM counts them (see EngineStats)
+        waiting_tokens = sum(seq.num_uncomputed_tokens for seq in [*s.waiting, *compiling])
+        waiting_tokens += sum(seq.num_uncomputed_tokens for seq in s.running if seq.num_uncomputed_tokens > 1)
+        running_requests = {seq.request_id for seq in s.running}
+        waiting_requests = {seq.request_id for seq in s.waiting} - running_requests
+        num_waiting_grammar = len(self.structured.waiting)
+        lora = dataclasses.asdict(lora_stats(self.lora))
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + len(compiling),
+            num_waiting_tokens=waiting_tokens,
+            kv_blocks_used=s.block_manager.num_used_blocks,
+            kv_blocks_total=s.block_manager.num_blocks,
+            num_preemptions=s.counters.num_preemptions,
+            num_partial_prefills=s.counters.num_partial_prefills,
+            prefix_cache_queries=s.counters.prefix_cache_queries,
+            prefix_cache_hits=s.counters.prefix_cache_hits,
+            num_steps=self.num_steps,
+            prompt_tokens=out.prompt_tokens,
+            generation_tokens=out.generation_tokens,
+            step_seconds=self.step_seconds,
+            scheduling_seconds=self.scheduling_seconds,
+            num_failed_steps=self.num_failed_steps,
+            num_failed_requests=self.num_failed_requests,
+            max_batch_seqs=self.max_batch_seqs,
+            num_requests_running=len(running_requests),
+            num_requests_waiting=len(waiting_requests) + num_waiting_grammar,
+            num_requests_waiting_grammar=num_waiting_grammar,
+            num_constrained_requests=self.structured.num_constrained_requests,
+            cpu_kernels=self.cpu_kernels,
+            **lora,
+        )
