@@ -24,17 +24,17 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/cb-serve serve deploy/config.yaml
 
-# tests/test_metrics.py scrapes with a real Prometheus and tests/test_inspect_serve.py renders /inspect
+# tests/serve/test_metrics.py scrapes with a real Prometheus and tests/serve/test_inspect_serve.py renders /inspect
 # in a real headless Chromium (Debian packages). Installed when missing and we are root (or have
 # passwordless sudo); otherwise those tests skip with a message.
 SUDO := $(shell [ "$$(id -u)" = 0 ] && echo "" || echo "sudo -n")
 test-deps:
 	@command -v prometheus >/dev/null 2>&1 || { \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus \
-	  || echo "note: could not install prometheus; tests/test_metrics.py will skip its Prometheus test"; }
+	  || echo "note: could not install prometheus; tests/serve/test_metrics.py will skip its Prometheus test"; }
 	@command -v chromium >/dev/null 2>&1 || { \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium \
-	  || echo "note: could not install chromium; tests/test_inspect_serve.py will skip its browser test"; }
+	  || echo "note: could not install chromium; tests/serve/test_inspect_serve.py will skip its browser test"; }
 
 test: install test-deps
 	$(PY) -m pytest -q --durations=10

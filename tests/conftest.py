@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The helpers beside this file (models.py, serving.py, ...), and the tests by concern (engine/,
+# kernels/, features/, serve/, deploy/), whose modules a few others import helpers from.
+HERE = Path(__file__).parent
+sys.path[:0] = [str(HERE), *(str(d) for d in sorted(HERE.iterdir()) if d.is_dir() and d.name != "__pycache__")]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: never wait on the network
 # Every Ray cluster of the tests is local (loopback): no token authentication, the same for the
@@ -19,13 +22,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from models import make_random_model  # noqa: E402
-
-# Engine settings that force chunked prefill (budget < longest prompt), preemption (few
-# blocks) and keep block-size edge cases (prompt lengths that are not multiples of 16).
-STRESS_ENGINE_ARGS = dict(
-    block_size=16, max_num_batched_tokens=64, num_gpu_blocks=40, max_model_len=400, max_num_seqs=8
-)
+from models import STRESS_ENGINE_ARGS, make_random_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -121,6 +121,11 @@ def assert_greedy_match(
     return True
 
 
+# Engine settings that force chunked prefill (budget < longest prompt), preemption (few
+# blocks) and keep block-size edge cases (prompt lengths that are not multiples of 16).
+STRESS_ENGINE_ARGS = dict(
+    block_size=16, max_num_batched_tokens=64, num_gpu_blocks=40, max_model_len=400, max_num_seqs=8
+)
 LOGPROB_ATOL = 1e-3  # float32 reduction-order differences (another GEMM kernel or split, an all-reduce)
 TOP_TWO_TIE = 1e-3  # a greedy pick may differ only where the reference's top two log-probabilities are this close
 

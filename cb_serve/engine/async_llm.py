@@ -77,6 +77,18 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._loop, name="cb-serve-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine this drives: its thread alone may call it while the loop runs (a hook for
+        tests and benchmarks, which read its owners, or call it once the loop has ended)."""
+        return self._engine
+
+    @property
+    def inbox(self) -> Inbox:
+        """The queue between the callers and the engine thread, with the open streams (a hook for
+        tests that drive a race to its exact interleaving)."""
+        return self._inbox
+
     # ---- caller side ----------------------------------------------------------------
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None

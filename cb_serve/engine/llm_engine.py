@@ -164,3 +164,9 @@ class LLMEngine(EngineCore):
 
     def get_stats(self) -> EngineStats:
         return self.stats.engine_stats()
+
+    def check_invariants(self) -> None:
+        """Asserts the KV cache's invariants over every live sequence (block counts, reference
+        counts, hashes): a hook for tests and soak runs, O(blocks)."""
+        s = self.scheduler
+        self.block_manager.check_invariants([*s.running, *s.waiting])

@@ -136,26 +136,24 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load for the request router (see ``request_router.KVCacheAwareRouter``)."""
-        # The picks first: a request arriving meanwhile is then counted twice until the next
-        # report (by num_requests and as sent since), never nowhere (arrived() follows num_requests).
-        report = self.reporter.report()  # seq, router_picks
+        return self.reporter.report(self._load)  # the picks first, then the load
+
+    def _load(self) -> dict[str, Any]:
         s = self.engine.get_stats()
         digest = self.engine.get_cache_digest()
-        return {
-            "prefix_cache": digest.to_dict() if digest is not None else None,  # what it holds (a Bloom filter)
-            "kv_cache_usage": s.kv_cache_usage,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "num_waiting_tokens": s.num_waiting_tokens,
-            # Requests, not sequences (n > 1 makes several); counts those still in the engine's inbox.
-            "num_requests": max(self.num_requests, s.num_running + s.num_waiting),
-            "token_budget": self.engine.config.max_num_batched_tokens,
-            "max_num_seqs": self.engine.config.max_num_seqs,
-            "alive": self.engine.is_alive,  # False: the router skips this replica at once
-            "lora_adapters": self.engine.lora_adapter_ids(),  # lora_int_ids held (adapter-aware routing)
-            "time": time.time(),  # for people reading it; the router ages a report by its own clock
-            **report,
-        }
+        return dict(
+            prefix_cache=digest.to_dict() if digest is not None else None,
+            kv_cache_usage=s.kv_cache_usage,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_waiting_tokens=s.num_waiting_tokens,
+            num_requests=max(self.num_requests, s.num_running + s.num_waiting),
+            token_budget=self.engine.config.max_num_batched_tokens,
+            max_num_seqs=self.engine.config.max_num_seqs,
+            alive=self.engine.is_alive,
+            lora_adapters=tuple(self.engine.lora_adapter_ids()),
+            time=time.time(),
+        )
 
     async def inspect(self, request: InspectRequest) -> dict[str, Any]:
         """A batch-inspector view of this replica's engine (``LLMEngine.inspect``); ``data`` is

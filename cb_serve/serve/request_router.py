@@ -75,36 +75,30 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cb_serve import PrefixDigest
 from cb_serve.serve import replica_health
 from cb_serve.serve.engine_request import EngineRequest, InspectRequest
-from cb_serve.serve.routing_report import report_number
+from cb_serve.serve.routing_report import ReplicaReport
 
 TIE = 0.02  # loads closer than this are equal (less than one request when max_num_seqs < 50)
 MAX_SESSIONS = 10_000  # sessions remembered (least recently routed forgotten first)
 
 
-def replica_load(stats: dict[str, Any], sent_since_report: int) -> float:
+def replica_load(report: ReplicaReport, sent_since_report: int) -> float:
     """The load of a replica from its report plus the requests sent to it since."""
-    budget = max(1, stats.get("token_budget", 1))
-    max_seqs = max(1, stats.get("max_num_seqs", 1))
-    requests = stats.get("num_requests", stats.get("num_running", 0) + stats.get("num_waiting", 0))
-    return (
-        stats.get("kv_cache_usage", 0.0)
-        + stats.get("num_waiting_tokens", 0) / budget
-        + (requests + sent_since_report) / max_seqs
-    )
+    budget, max_seqs = max(1, report.token_budget), max(1, report.max_num_seqs)
+    return report.kv_cache_usage + report.num_waiting_tokens / budget + (report.requests + sent_since_report) / max_seqs
 
 
-def expected_hit_tokens(stats: dict[str, Any], request: EngineRequest | None) -> int:
+def expected_hit_tokens(report: ReplicaReport, request: EngineRequest | None) -> int:
     """Prompt tokens of ``request`` that the replica's reported prefix cache would serve."""
-    digest = stats.get("prefix_cache")
+    digest = report.prefix_cache
     if request is None or not digest or not request.block_hashes or digest["block_size"] != request.block_size:
         return 0
     return PrefixDigest.from_dict(digest).hit_blocks(request.block_hashes) * request.block_size
 
 
-def holds_adapter(stats: dict[str, Any], request: EngineRequest | None) -> bool:
+def holds_adapter(report: ReplicaReport, request: EngineRequest | None) -> bool:
     """Whether the replica reported holding the request's LoRA adapter (in a slot or host memory)."""
     lora = request.lora_request if request is not None else None
-    return lora is not None and lora.lora_int_id in (stats.get("lora_adapters") or ())
+    return lora is not None and lora.lora_int_id in report.lora_adapters
 
 
 def hit_advantage(hits: dict[Any, int]) -> dict[Any, int]:
@@ -161,11 +155,11 @@ def order_by_cost(
     return ordered + order_by_load(far)
 
 
-def replica_state(stats: dict[str, Any], received: float | None, now: float, stale_after_s: float, marked: bool) -> str:
+def replica_state(report: ReplicaReport, received: float | None, now: float, stale_after_s: float, marked: bool) -> str:
     """``"dead"`` (it said so, or a router saw it fail after its report arrived), ``"fresh"`` (a
     report that arrived at most ``stale_after_s`` ago) or ``"stale"`` (no report yet, or an old
     one). ``received`` and ``now`` are on this process's clock (``replica_health.clock``)."""
-    if stats.get("alive") is False or marked:
+    if not report.alive or marked:
         return "dead"
     if received is not None and now - received <= stale_after_s:
         return "fresh"
@@ -242,7 +236,7 @@ class KVCacheAwareRouter(RequestRouter):
         super().update_replicas(replicas)
         now = replica_health.clock()
         for replica in replicas:
-            self._received_at(replica.replica_id, replica.routing_stats or {}, now)
+            self._received_at(replica.replica_id, ReplicaReport.from_dict(replica.routing_stats), now)
         self._forget_all_but({replica.replica_id for replica in replicas})
 
     def _forget_all_but(self, present: set[ReplicaID]) -> None:
@@ -251,9 +245,9 @@ class KVCacheAwareRouter(RequestRouter):
             for replica_id in [r for r in state if r not in present]:
                 del state[replica_id]
 
-    def _received_at(self, replica_id: ReplicaID, stats: dict[str, Any], now: float) -> float | None:
+    def _received_at(self, replica_id: ReplicaID, report: ReplicaReport, now: float) -> float | None:
         """When this process first saw the replica's current report (None: no report)."""
-        number = report_number(stats)
+        number = report.number
         if number is None:
             return None
         seen = self._received.get(replica_id)
@@ -296,18 +290,18 @@ class KVCacheAwareRouter(RequestRouter):
         stale: list[RunningReplica] = []
         dead: list[RunningReplica] = []
         for replica in candidate_replicas:
-            stats = replica.routing_stats or {}
-            received = self._received_at(replica.replica_id, stats, now)
+            report = ReplicaReport.from_dict(replica.routing_stats)
+            received = self._received_at(replica.replica_id, report, now)
             marked = replica_health.marked_after(replica.replica_id.unique_id, received)
-            state = replica_state(stats, received, now, self.stale_after_s, marked)
+            state = replica_state(report, received, now, self.stale_after_s, marked)
             if state == "dead":
                 dead.append(replica)
             elif state == "fresh":
-                reported_pick = (stats.get("router_picks") or {}).get(self.router_id)
-                loads[replica] = replica_load(stats, self._sent_since(replica.replica_id, reported_pick, now))
-                hits[replica] = expected_hit_tokens(stats, request) if self.prefix_weight else 0
-                budgets[replica] = max(1, stats.get("token_budget", 1))
-                credit[replica] = self.adapter_weight * holds_adapter(stats, request)
+                reported_pick = report.router_picks.get(self.router_id)
+                loads[replica] = replica_load(report, self._sent_since(replica.replica_id, reported_pick, now))
+                hits[replica] = expected_hit_tokens(report, request) if self.prefix_weight else 0
+                budgets[replica] = max(1, report.token_budget)
+                credit[replica] = self.adapter_weight * holds_adapter(report, request)
             else:
                 self._sent_since(replica.replica_id, None, now)
                 stale.append(replica)

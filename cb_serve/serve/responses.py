@@ -3,9 +3,30 @@ deltas), logprobs, usage, and tool calls parsed out of the text when the request
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from cb_serve import ToolCallParser
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body of one response shares: the request id, creation time and model name, and
+    how its choices are built (chat or completion, tool calls parsed, at most ``max_calls``)."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    tools: bool
+    max_calls: int | None
+
+    def base(self, stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def choices(self, n: int) -> list[Choice]:
+        return [Choice(i, self.chat, self.tools, self.max_calls) for i in range(n)]
 
 
 class Usage:

@@ -23,37 +23,38 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
 from ray import serve
-from ray.exceptions import RayError, RayTaskError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cb_serve import (
     EngineConfig,
     EngineDeadError,
-    EngineOverloadedError,
     EngineShutdownError,
     EngineUnavailableError,
     InvalidRequestError,
     LoRARequest,
     PromptEncoder,
-    RequestFailedError,
-    RequestIdInUseError,
-    StepFailedError,
     prefix_block_hashes,
 )
-from cb_serve.serve.api_error import APIError
+from cb_serve.serve.api_error import (
+    REQUEST_ID_HEADER,
+    APIError,
+    engine_error,
+    root_cause,
+    short,
+)
 from cb_serve.serve.engine_replica import log_to_serve
 from cb_serve.serve.engine_request import ChatEngineRequest, EngineRequest
 from cb_serve.serve.inspect_api import InspectorRoutes, debug_routes
-from cb_serve.serve.lora_registry import MAX_LORA_NAME, LoRARegistry
+from cb_serve.serve.lora_registry import LoRARegistry
+from cb_serve.serve.lora_routes import LoRARoutes, lora_routes
 from cb_serve.serve.metrics import router_metrics
 from cb_serve.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from cb_serve.serve.replica_health import mark_unavailable
-from cb_serve.serve.responses import Choice, Usage
+from cb_serve.serve.responses import ResponseMeta, Usage
 
 logger = logging.getLogger(__name__)
 app = FastAPI(title="cb-serve", description="OpenAI-compatible API over continuous-batching engines.")
@@ -70,47 +71,16 @@ class RouterSettings(BaseModel):
     allow_runtime_lora_updating: bool | None = None
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME)
-    lora_path: str = Field(min_length=1, max_length=4096)
-
-
-class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME)
-    lora_int_id: int | None = None  # vLLM's field; the name decides here
-
-
-RETRY_AFTER_S = 1  # Retry-After of overload answers (the openai client honours it when it retries)
 REPLICA_HEADER = "x-cb-replica"  # which engine replica served the request (operators, tests)
 SESSION_HEADER = "x-session-id"  # requests of one session prefer one replica (so does the ``user`` field)
-# The request id: the client's x-request-id, which Ray Serve's proxy passes on (or sets to one it makes)
-# and returns in the response's x-request-id header. It is the response's ``id``, the engine's request
-# id and what every log line of the request names. Limits: it goes into logs and the inspector.
-REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID = re.compile(r"[A-Za-z0-9._~:;=/+@-]{1,128}")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._~:;=/+@-]{1,128}")  # what REQUEST_ID_HEADER may hold
 MAX_JSON_DEPTH = 64  # nesting of [ and { in a request body
-MAX_MESSAGE_CHARS = 1000  # an error message longer than this is cut
 HEALTH_TIMEOUT_S = 5.0
 # A request a replica refused (its engine dead or closing) or cut by a shutdown before its first
 # output is sent again, to another replica: nothing of it reached the client. One whose engine
 # died while running it is not (it may be what killed the engine).
 ROUTE_ATTEMPTS = 3
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-def overloaded(message: str) -> APIError:
-    """503 Service Unavailable + Retry-After: the server (not this client) is over capacity;
-    OpenAI's API answers engine overload with 503 too and keeps 429 for per-key rate limits."""
-    return APIError(503, message, "overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def unavailable(message: str) -> APIError:
-    """503 for a request that failed with its replica or its step: retrying it is safe."""
-    return APIError(503, message, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def request_id_of(request: Request, prefix: str) -> str:
@@ -124,47 +94,6 @@ def request_id_of(request: Request, prefix: str) -> str:
             400, "x-request-id must be 1 to 128 characters of A-Z a-z 0-9 . _ ~ : ; = / + @ -", param=REQUEST_ID_HEADER
         )
     return given
-
-
-def root_cause(e: BaseException) -> BaseException:
-    """The exception raised in the engine replica, unwrapped from Ray's task error."""
-    while isinstance(e, RayTaskError) and e.cause is not None and e.cause is not e:
-        e = e.cause
-    return e
-
-
-def short(message: str) -> str:
-    first = message.strip().splitlines()[0] if message.strip() else "invalid request"
-    return first[:MAX_MESSAGE_CHARS]
-
-
-def engine_error(e: BaseException, request_id: str) -> APIError:
-    """Maps an exception from the engine replica (or Ray) to what the client sees: a type, a
-    short message and the request id; the details are logged here under that id."""
-    cause = root_cause(e)
-    ref = f" (request id: {request_id})"
-    if isinstance(cause, RequestIdInUseError):
-        return APIError(409, short(str(cause)), "conflict_error", param=REQUEST_ID_HEADER)
-    if isinstance(cause, InvalidRequestError):
-        return APIError(400, short(str(cause)), param=cause.param)
-    if isinstance(cause, EngineOverloadedError):
-        return overloaded(short(str(cause)))
-    if isinstance(e, BackPressureError):
-        return overloaded("The server is overloaded (all engine replicas and their queues are full); retry later.")
-    if isinstance(cause, ValueError) and not isinstance(cause, RayError):
-        return APIError(400, short(str(cause)))
-    logger.error("request %s failed: %s", request_id, e, exc_info=not isinstance(e, RayError))
-    if isinstance(cause, (EngineShutdownError, EngineUnavailableError)):
-        return unavailable("The engine replica is shutting down or restarting; retry the request." + ref)
-    if isinstance(cause, EngineDeadError):
-        return unavailable("The engine replica failed and is being replaced; retry the request." + ref)
-    if isinstance(cause, StepFailedError):
-        return unavailable("The engine step running this request failed; retry the request." + ref)
-    if isinstance(cause, RequestFailedError):
-        return APIError(500, "This request failed on the server." + ref, "internal_error")
-    if isinstance(e, RayError) and not isinstance(e, RayTaskError):  # the replica died, or its node
-        return unavailable("The engine replica serving this request became unavailable; retry the request." + ref)
-    return APIError(500, "Internal server error." + ref, "internal_error")
 
 
 def json_depth(body: bytes) -> int:
@@ -209,11 +138,12 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
 
 
 app.include_router(debug_routes)
+app.include_router(lora_routes)
 
 
 @serve.deployment(max_ongoing_requests=1024, graceful_shutdown_timeout_s=40)
 @serve.ingress(app)
-class Router(InspectorRoutes):
+class Router(InspectorRoutes, LoRARoutes):
     """Validates requests, checks the API key and size limits, applies the chat template and
     tokenizes (once: the engine replica gets token ids), hashes the prompt's leading KV blocks
     for the request router, and streams from the engine replica it picks (see
@@ -328,44 +258,6 @@ class Router(InspectorRoutes):
         await self._check(request, None)
         return {"object": "list", "data": self.loras.model_cards(await self._model())}
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(self, request: Request) -> PlainTextResponse:
-        """vLLM's: serve a PEFT adapter directory under ``lora_name`` (read and checked by an engine
-        replica now; the others read it on its first request there). 400 for a bad path or adapter."""
-        req = await self._lora_call(request, LoadLoRAAdapterRequest)
-        name = req.lora_name
-        if self.loras.get(name) is not None or name in self.lora_names_loading or name == await self._model():
-            raise APIError(400, f"The model name {name!r} is already in use; unload it first.", param="lora_name")
-        lora = LoRARegistry().add(name, req.lora_path, fresh=True)
-        self.lora_names_loading.add(name)
-        try:
-            await self.engine.load_lora.remote(lora)
-        except Exception as e:  # noqa: BLE001 - a bad adapter is a 400 (engine_error maps it)
-            raise engine_error(e, f"load_lora_adapter {name}") from None
-        finally:
-            self.lora_names_loading.discard(name)
-        self.loras.adapters[name] = lora
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(self, request: Request) -> PlainTextResponse:
-        """vLLM's: stop serving an adapter (requests using it finish; engines drop it as it goes idle:
-        a later load of the name gets a new id, so nothing held or cached under this one is reused)."""
-        req = await self._lora_call(request, UnloadLoRAAdapterRequest)
-        if self.loras.remove(req.lora_name) is None:
-            raise APIError(404, f"The LoRA adapter {req.lora_name!r} cannot be found.", "not_found_error", "lora_name")
-        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
-
-    async def _lora_call(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        await self._check(request, None)  # the API key first
-        allowed = self.settings.allow_runtime_lora_updating
-        if not (allowed or (allowed is None and self.api_key is not None)):
-            raise APIError(404, "Loading LoRA adapters at run time is turned off on this server.", "not_found_error")
-        try:
-            return model.model_validate(await self._read_json(request))
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
-
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         req, lora = await self._parse(request, CompletionRequest)  # the API key first
@@ -428,9 +320,8 @@ class Router(InspectorRoutes):
         )
         gen, first = await self._start(payload)
         model = lora.lora_name if lora is not None else await self._model()
-        meta = {"id": request_id, "created": int(time.time()), "model": model, "chat": chat}
-        meta["tools"] = chat and req.tool_mode != "none"
-        meta["max_calls"] = 1 if chat and req.parallel_tool_calls is False else None
+        max_calls = 1 if chat and req.parallel_tool_calls is False else None
+        meta = ResponseMeta(request_id, int(time.time()), model, chat, chat and req.tool_mode != "none", max_calls)
         replica = first[0]["replica"] if first else None
         if replica:
             headers[REPLICA_HEADER] = replica
@@ -476,11 +367,10 @@ class Router(InspectorRoutes):
         finally:
             gen.cancel()  # a client that went away aborts the engine request (no-op once finished)
 
-    async def _sse(self, gen, first, meta: dict, n: int, include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if meta["chat"] else "text_completion"
-        base = {"id": meta["id"], "object": obj, "created": meta["created"], "model": meta["model"]}
+    async def _sse(self, gen, first, meta: ResponseMeta, n: int, include_usage: bool) -> AsyncIterator[str]:
+        base = meta.base(stream=True)
         usage = Usage(n)
-        choices = [Choice(i, meta["chat"], meta["tools"], meta["max_calls"]) for i in range(n)]
+        choices = meta.choices(n)
         try:
             async for c in self._chunks(gen, first):
                 usage.add(c)
@@ -490,29 +380,24 @@ class Router(InspectorRoutes):
                 extra = {"timeline": c["timeline"]} if "timeline" in c else {}
                 yield f"data: {json.dumps({**base, 'choices': [choice], **extra})}\n\n"
         except Exception as e:  # noqa: BLE001 - mid-stream failure: tell the client in-band, then [DONE]
-            err = engine_error(e, meta["id"])
+            err = engine_error(e, meta.id)
             router_metrics().rejected(err.status, err.type)
             yield f"data: {json.dumps(error_body(err.message, err.type, err.status, err.param))}\n\n"
         if include_usage:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage.body()})}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, gen, first, meta: dict, n: int) -> dict[str, Any]:
+    async def _collect(self, gen, first, meta: ResponseMeta, n: int) -> dict[str, Any]:
         usage = Usage(n)
-        choices = [Choice(i, meta["chat"], meta["tools"], meta["max_calls"]) for i in range(n)]
+        choices = meta.choices(n)
         try:
             async for c in self._chunks(gen, first):
                 usage.add(c)
                 choices[c["index"]].add(c)
         except Exception as e:  # noqa: BLE001
-            raise engine_error(e, meta["id"]) from None
-        chat = meta["chat"]
-        obj = "chat.completion" if chat else "text_completion"
+            raise engine_error(e, meta.id) from None
         return {
-            "id": meta["id"],
-            "object": obj,
-            "created": meta["created"],
-            "model": meta["model"],
+            **meta.base(stream=False),
             "choices": [c.body() for c in choices],
             "usage": usage.body(),
             **({"timeline": usage.timeline} if usage.timeline else {}),

@@ -19,7 +19,7 @@ from cb_serve import SamplingParams
 from cb_serve.serve import replica_health
 from cb_serve.serve.engine_request import EngineRequest
 from cb_serve.serve.request_router import KVCacheAwareRouter
-from cb_serve.serve.routing_report import MAX_ROUTERS, ReplicaReporter
+from cb_serve.serve.routing_report import MAX_ROUTERS, ReplicaReport, ReplicaReporter
 
 pytest.importorskip("ray.serve")
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
@@ -47,16 +47,8 @@ class FakeReplica:
 
     def report(self, other_requests: int = 0) -> None:
         """A new routing report (``EngineReplica.record_routing_stats``), stamped by its own clock."""
-        self.routing_stats = {
-            "kv_cache_usage": 0.0,
-            "num_waiting_tokens": 0,
-            "num_requests": len(self.held) + other_requests,
-            "token_budget": 256,
-            "max_num_seqs": 8,
-            "alive": True,
-            "time": time.time() + self.skew,
-            **self.reporter.report(),
-        }
+        load = dict(num_requests=len(self.held) + other_requests, token_budget=256, max_num_seqs=8)
+        self.routing_stats = self.reporter.report(lambda: {**load, "time": time.time() + self.skew})
 
     async def get_queue_len(self, *, deadline_s: float) -> int:  # Ray probes new replicas
         return len(self.held)
@@ -268,10 +260,11 @@ def test_replica_reporter_keeps_the_highest_pick_of_the_routers_heard_from_last(
     for router_id, pick in [("r1", 3), ("r1", 1), ("r2", 7), ("r1", 4)]:
         reporter.arrived(EngineRequest("x", SamplingParams(), [1], router_pick=(router_id, pick)))
     reporter.arrived(EngineRequest("y", SamplingParams(), [1]))  # from another request router: ignored
-    first, second = reporter.report(), reporter.report()
-    assert first == {"seq": 1, "router_picks": {"r2": 7, "r1": 4}} and second["seq"] == 2
+    first, second = reporter.report(dict), reporter.report(dict)
+    assert first == ReplicaReport(seq=1, router_picks={"r2": 7, "r1": 4}).to_dict() and second["seq"] == 2
+    assert list(first["router_picks"]) == ["r2", "r1"]  # least recently heard from first
     for i in range(MAX_ROUTERS):
         reporter.arrived(EngineRequest("z", SamplingParams(), [1], router_pick=(f"n{i}", 1)))
     reporter.arrived(EngineRequest("x", SamplingParams(), [1], router_pick=("n0", 2)))
-    picks = reporter.report()["router_picks"]
+    picks = ReplicaReport.from_dict(reporter.report(dict)).router_picks
     assert len(picks) == MAX_ROUTERS and "r1" not in picks and "r2" not in picks and picks["n0"] == 2

@@ -572,7 +572,7 @@ def test_shut_down_async_engine_is_freed_without_the_garbage_collector(random_mo
     )
     with collector_off():
         asyncio.run(run(engine))
-        refs = [weakref.ref(x) for x in (engine, engine._engine, engine._engine.runner.kv_caches[0])]
+        refs = [weakref.ref(x) for x in (engine, engine.engine, engine.engine.runner.kv_caches[0])]
         engine.shutdown()
         del engine
         assert [ref() is None for ref in refs] == [True, True, True]

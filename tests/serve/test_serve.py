@@ -21,7 +21,7 @@ import httpx
 import pytest
 from serving import REPLICA_HEADER, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = "http://127.0.0.1:8000"
 API_KEY = "test-key-123"  # the server runs with CB_SERVE_API_KEY set: every /v1 call needs it
 AUTH = {"authorization": f"Bearer {API_KEY}"}

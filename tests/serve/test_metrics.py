@@ -26,7 +26,7 @@ import pytest
 from models import make_adapter
 from tools import prometheus_tool
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "grafana" / "cb-serve-dashboard.json"
 K8S = ROOT / "k8s"
 # Every series the dashboard reads is filtered on the RayCluster (a KubeRay upgrade runs two).
@@ -127,7 +127,7 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     assert m["kv_cache_blocks_total"].all()[-1] == 40 and 0 <= m["kv_cache_usage_perc"].all()[-1] <= 1
     assert metrics._last_token == {}  # finished requests are forgotten
     for name in ("structured_output_requests", "grammar_compile_seconds", "grammar_bitmask_fill_seconds"):
-        assert not m[name].all(), name  # no constrained request (tests/test_structured_metrics.py has them)
+        assert not m[name].all(), name  # no constrained request (tests/features/test_structured_metrics.py has them)
     assert set(m["num_requests_waiting_grammar"].all()) == {0}
     if stats.cpu_kernels:  # the C++ kernels built: the kernel choice is a label
         kernels = (("kernels", stats.cpu_kernels), ("model", "tiny"), ("model_name", "tiny"))
@@ -268,7 +268,7 @@ N_CONSTRAINED = 2  # structured-output requests after them (1 after the warm-up)
 # 4 running sequences per replica already preempt. Speculative decoding feeds the spec_decode_*
 # series: the model drafts for itself (a draft model with its own KV cache), so every draft is
 # accepted and every position counted (a random-weight model never repeats itself: n-gram drafts,
-# as tests/test_serve.py serves them, would all be rejected). Set in the fixture: the model is made there.
+# as tests/serve/test_serve.py serves them, would all be rejected). Set in the fixture: the model is made there.
 SERVE_ENGINE_ARGS = {**ENGINE_ARGS, "num_gpu_blocks": 32}
 SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}
 # LoRA feeds the lora_* series: two adapters through one slot (max_loras 1), so they displace each other.

@@ -119,7 +119,7 @@ def test_a_constraint_that_does_not_compile_fails_its_request_alone(llm):
             break
     assert isinstance(outputs["bad"].error, InvalidRequestError) and outputs["bad"].error.param == "structured_outputs"
     assert len(outputs["good"].outputs[0].token_ids) == 8
-    assert engine.block_manager.num_used_blocks == 0 and not engine.structured.waiting
+    assert engine.get_stats().kv_blocks_used == 0 and not engine.structured.waiting
 
 
 def test_a_schema_over_the_caps_is_refused_before_it_is_queued(llm):

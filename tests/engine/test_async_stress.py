@@ -12,7 +12,7 @@ continues the greedy tokens its own prompt gets alone (ids are reused, so anothe
 output would show), and a request run to the end gets all of them.
 At the end every KV block is back.
 
-Short by default; longer: ``CB_SERVE_STRESS_SECONDS=300 pytest tests/test_async_stress.py``.
+Short by default; longer: ``CB_SERVE_STRESS_SECONDS=300 pytest tests/engine/test_async_stress.py``.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
     spec = {"speculative_config": FIXED_K} if speculate else {}
     llm = AsyncLLM(EngineConfig(model=model, **args, **spec))
     if speculate:
-        llm._engine.speculator.proposer = OracleProposer({tuple(p): e for p, e in zip(PROMPTS, expected)})
+        llm.engine.speculator.proposer = OracleProposer({tuple(p): e for p, e in zip(PROMPTS, expected)})
     violations: list[str] = []
 
     def check_step(stats, outputs) -> None:  # engine thread, after each step
-        engine = llm._engine
+        engine = llm.engine
         try:
-            engine.block_manager.check_invariants([*engine.scheduler.running, *engine.scheduler.waiting])
+            engine.check_invariants()
             orphans = [r for r in engine.requests if r not in llm._live]
             assert not orphans, f"requests without a stream: {orphans}"
         except AssertionError as e:
@@ -138,7 +138,7 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
         assert llm.get_stats().kv_blocks_used == 0
         assert counts["completed"] and counts["left early"] and counts["cancel cancelled"], counts
         if speculate:
-            spec_counters = llm._engine.speculator.counters
+            spec_counters = llm.engine.speculator.counters
             assert 0 < spec_counters.num_accepted_tokens < spec_counters.num_draft_tokens, spec_counters
     finally:
         llm.shutdown()

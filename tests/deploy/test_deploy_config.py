@@ -17,7 +17,7 @@ from cb_serve.serve.app import AppArgs, build_app, engine_replica_options, tenso
 from cb_serve.serve.engine_replica import EngineReplica  # noqa: E402
 from cb_serve.serve.router import Router  # noqa: E402
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CONFIGS = ["config.yaml", "config.gpu.yaml", "config.tp.yaml"]
 
 

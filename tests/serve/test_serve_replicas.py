@@ -83,17 +83,14 @@ class LongStream:
 
 def test_load_formula_and_tie_order():
     from cb_serve.serve.request_router import order_by_load, replica_load
+    from cb_serve.serve.routing_report import ReplicaReport
 
-    stats = {
-        "kv_cache_usage": 0.5,
-        "num_waiting_tokens": 512,
-        "token_budget": 1024,
-        "num_requests": 2,
-        "max_num_seqs": 8,
-        "time": 0.0,
-    }
+    stats = ReplicaReport(
+        kv_cache_usage=0.5, num_waiting_tokens=512, token_budget=1024, num_requests=2, max_num_seqs=8, time=0.0
+    )
     assert replica_load(stats, 2) == pytest.approx(0.5 + 0.5 + (2 + 2) / 8)
-    assert replica_load({"num_running": 1, "num_waiting": 1, "max_num_seqs": 4}, 0) == 0.5  # no num_requests
+    older = ReplicaReport.from_dict({"num_running": 1, "num_waiting": 1, "max_num_seqs": 4, "unknown": 1})
+    assert replica_load(older, 0) == 0.5  # no num_requests
     loads = {"a": 0.0, "b": 0.015, "c": 0.03, "d": 0.5}  # a~b and b~c tie, but c is more than TIE above a
     assert {tuple(order_by_load(loads)) for _ in range(200)} == {("a", "b", "c", "d"), ("b", "a", "c", "d")}
 
@@ -103,13 +100,14 @@ def test_stale_and_dead_replicas_are_ranked_last():
     after every fresh replica (as one rank: Ray Serve picks among them); a dead replica (it said
     so, or a router marked it after its report) only when there is nothing else."""
     from cb_serve.serve.request_router import rank_replicas, replica_state
+    from cb_serve.serve.routing_report import ReplicaReport
 
-    now, stale_after = 100.0, 10.0
-    assert replica_state({"seq": 1}, 95.0, now, stale_after, False) == "fresh"
-    assert replica_state({"seq": 1}, 89.0, now, stale_after, False) == "stale"
-    assert replica_state({}, None, now, stale_after, False) == "stale"  # no report yet
-    assert replica_state({"seq": 1, "alive": False}, 99.0, now, stale_after, False) == "dead"
-    assert replica_state({"seq": 1}, 99.0, now, stale_after, True) == "dead"
+    now, stale_after, one = 100.0, 10.0, ReplicaReport(seq=1)
+    assert replica_state(one, 95.0, now, stale_after, False) == "fresh"
+    assert replica_state(one, 89.0, now, stale_after, False) == "stale"
+    assert replica_state(ReplicaReport.from_dict(None), None, now, stale_after, False) == "stale"  # no report yet
+    assert replica_state(ReplicaReport(seq=1, alive=False), 99.0, now, stale_after, False) == "dead"
+    assert replica_state(one, 99.0, now, stale_after, True) == "dead"
     assert rank_replicas(["idle", "busy"], ["old", "new"], ["gone"]) == [["idle"], ["busy"], ["old", "new"]]
     assert rank_replicas([], ["old"], ["gone"]) == [["old"]]
     assert rank_replicas([], [], ["gone"]) == [["gone"]]

@@ -16,6 +16,7 @@ from cb_serve import PrefixDigest, prefix_block_hashes
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.prefix_hash import CountingBloom, chain_hash
 from cb_serve.serve.request_router import expected_hit_tokens, hit_advantage, order_by_cost
+from cb_serve.serve.routing_report import ReplicaReport
 
 BS = 4
 
@@ -94,12 +95,12 @@ def test_expected_hit_tokens_needs_the_same_block_size():
     bm = BlockManager(num_blocks=8, block_size=BS)
     tokens = list(range(1, 14))
     run(bm, "a", tokens)
-    stats = {"prefix_cache": bm.digest().to_dict()}
+    stats = ReplicaReport(prefix_cache=bm.digest().to_dict())
     request = EngineRequest("r", None, tokens, block_size=BS, block_hashes=hashes(tokens))
     assert expected_hit_tokens(stats, request) == 3 * BS
     other = EngineRequest("r", None, tokens, block_size=8, block_hashes=b"".join(prefix_block_hashes(tokens, 8)))
     assert expected_hit_tokens(stats, other) == 0  # another block size: no claim
-    assert expected_hit_tokens({"prefix_cache": None}, request) == 0  # prefix caching off
+    assert expected_hit_tokens(ReplicaReport(prefix_cache=None), request) == 0  # prefix caching off
     assert expected_hit_tokens(stats, None) == 0  # not an EngineRequest
 
 

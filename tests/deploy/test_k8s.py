@@ -42,7 +42,7 @@ from ray.serve.config import AutoscalingConfig  # noqa: E402
 from cb_serve.serve.app import AppArgs  # noqa: E402
 from cb_serve.serve.metrics import BUCKETS, ENGINE_METRICS, ROUTER_METRICS, exported_name  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"  # ../shared/schemas from the repo root
 MANIFESTS = sorted(K8S.glob("*.yaml"))

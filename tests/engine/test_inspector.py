@@ -67,7 +67,7 @@ def test_step_records_reproduce_the_schedule(engine, workload):
         assert r.num_scheduled_tokens == s.num_scheduled_tokens <= BUDGET
         assert len(r.seqs) == s.num_seqs and len(r.preempted) == s.num_preempted
         assert sum(x.num_tokens for x in r.seqs if x.is_decode) == s.num_decode_tokens
-        assert r.kv_used + r.kv_free == engine.block_manager.num_blocks and r.kv_cached_free <= r.kv_free
+        assert r.kv_used + r.kv_free == engine.num_blocks and r.kv_cached_free <= r.kv_free
         assert len({(x.request_id, x.index) for x in r.seqs}) == len(r.seqs)
     assert any(r.preempted for r in records), "the workload must preempt"
     assert any(x.chunk > 1 for r in records for x in r.seqs), "the workload must chunk prefills"
@@ -135,7 +135,7 @@ def test_kv_map_owners_and_sharing(engine):
     engine.step()  # prefill 64 of 80 tokens
     engine.step()
     kv = engine.inspect("state")["kv"]
-    assert kv["group"] == 1 and len(kv["cells"]) == engine.block_manager.num_blocks
+    assert kv["group"] == 1 and len(kv["cells"]) == engine.num_blocks
     mine = [c for c in kv["cells"] if "kvmap" in c["owners"]]
     assert mine and all(c["state"] == "used" for c in mine)
     assert any(c["shared"] for c in mine), "n=2 shares the prompt's blocks"
@@ -143,7 +143,7 @@ def test_kv_map_owners_and_sharing(engine):
         engine.step()
     kv = engine.inspect("state")["kv"]
     assert not any(c["owners"] for c in kv["cells"]) and any(c["state"] == "cached" and c["hash"] for c in kv["cells"])
-    engine.block_manager.check_invariants([])
+    engine.check_invariants()
 
 
 def test_a_large_cache_is_summarized(random_model_dir):

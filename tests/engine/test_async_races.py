@@ -103,7 +103,7 @@ async def until(check: Callable[[], bool], what: str) -> None:
 async def settled(llm: AsyncLLM) -> None:
     """Nothing held: no stream, no engine request, no KV block."""
     await until(
-        lambda: not llm._inbox.streams and not llm._engine.requests and llm.get_stats().kv_blocks_used == 0,
+        lambda: not llm.inbox.streams and not llm.engine.requests and llm.get_stats().kv_blocks_used == 0,
         "the engine to hold nothing",
     )
 
@@ -129,13 +129,13 @@ def test_a_cancelled_inspect_never_hurts_the_engine(llm, reference, monkeypatch,
             raise ValueError("the view failed")
         return {"view": what}
 
-    monkeypatch.setattr(llm._engine, "inspect", view)
+    monkeypatch.setattr(llm.engine, "inspect", view)
 
     async def main() -> None:
         if point == "queued":
             with engine_held(llm):
                 task = asyncio.create_task(llm.inspect("state"))
-                await until(lambda: llm._inbox.qsize() == 1, "the call to be queued")
+                await until(lambda: llm.inbox.qsize() == 1, "the call to be queued")
                 task.cancel()
                 await asyncio.wait([task])  # its future is cancelled before the engine takes the call
                 release.set()
@@ -186,9 +186,9 @@ def test_a_retry_with_the_same_id_gets_exactly_its_own_tokens(llm, reference, ab
             await first.aclose()
             if not abort_landed:
                 retry = asyncio.create_task(tokens_of(llm, "dup", 20))
-                await until(lambda: llm._inbox.streams["dup"].waiters, "the retry to wait for the id")
+                await until(lambda: llm.inbox.streams["dup"].waiters, "the retry to wait for the id")
         if abort_landed:
-            await until(lambda: "dup" not in llm._inbox.streams, "the abort to land")
+            await until(lambda: "dup" not in llm.inbox.streams, "the abort to land")
             retry = asyncio.create_task(tokens_of(llm, "dup", 20))
         tokens = await asyncio.wait_for(retry, WAIT_S)
         await settled(llm)
@@ -210,12 +210,12 @@ def test_a_retry_cancelled_while_it_waits_for_the_id_takes_nothing(llm, referenc
                 await first.aclose()  # its abort queues up behind the held call
                 llm._send(("call", concurrent.futures.Future(), released.set))  # runs after the abort
                 retry = asyncio.create_task(tokens_of(llm, "dup", 5))
-                await until(lambda: llm._inbox.streams["dup"].waiters, "the retry to wait for the id")
+                await until(lambda: llm.inbox.streams["dup"].waiters, "the retry to wait for the id")
                 if not same_turn:
                     retry.cancel()
                     with pytest.raises(asyncio.CancelledError):
                         await retry
-                    assert not llm._inbox.streams["dup"].waiters
+                    assert not llm.inbox.streams["dup"].waiters
             if same_turn:
                 assert released.wait(WAIT_S)  # this loop blocked: the release and the cancel meet
                 retry.cancel()
@@ -250,7 +250,7 @@ def test_close_streams_refuses_a_retry_waiting_for_its_id(llm):
         await first.__anext__()
         with engine_held(llm):
             retry = asyncio.create_task(tokens_of(llm, "dup", 5))
-            await until(lambda: llm._inbox.streams["dup"].waiters, "the retry to wait for the id")
+            await until(lambda: llm.inbox.streams["dup"].waiters, "the retry to wait for the id")
             llm.close_streams(EngineShutdownError("The server is shutting down; retry the request."))
             with pytest.raises(EngineShutdownError):
                 for _ in range(200):  # the outputs it already had come first
@@ -303,7 +303,7 @@ def test_a_request_id_like_another_requests_child_is_its_own_sequence(random_mod
     assert len(set(seq_ids)) == 3
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.get_stats().kv_blocks_used == 0
 
 
 def test_prompt_tokens_are_counted_once_per_request_whatever_n(random_model_dir):
@@ -325,7 +325,7 @@ def test_generate_and_inspect_queued_when_the_loop_dies_fail_at_once(llm):
         with engine_held(llm, on_release=die):
             queued = asyncio.create_task(tokens_of(llm, "queued", 5))
             call = asyncio.create_task(llm.inspect("steps", timeout_s=WAIT_S))
-            await until(lambda: llm._inbox.qsize() == 2, "the request and the call to queue")
+            await until(lambda: llm.inbox.qsize() == 2, "the request and the call to queue")
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(running, WAIT_S)
         for task in (queued, call):
@@ -338,7 +338,7 @@ def test_generate_and_inspect_queued_when_the_loop_dies_fail_at_once(llm):
 
     asyncio.run(main())
     assert not llm.is_alive and isinstance(llm.error, LoopKiller)
-    assert not llm._inbox.streams and llm._engine.block_manager.num_used_blocks == 0
+    assert not llm.inbox.streams and llm.engine.get_stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("ending", ["death", "shutdown"])
@@ -363,7 +363,7 @@ def test_generate_racing_the_end_of_the_loop_never_waits_forever(llm, monkeypatc
             await asyncio.wait_for(tokens_of(llm, "racer", 5), WAIT_S)
 
     asyncio.run(main())
-    assert not llm._inbox.streams
+    assert not llm.inbox.streams
 
 
 def test_shutdown_with_requests_in_the_inbox_ends_every_stream(llm):
@@ -376,7 +376,7 @@ def test_shutdown_with_requests_in_the_inbox_ends_every_stream(llm):
         await until(lambda: "running" in llm._live, "the request to run")
         with engine_held(llm):
             queued = asyncio.create_task(tokens_of(llm, "queued", 5))
-            await until(lambda: llm._inbox.qsize() == 1, "the request to queue")
+            await until(lambda: llm.inbox.qsize() == 1, "the request to queue")
             stopping = asyncio.create_task(asyncio.to_thread(llm.shutdown))
             errors = []
             for task in (running, queued):
@@ -388,7 +388,7 @@ def test_shutdown_with_requests_in_the_inbox_ends_every_stream(llm):
 
     first, second = asyncio.run(main())
     assert first is not second
-    assert not llm.is_alive and not llm._inbox.streams and llm._engine.block_manager.num_used_blocks == 0
+    assert not llm.is_alive and not llm.inbox.streams and llm.engine.get_stats().kv_blocks_used == 0
 
 
 # ---- metrics state of requests that fail after their first token -------------------------

@@ -10,8 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import STRESS_ENGINE_ARGS
-from models import assert_greedy_match, hf_greedy
+from models import STRESS_ENGINE_ARGS, assert_greedy_match, hf_greedy
 from observe import counter_deltas
 
 from cb_serve import LLM, SamplingParams, cpu_ops

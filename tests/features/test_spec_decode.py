@@ -11,8 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import STRESS_ENGINE_ARGS
-from models import assert_same_greedy
+from models import STRESS_ENGINE_ARGS, assert_same_greedy
 
 from cb_serve import LLM, SamplingParams
 from cb_serve.config.speculative import SpeculativeConfig
@@ -207,7 +206,7 @@ def test_greedy_with_drafts_equals_greedy_without(arch, drafts, random_model_dir
         assert counters.accepted_per_pos[-1] > 0 and counters.accepted_per_pos[0] < counters.num_drafts, counters
     assert stats.num_preemptions > before.num_preemptions and stats.num_partial_prefills > before.num_partial_prefills
     assert stats.prefix_cache_hits > before.prefix_cache_hits
-    assert spec_llm.engine.block_manager.num_used_blocks == 0
+    assert spec_llm.engine.get_stats().kv_blocks_used == 0
 
 
 def test_stops_inside_an_accepted_run_cut_it_there(random_model_dir, tokenizer):
@@ -237,7 +236,7 @@ def test_stops_inside_an_accepted_run_cut_it_there(random_model_dir, tokenizer):
                 ), params
                 checked += spec_llm.engine.speculator.counters.num_accepted_tokens > accepted
     assert checked >= 4, "too few of these runs accepted drafts to exercise a stop among them"
-    assert spec_llm.engine.block_manager.num_used_blocks == 0
+    assert spec_llm.engine.get_stats().kv_blocks_used == 0
 
 
 def test_sampled_and_greedy_requests_speculate_side_by_side(random_model_dir, tokenizer):
@@ -325,7 +324,7 @@ def test_draft_model_greedy_equals_greedy_without(target, draft, random_model_di
             assert counters.num_accepted_tokens > 0.9 * counters.num_draft_tokens, counters
         assert stats.num_preemptions > before.num_preemptions
         proposer = spec_llm.engine.speculator.proposer
-        assert spec_llm.engine.block_manager.num_used_blocks == 0
+        assert spec_llm.engine.get_stats().kv_blocks_used == 0
         assert proposer.blocks.num_used_blocks == 0 and not proposer.shadows
 
 
@@ -413,7 +412,7 @@ def test_speculator_counts_acceptance_per_position(random_model_dir):
     spec.propose(seqs)
     assert [len(s.spec_token_ids) for s in seqs] == [0, 4]  # greedy: trimmed to none; seeded: kept
     llm.engine.abort_request(["rNone", "r5"])
-    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.engine.get_stats().kv_blocks_used == 0
 
 
 def test_structured_outputs_speculate_under_their_grammar(random_model_dir):
@@ -442,7 +441,7 @@ def test_structured_outputs_speculate_under_their_grammar(random_model_dir):
             assert re.fullmatch(r"[a-z]{2,6}-\d{3}", outs[3].outputs[0].text)
         counters = llm.engine.speculator.counters
         assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, counters
-        assert llm.engine.block_manager.num_used_blocks == 0
+        assert llm.engine.get_stats().kv_blocks_used == 0
     assert runs[0] == runs[1]
 
 
@@ -455,7 +454,7 @@ def test_streamed_deltas_carry_every_accepted_token(random_model_dir, tokenizer)
     prompts = spec_prompts(tokenizer)[:3]
     ref, _ = greedy_runs(LLM(model, **STRESS_ENGINE_ARGS), prompts)
     llm = AsyncLLM(EngineConfig(model=model, speculative_config=FIXED_K, **STRESS_ENGINE_ARGS))
-    llm._engine.speculator.proposer = OracleProposer({tuple(p): r for p, (r, _) in zip(prompts, ref)})
+    llm.engine.speculator.proposer = OracleProposer({tuple(p): r for p, (r, _) in zip(prompts, ref)})
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     async def stream(i: int) -> list[list[int]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "cb_serve" / "cpu_ops" / "csrc"
 FALLBACK = "using the PyTorch path"
 

@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")
 PORT = 8331
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "tp"
-CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "config.tp.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "config.tp.yaml"
 ENGINE = {"max_model_len": 512, "num_gpu_blocks": 256, "max_num_seqs": 8, "num_threads": 1}
 
 

@@ -252,7 +252,7 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(smol_llm, tokenizer):
 
 
 def test_an_explicit_gguf_path_loads_the_same_model(smol_llm):
-    from conftest import STRESS_ENGINE_ARGS
+    from models import STRESS_ENGINE_ARGS
 
     from cb_serve.model_executor.loader import default_model_source
 

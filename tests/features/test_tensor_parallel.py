@@ -19,8 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import STRESS_ENGINE_ARGS
-from models import assert_same_greedy, make_random_model
+from models import STRESS_ENGINE_ARGS, assert_same_greedy, make_random_model
 
 from cb_serve import LLM, AsyncLLM, EngineConfig, SamplingParams
 from cb_serve.distributed.sharding import balanced_range, shard_for

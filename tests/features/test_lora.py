@@ -11,8 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import STRESS_ENGINE_ARGS
-from models import assert_greedy_match, assert_same_greedy, hf_greedy, make_adapter, make_random_model
+from models import (
+    STRESS_ENGINE_ARGS,
+    assert_greedy_match,
+    assert_same_greedy,
+    hf_greedy,
+    make_adapter,
+    make_random_model,
+)
 from safetensors.torch import save_file
 
 from cb_serve import LLM, LoRARequest, SamplingParams

@@ -21,7 +21,7 @@ from serving import SSEStream, wait_for
 
 pytest.importorskip("ray.serve")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = "http://127.0.0.1:8000"  # deploy/config.yaml's port
 BIN = Path(sys.executable).parent
 
