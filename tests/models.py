@@ -20,17 +20,23 @@ TINY = dict(
 )
 
 
-def tiny_config(arch: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+# Each tiny architecture the engine serves: its transformers config class and what it adds to
+# ``TINY``. A new model family is one entry here; the exactness harness (``exactness.py``,
+# ``tests/engine/test_hf_equivalence.py``) then checks it against HF under every scheduling setting.
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 48, "head_dim": 16}),  # a window shorter than long prompts
+}
 
-    kwargs = {**TINY, **overrides}
-    if arch == "llama":
-        return LlamaConfig(vocab_size=vocab_size, rope_theta=10000.0, **kwargs)
-    if arch == "qwen2":
-        return Qwen2Config(vocab_size=vocab_size, **kwargs)
-    if arch == "mistral":  # a sliding window shorter than the long prompts, so it matters
-        return MistralConfig(vocab_size=vocab_size, sliding_window=48, head_dim=16, **kwargs)
-    raise ValueError(arch)
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(arch)
+    config_class, extra = ARCHS[arch]
+    return getattr(transformers, config_class)(vocab_size=vocab_size, **{**TINY, **extra, **overrides})
 
 
 def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **config_overrides) -> Path:

@@ -11,7 +11,7 @@ import time
 from cb_serve.engine.builder import EngineParts
 from cb_serve.engine.output_processor import OutputProcessor
 from cb_serve.engine.request_state import RequestState
-from cb_serve.engine.stats_recorder import StatsRecorder
+from cb_serve.engine.stats_recorder import StatsRecorder, StepInProgress
 from cb_serve.errors import EngineFatalError, EngineOverloadedError, RequestFailedError, StepFailedError
 from cb_serve.model_executor.model_runner import StepResult
 from cb_serve.outputs import CompletionOutput, RequestOutput
@@ -91,13 +91,7 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the outputs of the requests it advanced.
-
-        Failures are contained: an exception while one request's output is processed fails
-        that request alone (``RequestFailedError``); any other exception of the step fails the
-        step's requests (``StepFailedError``, retryable) and frees their KV blocks. Only
-        ``EngineFatalError`` escapes, also raised after ``MAX_CONSECUTIVE_STEP_FAILURES``
-        failed steps in a row."""
+        """Schedules and runs one step: the outputs of the requests it advanced or ended."""
         start = time.monotonic()
         outputs = self._admit()  # structured outputs: requests whose grammar is ready join the queue
         self.speculator.propose(self.scheduler.running)  # speculation: drafts ride along in the ragged batch
@@ -105,15 +99,10 @@ class EngineCore:
         if sched.is_empty:
             return self._idle(outputs)
         step = self.stats.begin(start, sched)
-        try:
-            result = self._execute(sched)
-        except EngineFatalError:
-            raise
-        except Exception as e:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
-            return outputs + self._fail_step(sched, e)
-        executed = time.monotonic()
-        outputs += self._update_from_output(result)
-        self.stats.record(step, sched, result, executed, outputs)
+        result = self._execute(sched, step, outputs)  # None: the step failed (its requests' ends in outputs)
+        if result is not None:
+            outputs += self._update_from_output(result)
+            self.stats.record(step, sched, result, outputs)
         return outputs
 
     def _admit(self) -> list[RequestOutput]:
@@ -128,13 +117,26 @@ class EngineCore:
             self.structured.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar is compiled
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> StepResult:
-        if self.faults is not None:
-            kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
-            self.faults.before_step(self.stats.num_steps + self.stats.num_failed_steps + 1, kinds)
-        sched.grammar_bitmask = self.structured.grammar_bitmask(sched)  # filled while the forward pass runs
-        result = self.executor.execute(sched)  # LoRA slots are assigned as the runner prepares the batch
-        self.scheduler.update_after_step(sched)
+    def _execute(self, sched: SchedulerOutput, step: StepInProgress, outputs: list[RequestOutput]) -> StepResult | None:
+        """Runs the step on the executor. Failures are contained here: any exception but
+        ``EngineFatalError`` fails the step's requests (``StepFailedError``, retryable; their
+        outputs join ``outputs``) and frees their KV blocks, and the engine goes on; after
+        ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a row it raises ``EngineFatalError``.
+        (An exception while one request's output is processed fails that request alone:
+        ``_update_from_output``.)"""
+        try:
+            if self.faults is not None:
+                kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
+                self.faults.before_step(self.stats.num_steps + self.stats.num_failed_steps + 1, kinds)
+            sched.grammar_bitmask = self.structured.grammar_bitmask(sched)  # filled while the forward pass runs
+            result = self.executor.execute(sched)  # LoRA slots are assigned as the runner prepares the batch
+            self.scheduler.update_after_step(sched)
+        except EngineFatalError:
+            raise
+        except Exception as e:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
+            outputs += self._fail_step(sched, e)
+            return None
+        step.executed = time.monotonic()
         self.consecutive_step_failures = 0
         return result
 

@@ -69,8 +69,7 @@ class OutputProcessor:
             self.append_token(seq, token_id, logprobs[i], now)
             if seq.is_finished:
                 return
-        if len(emitted) > 1:
-            self.scheduler.block_manager.commit_computed(seq)  # blocks the accepted drafts filled
+        self.scheduler.block_manager.commit_computed(seq)  # blocks accepted drafts filled (none without drafts)
 
     def _jump_forward(self, seq: Sequence, now: float) -> None:
         """Appends the tokens the grammar forces next: they join the sequence's next step as a chunk."""

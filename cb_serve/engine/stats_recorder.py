@@ -35,6 +35,7 @@ class StepInProgress:
     scheduled: float
     num_decode_tokens: int  # output tokens fed back one at a time (not a prompt's last chunk), with drafts
     before: list[tuple[int, int]] | None  # each sequence's (computed, tokens) for the inspector
+    executed: float = 0.0  # when the executor was done
 
 
 class StatsRecorder:
@@ -70,12 +71,10 @@ class StatsRecorder:
         if any(seq.times.first_token is not None for seq in state.seqs):
             self.ended_since_step.append(state.request_id)
 
-    def record(
-        self, step: StepInProgress, sched: SchedulerOutput, result: StepResult, executed: float, outputs: list
-    ) -> None:
+    def record(self, step: StepInProgress, sched: SchedulerOutput, result: StepResult, outputs: list) -> None:
         now = time.monotonic()
-        execute_s = executed - step.scheduled - result.prepare_s
-        phases = StepPhases(step.scheduled - step.start, result.prepare_s, execute_s, now - executed)
+        execute_s = step.executed - step.scheduled - result.prepare_s
+        phases = StepPhases(step.scheduled - step.start, result.prepare_s, execute_s, now - step.executed)
         self.num_steps += 1
         self.step_seconds += phases.total_s
         self.scheduling_seconds += phases.schedule_s + phases.prepare_s

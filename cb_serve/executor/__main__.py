@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process (``worker_pool.WorkerProcess``): ``python -m cb_serve.executor``
+"""A tensor-parallel worker process (``processes.WorkerProcess``): ``python -m cb_serve.executor``
 with its pickled ``WorkerSpec`` on standard input."""
 
 import logging

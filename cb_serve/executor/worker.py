@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import pickle
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing.connection import Client
 
@@ -66,8 +67,12 @@ def worker_main(spec: WorkerSpec) -> None:
         conn.close()
 
 
-class RayWorker:
-    """A worker as a Ray actor (``ray.remote(RayWorker)``), placed in its replica's placement group."""
+class WorkerHandle(ABC):
+    """The driver's handle on one worker rank (a process, or a Ray actor)."""
 
-    def run(self, spec: WorkerSpec) -> None:
-        worker_main(spec)
+    @abstractmethod
+    def is_alive(self) -> bool: ...
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Makes sure the worker has ended (after the driver told it to stop)."""

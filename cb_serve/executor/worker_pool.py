@@ -10,8 +10,6 @@ import logging
 import os
 import pickle
 import secrets
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -25,7 +23,9 @@ import torch.distributed as dist
 from cb_serve.config import EngineConfig
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.errors import EngineFatalError
-from cb_serve.executor.worker import STORE_TIMEOUT_S, RayWorker, WorkerSpec
+from cb_serve.executor.processes import launch_processes
+from cb_serve.executor.ray_workers import launch_ray_workers
+from cb_serve.executor.worker import STORE_TIMEOUT_S, WorkerHandle, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +80,11 @@ class WorkerPool:
             WorkerSpec(config, rank, size, dev, host, self.listener.address[1], self.store.port, authkey, threads)
             for rank, dev in zip(range(1, size), worker_devices(device, size, self.backend))
         ]
-        self.handles: list[Any] = _launch_ray(specs) if self.backend == "ray" else _launch_mp(specs)
+        launch = launch_ray_workers if self.backend == "ray" else launch_processes
+        self.handles: list[WorkerHandle] = launch(specs)
         self.conns: list[Connection] = []
         self.pids: list[int] = []
-        self._finalizer = weakref.finalize(self, _stop, self.conns, self.handles, self.backend, self.listener)
+        self._finalizer = weakref.finalize(self, _stop, self.conns, self.handles, self.listener)
         hellos = self._await("connect", lambda: [self._accept() for _ in specs])
         hellos.sort()
         self.conns[:] = [conn for _, _, conn in hellos]
@@ -108,16 +109,7 @@ class WorkerPool:
 
     def dead_workers(self) -> list[int]:
         """Ranks whose process or actor has ended."""
-        if self.backend == "ray":
-            import ray
-
-            done, _ = ray.wait(self.handles_refs, num_returns=len(self.handles_refs), timeout=0)
-            return [rank for rank, ref in enumerate(self.handles_refs, 1) if ref in done]
-        return [rank for rank, proc in enumerate(self.handles, 1) if not proc.is_alive()]
-
-    @property
-    def handles_refs(self) -> list[Any]:
-        return [ref for _, ref in self.handles]
+        return [rank for rank, handle in enumerate(self.handles, 1) if not handle.is_alive()]
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -160,61 +152,7 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-class WorkerProcess:
-    """A worker rank as a fresh interpreter, ``python -m cb_serve.executor``, reading its
-    ``WorkerSpec`` from its standard input. Neither forked (the driver's threads, OpenMP pool and
-    CUDA state are not fork-safe) nor spawned by ``multiprocessing`` (whose children import the
-    driver's ``__main__``: a user's script without an ``if __name__ == "__main__":`` guard would
-    run again in every worker). It ends by itself when the driver goes away (its connection closes)."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        command = [sys.executable, "-m", "cb_serve.executor"]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, close_fds=True)
-        self.pid = self.proc.pid
-        assert self.proc.stdin is not None
-        with self.proc.stdin:
-            self.proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def join(self, timeout: float | None = None) -> None:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:
-        self.proc.kill()
-
-
-def _launch_mp(specs: list[WorkerSpec]) -> list[Any]:
-    return [WorkerProcess(spec) for spec in specs]
-
-
-def _launch_ray(specs: list[WorkerSpec]) -> list[Any]:
-    """One actor per rank, in bundle ``rank`` of the current placement group (the replica's; the
-    replica itself holds bundle 0), each asking for one GPU on CUDA, one CPU otherwise."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    pg = ray.util.get_current_placement_group()
-    handles = []
-    for spec in specs:
-        gpu = spec.device.startswith("cuda")
-        resources: dict[str, Any] = {"num_gpus": 1, "num_cpus": 0} if gpu else {"num_cpus": 1}
-        if pg is not None:
-            bundle = spec.rank
-            resources["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-        actor = ray.remote(RayWorker).options(name=None, **resources).remote()
-        handles.append((actor, actor.run.remote(spec)))
-    return handles
-
-
-def _stop(conns: list[Connection], handles: list[Any], backend: str, listener: Listener) -> None:
+def _stop(conns: list[Connection], handles: list[WorkerHandle], listener: Listener) -> None:
     """Tells every worker to stop, then makes sure it has (the pool's finalizer: idempotent)."""
     for conn in conns:
         try:
@@ -223,14 +161,5 @@ def _stop(conns: list[Connection], handles: list[Any], backend: str, listener: L
         except OSError:
             pass
     listener.close()
-    if backend == "ray":
-        import ray
-
-        for actor, _ in handles:
-            ray.kill(actor)
-        return
-    for proc in handles:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
+    for handle in handles:
+        handle.stop()
