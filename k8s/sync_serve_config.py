@@ -3,7 +3,7 @@
 ``python k8s/sync_serve_config.py`` copies each config file verbatim (comments included) into
 its manifest's ``serveConfigV2: |`` block (``MANIFESTS``: k8s/rayservice.yaml from
 deploy/config.gpu.yaml, k8s/rayservice-tp.yaml from deploy/config.tp.yaml); ``--check`` only
-reports which differ (tests/test_k8s.py runs the same comparison). Edit the Serve configs in
+reports which differ (tests/deploy/test_k8s.py runs the same comparison). Edit the Serve configs in
 deploy/, never in the manifests.
 """
 
