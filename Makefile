@@ -37,9 +37,9 @@ test-deps:
 	  || echo "note: could not install chromium; tests/serve/test_inspect_serve.py will skip its browser test"; }
 
 # Two workers (pytest-xdist): the modules that start Ray clusters run on one, one at a time, while
-# the other computes the rest (tests/conftest.py groups them); a module's tests stay together.
+# the other computes the rest; a module's tests stay together (tests/conftest.py's scheduler).
 test: install test-deps
-	$(PY) -m pytest -q --durations=10 -n 2 --dist loadgroup
+	$(PY) -m pytest -q --durations=10 -n 2 --dist loadscope
 
 lint: install
 	$(VENV)/bin/ruff check cb_serve tests bench k8s

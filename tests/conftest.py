@@ -71,20 +71,20 @@ def smol_hf():
     return AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
 
 
-RAY = HERE / "serve"  # the modules that start Ray clusters (Serve applications, a two-node cluster)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``make test`` runs two pytest-xdist workers with ``--dist loadscope``, scheduled here: each
+    module's tests stay on one worker (its fixtures, an engine or a Serve cluster, are made once),
+    and every module that starts Ray clusters (``tests/serve/``) is one unit, so one worker runs
+    them one cluster at a time (they mostly wait on Ray and HTTP) while the other computes the rest.
+    (xdist's own ``loadgroup`` renames node ids, which pytest 9 no longer reads.)"""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
+    class ModulesWithRayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if module.startswith("tests/serve/") else module
 
-def starts_ray(item: pytest.Item) -> bool:
-    return RAY in Path(str(item.fspath)).parents
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """For pytest-xdist's ``--dist loadgroup`` (``make test`` runs two workers): one group per
-    module, so a module's fixtures (an engine, a Serve cluster) are made once; and every module
-    that starts a Ray cluster in one group, first, so one worker runs them one cluster at a time
-    (they mostly wait on Ray and HTTP) while the other computes the rest."""
-    for item in items:
-        group = "ray" if starts_ray(item) else Path(str(item.fspath)).relative_to(HERE).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: not starts_ray(item))  # stable: each module's order is kept
+    return ModulesWithRayTogether(config, log)
