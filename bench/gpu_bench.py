@@ -36,6 +36,7 @@ from roofline import copy_bandwidth, sync  # noqa: E402
 from cb_serve import LLM  # noqa: E402
 from cb_serve.benchmarks.cpu_accounting import Timer  # noqa: E402
 from cb_serve.benchmarks.report import agreement, cb_serve_source, log, write_json  # noqa: E402
+from cb_serve.model_executor.cuda_graph import bucket_for  # noqa: E402
 
 LLAMA_1B = dict(
     hidden_size=2048,
@@ -93,7 +94,9 @@ def graph_replay_ms(llm: LLM, rows: int, device: torch.device, reps: int = 50) -
     graphs = llm.engine.runner.graph_runner
     if graphs is None or not graphs.capture:
         return None
-    size = min(s for s in graphs.sizes if s >= rows)
+    size = bucket_for(rows, graphs.sizes)
+    if size is None:  # more rows than the largest captured size (256): those steps run eagerly
+        return None
     graph = graphs.graphs[size]
     graph.replay()
     sync(device)

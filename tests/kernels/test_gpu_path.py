@@ -169,7 +169,9 @@ def test_flash_attn_decode_graphs_match_eager(random_model_dir):
     """bfloat16 with flash-attn: decode through captured graphs (3 rows padded to 4) picks what
     eager decode picks, with log-probabilities within bfloat16 rounding."""
     model = str(random_model_dir("llama"))
-    args = dict(dtype="bfloat16", attention_backend="flash_attn", max_model_len=512, max_num_seqs=8)
+    # Two engines in one process: each sized explicitly (without it the first takes 0.9 of the card
+    # and the second gets no KV block).
+    args = dict(dtype="bfloat16", attention_backend="flash_attn", max_model_len=512, max_num_seqs=8, num_gpu_blocks=256)
     graphs, eager = LLM(model, **args), LLM(model, enforce_eager=True, **args)
     assert graphs.engine.runner.graph_runner is not None and eager.engine.runner.graph_runner is None
     prompts = [list(range(100, 100 + n)) for n in (5, 17, 300)]
