@@ -65,8 +65,8 @@ class EngineCore:
 
     def add_state(self, state: RequestState) -> None:
         """Queues a validated request: its sequences go to the scheduler, or with a constraint to
-        the structured outputs manager until their grammar is compiled (off this thread)."""
-        self.check_capacity()
+        the structured outputs manager until their grammar is compiled (off this thread). The caller
+        has checked ``check_capacity`` (before it took in the request's adapter)."""
         s = self.scheduler
         self.requests[state.request_id] = state
         constraint = state.params.structured_outputs

@@ -69,7 +69,8 @@ class OutputProcessor:
             self.append_token(seq, token_id, logprobs[i], now)
             if seq.is_finished:
                 return
-        self.scheduler.block_manager.commit_computed(seq)  # blocks accepted drafts filled (none without drafts)
+        if len(emitted) > 1:  # not on the plain decode's hot path: update_after_step committed its blocks
+            self.scheduler.block_manager.commit_computed(seq)  # blocks the accepted drafts filled
 
     def _jump_forward(self, seq: Sequence, now: float) -> None:
         """Appends the tokens the grammar forces next: they join the sequence's next step as a chunk."""
