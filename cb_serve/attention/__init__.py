@@ -26,31 +26,24 @@ __all__ = [
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn 2 refuses others ("only support fp16 and bf16")
 
 
-def auto_backend_name(
-    device_type: str, dtype: torch.dtype, block_size: int | None, flash: bool, triton: bool, cpu: bool
-) -> str:
-    """What ``auto`` picks, from the device, the model dtype, the block size asked for (None: the
-    backend's default) and which backends can run here: on CUDA flash-attn when it imports and
-    can serve the dtype and block size, else the Triton kernels (with CUDA graphs), else the
-    PyTorch backend; on CPU the C++ kernel backend when it builds, else the PyTorch backend."""
+def auto_backend_name(device_type: str, triton: bool, cpu: bool) -> str:
+    """What ``auto`` picks, from the device and which backends can run here: on CUDA the Triton
+    kernels (with CUDA graphs) when triton imports, else the PyTorch backend; on CPU the C++ kernel
+    backend when it builds, else the PyTorch backend. flash-attn is opt-in
+    (``attention_backend="flash_attn"``): its prebuilt wheels cover few torch and CUDA versions."""
     if device_type == "cuda":
-        pages = flash_backend.FlashAttentionBackend.block_size_multiple
-        flash_fits = dtype in FLASH_DTYPES and (block_size is None or block_size % pages == 0)
-        return "flash_attn" if flash and flash_fits else "triton" if triton else "torch"
+        return "triton" if triton else "torch"
     return "cpu" if device_type == "cpu" and cpu else "torch"
 
 
-def get_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype = torch.float32, block_size: int | None = None
-) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """The backend ``name`` (``auto``: ``auto_backend_name``) for ``device``; raises when it cannot
     serve ``dtype`` there."""
     if name == "auto":
         if device.type == "cuda":  # (availability asked only where it matters: the CPU one builds kernels)
-            flash, triton = flash_backend.is_available(), triton_backend.is_available()
-            name = auto_backend_name("cuda", dtype, block_size, flash, triton, False)
+            name = auto_backend_name("cuda", triton_backend.is_available(), False)
         else:
-            name = auto_backend_name(device.type, dtype, block_size, False, False, cpu_backend.is_available())
+            name = auto_backend_name(device.type, False, cpu_backend.is_available())
     if name == "flash_attn":
         if dtype not in FLASH_DTYPES:
             raise ValueError(f"attention_backend='flash_attn' needs float16 or bfloat16 weights, got {dtype}.")

@@ -1,4 +1,5 @@
-"""flash-attn backend (CUDA). Imports cleanly without flash-attn; ``is_available`` says."""
+"""flash-attn backend (CUDA), opt-in (``attention_backend="flash_attn"``). Imports cleanly without
+flash-attn; ``is_available`` says."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ try:  # pragma: no cover - exercised only where flash-attn is installed
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 except ImportError:  # pragma: no cover
     flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+
+# flash-attn's setup.py imports torch (so pip must not isolate the build) and then downloads the
+# release's prebuilt wheel named after the installed torch and CUDA (``+cu12torch2.Xcxx11abi...``);
+# where none matches, it compiles its CUDA sources, which takes hours.
+INSTALL_ADVICE = (
+    "pip install flash-attn --no-build-isolation (a prebuilt wheel exists only for the torch and CUDA "
+    "versions flash-attn's release lists, torch 2.4-2.8 with CUDA 12 for 2.8.3; elsewhere this is a "
+    "source build of hours). The default attention_backend, triton, needs no extra package."
+)
 
 
 def is_available() -> bool:
@@ -40,7 +51,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:  # pragma: no cover - needs CUDA + flash-attn
         if not is_available():
-            raise RuntimeError("flash-attn backend needs CUDA and the flash_attn package (pip install cb-serve[gpu]).")
+            raise RuntimeError(f"The flash-attn backend needs CUDA and the flash_attn package: {INSTALL_ADVICE}")
         if not triton_backend.is_available():
             raise RuntimeError("flash-attn backend writes the KV cache with a Triton kernel: install triton.")
 

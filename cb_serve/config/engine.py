@@ -42,7 +42,9 @@ class EngineConfig:
         "memory and attention traffic, no longer bit-faithful to float32 attention (cpu and torch backends).",
         choices=DTYPES,
     )
-    device: str = _arg("auto", "Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    device: str = _arg(
+        "auto", "Device: auto ($CB_SERVE_DEVICE if set, else cuda if available, else cpu), cpu, cuda, cuda:N."
+    )
     tensor_parallel_size: int = _arg(
         1,
         "Shard the model over this many devices (Megatron-style: heads, MLP columns and vocabulary split; "
@@ -95,8 +97,9 @@ class EngineConfig:
     )
     attention_backend: str = _arg(
         "auto",
-        "Attention backend: auto (flash_attn on CUDA if installed, else triton; cpu on CPU; else torch), "
-        "cpu (C++ paged-decode kernel), torch (pure PyTorch reference), flash_attn, triton (Triton paged kernels).",
+        "Attention backend: auto (triton on CUDA; cpu on CPU; else torch), "
+        "cpu (C++ paged-decode kernel), torch (pure PyTorch reference), triton (Triton paged kernels), "
+        "flash_attn (opt-in: pip install flash-attn --no-build-isolation, where a wheel fits torch).",
         choices=ATTENTION_BACKENDS,
     )
     enforce_eager: bool = _arg(

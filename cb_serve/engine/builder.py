@@ -30,6 +30,7 @@ from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.model_executor.model_setup import ModelSetup
+from cb_serve.model_executor.warm_up import warm_up
 from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
 from cb_serve.structured_outputs.manager import StructuredOutputManager
@@ -158,6 +159,9 @@ def _make_executor(
             lora,
             speculator.verify,
         )
+        if setup.device.type == "cuda" and size == 1:  # Triton's prefill kernels compile now, not at a first request
+            with device_context(setup.device):
+                warm_up(runner, config.max_num_batched_tokens, setup.max_model_len)
     except BaseException:
         if workers is not None:
             workers.shutdown()

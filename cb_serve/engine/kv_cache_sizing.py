@@ -8,6 +8,7 @@ import gc
 import torch
 
 from cb_serve.config import EngineConfig
+from cb_serve.config.speculative import SpeculativeConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -18,14 +19,30 @@ def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> 
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+# Bytes per logit while the sampler runs, at its widest (a top-p step): the float32 logits, their
+# log-softmax, the temperature-scaled and filtered copies, top-p's sorted values (4) and int64 order
+# (8) with their softmax and cumulative sum, the drop masks and the uniform draws.
+SAMPLER_BYTES_PER_LOGIT = 48
+STEP_SLACK_BYTES = 512 << 20  # CUDA graphs' pool, kernel workspaces (cuBLAS), allocator slack
+
+
+def logit_rows(config: EngineConfig) -> int:
+    """The most logit rows one step samples: one per running sequence, and with speculative
+    decoding one per draft position as well."""
+    spec = config.speculative_config
+    k = SpeculativeConfig.from_dict(spec).num_speculative_tokens if spec else 0
+    return config.max_num_seqs * (1 + k)
+
+
 def activation_bytes(hf_config, config: EngineConfig, dtype_size: int) -> int:
     """Upper bound on one step's transient memory: the widest activations of a full token budget
-    (hidden state, fused q/k/v and gate/up outputs), float32 logits and their softmax for every
-    running sequence, plus 512 MiB for CUDA graphs, kernel workspaces and allocator slack."""
+    (hidden state, fused q/k/v and gate/up outputs), the logits of every row the step samples
+    (``logit_rows``) with the sampler's working set on them, and ``STEP_SLACK_BYTES``. The KV
+    cache gets what is left; ``bench/gpu_check.sh`` measures a step's peak against this."""
     tokens = config.max_num_batched_tokens
     per_token = (4 * hf_config.hidden_size + 3 * hf_config.intermediate_size) * dtype_size
-    logits = config.max_num_seqs * hf_config.vocab_size * 4 * 2
-    return tokens * per_token + logits + (512 << 20)
+    logits = logit_rows(config) * hf_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    return tokens * per_token + logits + STEP_SLACK_BYTES
 
 
 def cuda_kv_cache_bytes(free: int, total: int, utilization: float, activations: int) -> int:

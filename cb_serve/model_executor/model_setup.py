@@ -4,6 +4,8 @@ every rank derives the same."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +20,19 @@ from cb_serve.model_executor.device_context import concrete_device
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 
 MAX_DEFAULT_MODEL_LEN = 8192
+DEVICE_ENV = "CB_SERVE_DEVICE"  # what device="auto" means in this process and its workers (the tests: cpu)
+
+
+def auto_device_name(device: str, cuda_available: bool, env: Mapping[str, str] = os.environ) -> str:
+    """The device an engine runs on: ``device`` unless ``auto``; then ``$CB_SERVE_DEVICE`` where set
+    (a GPU host's CPU test suite pins it to cpu), else cuda where available, else cpu."""
+    if device != "auto":
+        return device
+    return env.get(DEVICE_ENV) or ("cuda" if cuda_available else "cpu")
 
 
 def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    name = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    name = auto_device_name(config.device, torch.cuda.is_available())
     device = concrete_device(torch.device(name))  # "cuda" -> "cuda:<current>": set_device refuses a bare "cuda"
     if config.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -32,7 +43,7 @@ def choose_backend(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype
 ) -> tuple[AttentionBackend, int]:
     """The attention backend and the KV block size; raises if the backend cannot serve them."""
-    backend = get_attention_backend(config.attention_backend, device, dtype, config.block_size)
+    backend = get_attention_backend(config.attention_backend, device, dtype)
     block_size = config.block_size or max(16, backend.block_size_multiple)
     if block_size % backend.block_size_multiple:
         raise ValueError(

@@ -171,7 +171,7 @@ def test_two_gpus_equal_one(random_model_dir):
     log-probability within bfloat16 rounding. The bfloat16 tie rule: where one GPU's top two
     log-probabilities are within ``BF16_TIE``, the two runs may pick differently (comparison stops)."""
     model = str(random_model_dir("llama"))
-    args = dict(dtype="bfloat16", max_model_len=512, max_num_seqs=8, num_gpu_blocks=256)
+    args = dict(device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, num_gpu_blocks=256)
     one = LLM(model, **args)
     two = LLM(model, tensor_parallel_size=2, **args)
     try:

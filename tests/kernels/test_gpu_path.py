@@ -87,15 +87,26 @@ def test_kv_cache_sizing_from_device_memory():
 
 
 def test_activation_estimate_covers_a_full_budget_step():
+    """Issue 36 (8): the bound holds a full token budget's widest activations, and the sampler's
+    working set on the float32 logits of every sampled row, draft rows of speculation included."""
     from transformers import LlamaConfig
 
-    hf = LlamaConfig(hidden_size=2048, intermediate_size=8192, vocab_size=32000)
+    from cb_serve.engine.kv_cache_sizing import SAMPLER_BYTES_PER_LOGIT, logit_rows
+
+    hf = LlamaConfig(hidden_size=2048, intermediate_size=8192, vocab_size=152000)
     config = EngineConfig(max_num_batched_tokens=2048, max_num_seqs=256)
     est = activation_bytes(hf, config, dtype_size=2)
     gate_up = 2048 * 2 * 8192 * 2  # the widest single activation of a 2048-token step
-    logits = 256 * 32000 * 4
-    assert est > gate_up + logits + (512 << 20)
+    sort = 256 * 152000 * (4 + 8)  # top-p's sorted values and int64 order alone
+    assert logit_rows(config) == 256 and SAMPLER_BYTES_PER_LOGIT >= 4 + 4 + 4 + 8 + 4 + 4
+    assert est > gate_up + 256 * 152000 * 4 + sort + (512 << 20)
+    spec = EngineConfig(max_num_batched_tokens=2048, max_num_seqs=256, speculative_config=NGRAM_4)
+    assert logit_rows(spec) == 256 * 5
+    assert activation_bytes(hf, spec, 2) - est == 4 * 256 * 152000 * SAMPLER_BYTES_PER_LOGIT
     assert est < 4 * GiB
+
+
+NGRAM_4 = {"method": "ngram", "num_speculative_tokens": 4}
 
 
 @pytest.mark.skipif(
@@ -130,6 +141,30 @@ def test_padded_decode_path_with_triton_kernels_matches_reference(random_model_d
         assert_greedy_match(ours, ref, logits, context=f"request {i}")
 
 
+@pytest.mark.skipif(
+    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton run by its interpreter (TRITON_INTERPRET=1, set by conftest without CUDA)",
+)
+def test_warm_up_runs_the_prefill_shapes_and_leaves_the_outputs_alone(random_model_dir, tokenizer):
+    """Issue 36 (9): the start-up warm-up (run on CUDA by the builder) launches prefill and mixed
+    steps of each query-tile class through the Triton kernels (interpreted here); the KV it writes
+    into free blocks is garbage no request reads: greedy tokens afterwards are HF's."""
+    from models import hf_greedy
+
+    from cb_serve.model_executor.warm_up import warm_up, warm_up_query_lens
+
+    assert warm_up_query_lens(2048, 4096) == [[7], [33], [130], [2048], [1, 1, 24]]
+    assert warm_up_query_lens(64, 40) == [[7], [33], [40], [1, 1, 24]]
+    model = str(random_model_dir("llama"))
+    llm = LLM(model, attention_backend="triton", max_model_len=128, num_gpu_blocks=16, max_num_batched_tokens=64)
+    warm_up(llm.engine.runner, 64, 128)
+    prompts = [tokenizer.encode(t) for t in ("One", "a b c d e f g h i j k l m n o p q")]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    for i, (ours, (ref, logits)) in enumerate(zip(outputs, hf_greedy(model, prompts, [5, 5]))):
+        assert_greedy_match(ours, ref, logits, context=f"request {i}")
+
+
 def assert_matches_hf_greedy(llm: LLM, model: str, tokenizer, count: int) -> None:
     """``count`` prompts of growing length, each with its own output length: ``llm`` against HF
     ``generate`` in float32 (top-2 tie rule)."""
@@ -148,8 +183,8 @@ def assert_matches_hf_greedy(llm: LLM, model: str, tokenizer, count: int) -> Non
 def test_cuda_graphs_match_hf_greedy(random_model_dir, tokenizer):
     """On CUDA in float32: Triton kernels + CUDA graphs vs HF ``generate`` (top-2 tie rule)."""
     model = str(random_model_dir("llama"))
-    llm = LLM(model, dtype="float32", max_model_len=256, max_num_seqs=16)
-    assert llm.engine.backend.name in ("triton", "flash_attn")
+    llm = LLM(model, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_gpu_blocks=256)
+    assert llm.engine.backend.name == "triton" and llm.engine.runner.graph_runner is not None
     assert_matches_hf_greedy(llm, model, tokenizer, 12)
 
 
@@ -171,7 +206,8 @@ def test_flash_attn_decode_graphs_match_eager(random_model_dir):
     model = str(random_model_dir("llama"))
     # Two engines in one process: each sized explicitly (without it the first takes 0.9 of the card
     # and the second gets no KV block).
-    args = dict(dtype="bfloat16", attention_backend="flash_attn", max_model_len=512, max_num_seqs=8, num_gpu_blocks=256)
+    args = dict(device="cuda", dtype="bfloat16", attention_backend="flash_attn", max_model_len=512, max_num_seqs=8)
+    args["num_gpu_blocks"] = 256
     graphs, eager = LLM(model, **args), LLM(model, enforce_eager=True, **args)
     assert graphs.engine.runner.graph_runner is not None and eager.engine.runner.graph_runner is None
     prompts = [list(range(100, 100 + n)) for n in (5, 17, 300)]
@@ -185,25 +221,40 @@ def test_flash_attn_decode_graphs_match_eager(random_model_dir):
             assert abs(ours.logprobs[t][x].logprob - ref.logprobs[t][y].logprob) < 0.05
 
 
+def test_the_suite_runs_on_cpu_on_a_gpu_host(monkeypatch, random_model_dir):
+    """Issue 36 (6): with a CUDA device present (faked here), an engine the tests build with
+    device="auto" runs on the CPU in float32 (conftest sets ``CB_SERVE_DEVICE=cpu``, which worker
+    processes and Serve replicas inherit) and never touches CUDA; a user's ``auto`` picks CUDA."""
+    from cb_serve.model_executor.model_setup import DEVICE_ENV, auto_device_name
+
+    assert os.environ[DEVICE_ENV] == "cpu"
+    model = str(random_model_dir("llama"))  # (made first: importing transformers' model meets the fakes)
+    forbid_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    llm = LLM(model, max_model_len=128, num_gpu_blocks=16)
+    assert (llm.engine.device, llm.engine.dtype) == (torch.device("cpu"), torch.float32)
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert auto_device_name("auto", True, {}) == "cuda"
+    assert auto_device_name("auto", False, {}) == "cpu"
+    assert auto_device_name("cuda:1", True, {DEVICE_ENV: "cpu"}) == "cuda:1"
+
+
 @pytest.mark.parametrize(
-    "device, dtype, block_size, available, expected",
+    "device, available, expected",
     [
-        ("cuda", torch.bfloat16, None, (True, True, False), "flash_attn"),
-        ("cuda", torch.float16, 512, (True, True, False), "flash_attn"),
-        ("cuda", torch.float32, None, (True, True, False), "triton"),  # FA2 serves fp16/bf16 only
-        ("cuda", torch.bfloat16, 16, (True, True, False), "triton"),  # FA2's paged KV: multiples of 256
-        ("cuda", torch.float32, None, (True, False, False), "torch"),
-        ("cpu", torch.float32, 16, (False, False, True), "cpu"),
-        ("cpu", torch.float32, 16, (False, False, False), "torch"),
+        ("cuda", (True, False), "triton"),
+        ("cuda", (False, False), "torch"),
+        ("cpu", (False, True), "cpu"),
+        ("cpu", (False, False), "torch"),
     ],
 )
-def test_auto_backend_choice_by_device_dtype_and_block_size(device, dtype, block_size, available, expected):
-    """Issue 24 (1, 4): ``auto`` never picks flash-attn for float32 weights or a block size it
-    cannot page, so ``LLM(model, dtype="float32")`` and the tests' block_size=16 run on a GPU host
-    that has flash-attn installed."""
+def test_auto_backend_choice_by_device(device, available, expected):
+    """Issue 36 (2): on CUDA ``auto`` is the Triton backend (flash-attn, even where installed, only
+    when asked for: its wheels cover few torch and CUDA versions); on CPU the C++ kernels."""
     from cb_serve.attention import auto_backend_name
 
-    assert auto_backend_name(device, dtype, block_size, *available) == expected
+    assert auto_backend_name(device, *available) == expected
 
 
 def test_flash_attn_asked_for_with_float32_is_a_clear_error():

@@ -1,0 +1,62 @@
+"""Warm-up forward passes at start-up, one per shape class of a prefill step, so that the first
+requests do not wait for the attention kernels' just-in-time compilation: Triton compiles one
+kernel per set of compile-time constants (its query-tile size follows the longest query of the
+step, and a split-KV variant runs where there are few tiles), each on its first launch. Decode
+steps are warmed by the CUDA-graph capture; mixed steps (decode rows beside a prefill chunk) here."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cb_serve.model_executor.model_runner import ModelRunner, StepBatch
+
+
+def warm_up_query_lens(max_num_tokens: int, max_model_len: int) -> list[list[int]]:
+    """The batches to run, as each row's query length (decode rows, of length 1, first): short,
+    middling and long single prompts, the longest the token budget and context allow, and a mixed
+    step of two decode rows and a prefill chunk."""
+    longest = min(max_num_tokens, max_model_len)
+    singles = sorted({min(n, longest) for n in (7, 33, 130, longest)})
+    mixed = [1, 1, min(24, max(1, max_num_tokens - 2))]
+    return [[n] for n in singles] + ([mixed] if max_num_tokens >= 3 else [])
+
+
+def dummy_batch(query_lens: list[int], block_size: int, num_blocks: int, max_model_len: int) -> StepBatch:
+    """A step over made-up rows: each row has as much context as its query (a decode row: 16 tokens
+    before it), in blocks 0, 1, ... (rows share them: the KV written is garbage, overwritten before
+    any request reads it, as every block's is) and samples its last token."""
+    num_decodes = sum(1 for n in query_lens if n == 1)
+    seq_lens = [min(max_model_len, 17 if n == 1 else n) for n in query_lens]
+    width = -(-max(seq_lens) // block_size)
+    assert width <= num_blocks, "the KV cache holds one max_model_len sequence"
+    q = np.asarray(query_lens, dtype=np.int64)
+    cu_q = np.concatenate([[0], np.cumsum(q)])
+    cu_k = np.concatenate([[0], np.cumsum(seq_lens)])
+    row = np.repeat(np.arange(len(q)), q)
+    positions = np.arange(cu_q[-1]) - cu_q[:-1][row] + (np.asarray(seq_lens) - q)[row]
+    arrays = {
+        "input_ids": np.zeros(cu_q[-1], dtype=np.int64),
+        "positions": positions,
+        "slot_mapping": positions,  # block i of every row is block i
+        "logits_indices": cu_q[1:] - 1,
+        "cu_seqlens_q": cu_q,
+        "cu_seqlens_k": cu_k,
+        "seqused_k": np.asarray(seq_lens),
+        "block_table": np.tile(np.arange(width), (len(q), 1)),
+    }
+    return StepBatch(num_decodes, list(query_lens), seq_lens, arrays)
+
+
+@torch.inference_mode()
+def warm_up(runner: ModelRunner, max_num_tokens: int, max_model_len: int) -> None:
+    """Runs ``runner``'s forward pass and logits on each of ``warm_up_query_lens``'s batches (one
+    rank: tensor-parallel ranks would each have to run the same batches in step)."""
+    for query_lens in warm_up_query_lens(max_num_tokens, max_model_len):
+        batch = dummy_batch(query_lens, runner.block_size, runner.num_blocks, max_model_len)
+        if runner.lora is not None:  # every row on the base model
+            rows = np.repeat(np.arange(len(query_lens)), query_lens)
+            runner.lora.set_active_loras([None] * len(query_lens), rows, runner.device)
+        runner.compute_logits(runner.to_device(batch))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
