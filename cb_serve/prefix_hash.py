@@ -4,8 +4,8 @@ the router (which predicts where a prompt's prefix is cached).
 A full block is named by a SHA-256 chained over every token before it, so equal hashes mean
 equal prefixes. A replica publishes what it caches as a ``PrefixDigest``: a Bloom filter over
 those hashes, ``BITS_PER_BLOCK`` bits per KV block of the replica (about 1% false positives
-when the whole cache is full) whatever it holds, so a report has a fixed size. Its probes are
-words of the SHA-256 itself: no second hash function.
+when the whole cache is full) up to ``MAX_BITS``, whatever it holds, so a report has a fixed
+size. Its probes are words of the SHA-256 itself: no second hash function.
 """
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ import numpy as np
 
 NUM_PROBES = 7  # bit positions per hash: optimal for 10 bits per entry
 BITS_PER_BLOCK = 10
+# A digest never has more bits than this (a 1 MiB report; 16 MiB of engine-side counters), so a
+# huge KV cache (millions of blocks of a small model) neither costs host memory at start-up nor
+# ships a huge report every routing period. It still holds about 840k cached blocks at 1% false
+# positives; past that the router over-counts a prompt's hit by p / (1 - p) blocks on average
+# (p the false-positive rate: a false run must start at the first missing block), which stays
+# under one block up to about 2.5M cached blocks (40M tokens at block size 16). Over-counting
+# only misguides routing, never what an engine computes.
+MAX_BITS = 1 << 23
 HASH_BYTES = 32
 
 
@@ -77,11 +85,12 @@ class PrefixDigest:
 
 
 class CountingBloom:
-    """The engine's side of ``PrefixDigest``: a counter per bit, so evictions can be removed."""
+    """The engine's side of ``PrefixDigest``: a counter per bit, so evictions can be removed.
+    ``BITS_PER_BLOCK`` bits per block of the cache (a multiple of 64), at most ``MAX_BITS``."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.num_bits = -(-num_blocks * BITS_PER_BLOCK // 64) * 64
+        self.num_bits = min(-(-num_blocks * BITS_PER_BLOCK // 64) * 64, MAX_BITS)
         self.counts = np.zeros(self.num_bits, dtype=np.uint16)
         self.num_entries = 0
 

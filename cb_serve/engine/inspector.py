@@ -9,7 +9,7 @@ request ids and token counts only, never text. Everything here runs on the engin
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -307,22 +307,30 @@ class Inspector:
                 owners.setdefault(block_id, []).append(seq.request_id)
         group = -(-bm.num_blocks // MAX_KV_CELLS)
         cells = []
-        for start in range(0, bm.num_blocks, group):
-            blocks = bm.blocks[start : start + group]
-            if group == 1:
-                b = blocks[0]
-                state = "used" if b.ref_count else ("cached" if b.hash is not None else "free")
-                own = sorted(set(owners.get(b.block_id, ())))
-                digest = b.hash.hex()[:8] if b.hash else None
-                cells.append({"state": state, "owners": own, "shared": b.ref_count > 1, "hash": digest})
-                continue
-            used = sum(1 for b in blocks if b.ref_count)
-            cached = sum(1 for b in blocks if not b.ref_count and b.hash is not None)
-            shared = sum(1 for b in blocks if b.ref_count > 1)
-            own = [o for b in blocks for o in owners.get(b.block_id, ())]
-            state = "used" if used * 2 >= len(blocks) else ("cached" if cached * 2 >= len(blocks) else "free")
-            cells.append({"state": state, "owners": sorted(set(own))[:1], "shared": shared > 0, "used": used,
-                          "cached": cached, "blocks": len(blocks)})  # fmt: skip
+        if group == 1:
+            for block_id in range(bm.num_blocks):
+                ref, block_hash = bm.ref_count(block_id), bm.block_hash(block_id)
+                state = "used" if ref else ("cached" if block_hash is not None else "free")
+                own = sorted(set(owners.get(block_id, ())))
+                digest = block_hash.hex()[:8] if block_hash else None
+                cells.append({"state": state, "owners": own, "shared": ref > 1, "hash": digest})
+        else:  # counts per cell from the used and the cached blocks only: O(blocks in use or cached)
+            used, shared, cached = Counter(), Counter(), Counter()
+            cell_owners: dict[int, set[str]] = {}
+            for block_id, own in owners.items():
+                cell_owners.setdefault(block_id // group, set()).update(own)
+            for block_id in {*owners, *bm.cached.values()}:
+                ref = bm.ref_count(block_id)
+                used[block_id // group] += ref > 0
+                shared[block_id // group] += ref > 1
+                cached[block_id // group] += ref == 0 and bm.block_hash(block_id) is not None
+            for cell, start in enumerate(range(0, bm.num_blocks, group)):
+                size = min(group, bm.num_blocks - start)
+                n_used, n_cached = used[cell], cached[cell]
+                state = "used" if n_used * 2 >= size else ("cached" if n_cached * 2 >= size else "free")
+                cells.append({"state": state, "owners": sorted(cell_owners.get(cell, ()))[:1],
+                              "shared": shared[cell] > 0, "used": n_used, "cached": n_cached,
+                              "blocks": size})  # fmt: skip
         return {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "group": group, "cells": cells}
 
 

@@ -16,12 +16,14 @@ block is written while it is shared or registered in the cache.
 from __future__ import annotations
 
 import copy
+import tracemalloc
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.prefix_hash import MAX_BITS
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import Sequence
 
@@ -39,8 +41,8 @@ def next_token(token_ids: list[int]) -> int:
 
 def snapshot(bm: BlockManager, seq: Sequence) -> tuple:
     """Everything ``allocate`` may change (order of the free pool included)."""
-    blocks = [(b.ref_count, b.hash, b.token_ids) for b in bm.blocks]
-    return (blocks, list(bm.free_pool), dict(bm.cached), list(seq.block_table), copy.deepcopy(bm.num_registered))
+    blocks = [(bm.ref_count(b), bm.block_hash(b), bm.block_tokens(b)) for b in range(bm.num_blocks)]
+    return (blocks, list(bm.free_blocks()), dict(bm.cached), list(seq.block_table), copy.deepcopy(bm.num_registered))
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -68,10 +70,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bs = bm.block_size
         assert len(seq.block_table) * bs >= seq.num_computed_tokens + n, "no room allocated for the chunk"
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            block = bm.blocks[seq.block_table[pos // bs]]
-            assert block.ref_count == 1, f"block {block.block_id} is written while shared"
-            assert block.hash is None, f"block {block.block_id} is written while registered in the cache"
-            self.kv[block.block_id][pos % bs] = seq.token_ids[pos]
+            block_id = seq.block_table[pos // bs]
+            assert bm.ref_count(block_id) == 1, f"block {block_id} is written while shared"
+            assert bm.block_hash(block_id) is None, f"block {block_id} is written while registered in the cache"
+            self.kv[block_id][pos % bs] = seq.token_ids[pos]
         seq.num_computed_tokens += n
         bm.commit_computed(seq)
         if seq.num_computed_tokens == seq.num_tokens:  # caught up: the engine always samples
@@ -84,16 +86,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(hit) * bs < seq.num_tokens, "a prefix hit must leave the last token to compute"
         assert len(set(hit)) == len(hit)
         for i, block_id in enumerate(hit):
-            block = bm.blocks[block_id]
             expected = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            assert block.hash is not None and bm.cached[block.hash] == block_id
-            assert block.token_ids == expected
+            assert bm.block_hash(block_id) is not None and bm.cached[bm.block_hash(block_id)] == block_id
+            assert bm.block_tokens(block_id) == expected
             assert tuple(self.kv[block_id]) == expected, f"block {block_id} is a hit but holds other KV"
         num_computed = len(hit) * bs
         num_new = 1 + chunk % (seq.num_tokens - num_computed)
         before = snapshot(bm, seq)
         num_cached_before = len(bm.cached)
-        uncached_free = sum(1 for b in bm.free_pool if bm.blocks[b].hash is None)
+        uncached_free = sum(1 for b in bm.free_blocks() if bm.block_hash(b) is None)
         if not bm.allocate(seq, num_new, hit):
             assert snapshot(bm, seq) == before, "a failed allocate changed state"
             event("admission: allocate failed")
@@ -101,7 +102,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         if hit:
             event("admission: prefix-cache hit")
-            if any(bm.blocks[b].ref_count > 1 for b in hit):
+            if any(bm.ref_count(b) > 1 for b in hit):
                 event("admission: hit on a block in use by another sequence")
         assert seq.block_table[: len(hit)] == hit
         assert len(seq.block_table) == bm.blocks_needed(num_computed + num_new)
@@ -178,8 +179,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         bm = self.manager
         bm.reset_prefix_cache()
-        assert all(bm.blocks[b].hash is None for b in bm.free_pool)
-        assert all(bm.blocks[b].ref_count > 0 for b in bm.cached.values())
+        assert all(bm.block_hash(b) is None for b in bm.free_blocks())
+        assert all(bm.ref_count(b) > 0 for b in bm.cached.values())
 
     # ---- invariants -----------------------------------------------------------------------
     @invariant()
@@ -200,19 +201,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.parked.values():
             assert seq.block_table == [] and seq.num_computed_tokens == 0
         for block_id, n in owners.items():
-            block = bm.blocks[block_id]
-            assert block.ref_count == n
+            assert bm.ref_count(block_id) == n
             if n > 1:
-                assert block.hash is not None, f"block {block_id} shared by {n} sequences but not a cached block"
-        for block in bm.blocks:
-            assert block.ref_count <= 1 or block.hash is not None
+                assert bm.block_hash(block_id) is not None, f"block {block_id} shared by {n} sequences but not cached"
+        for block_id in range(bm.num_blocks):
+            assert bm.ref_count(block_id) <= 1 or bm.block_hash(block_id) is not None
         assert bm.num_used_blocks == len(owners)
         assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
         for h, block_id in bm.cached.items():
-            block = bm.blocks[block_id]
-            assert block.hash == h and len(block.token_ids) == bs
-            assert tuple(self.kv[block_id]) == block.token_ids, f"cached block {block_id} does not hold its tokens"
-        free_hashed = [bm.blocks[b].hash is not None for b in bm.free_pool]
+            assert bm.block_hash(block_id) == h and len(bm.block_tokens(block_id)) == bs
+            assert tuple(self.kv[block_id]) == bm.block_tokens(block_id), f"cached block {block_id} lost its tokens"
+        free_hashed = [bm.block_hash(b) is not None for b in bm.free_blocks()]
         assert free_hashed == sorted(free_hashed), "an uncached free block waits behind a cached one"
 
     def teardown(self) -> None:
@@ -313,3 +312,50 @@ def test_prefix_hit_never_covers_the_whole_sequence() -> None:
     seq.num_computed_tokens = 0
     hit = bm.find_cached_prefix(seq)
     assert len(hit) * bm.block_size < seq.num_tokens  # fails: hit == [0, 1], 4 of 4 tokens
+
+
+def test_allocation_order() -> None:
+    """Uncached free blocks go first (the last freed first, then never-used ones by id), then
+    cached ones, least recently freed first; a table is freed tail first, so its prefix is
+    evicted last; a prefix hit revives a cached free block wherever it waits."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    assert list(bm.free_blocks()) == list(range(8))
+    assert compute_and_release(bm, make_seq("a", [1, 2, 3, 4, 5, 6, 7]), [7]) == [0, 1, 2, 3]  # 0-2 cached
+    assert list(bm.free_blocks()) == [3, 4, 5, 6, 7, 2, 1, 0] and bm.num_cached_free == 3
+    u, v = make_seq("u", [9] * 4), make_seq("v", [8])
+    assert bm.allocate(u, 4) and bm.allocate(v, 1)
+    assert (u.block_table, v.block_table) == ([3, 4], [5])
+    bm.free(u)
+    bm.free(v)
+    assert list(bm.free_blocks()) == [5, 3, 4, 6, 7, 2, 1, 0]
+    b = make_seq("b", [1, 2, 3, 4, 0])
+    hit = bm.find_cached_prefix(b)
+    assert hit == [0, 1] and bm.allocate(b, 1, hit) and b.block_table == [0, 1, 5]
+    assert list(bm.free_blocks()) == [3, 4, 6, 7, 2] and bm.num_cached_free == 1
+    c = make_seq("c", [8] * 10)
+    assert bm.allocate(c, 10) and c.block_table == [3, 4, 6, 7, 2]
+    assert bm.num_evictions == 1 and bm.block_hash(2) is None and set(bm.cached.values()) == {0, 1}
+    assert bm.num_free_blocks == 0 and not bm.allocate(make_seq("d", [7]), 1)
+    bm.free(b)
+    assert list(bm.free_blocks()) == [5, 1, 0] and bm.num_used_blocks == 5
+    bm.check_invariants([c])
+    bm.reset_prefix_cache()
+    assert bm.cached == {} and bm.num_cached_free == 0 and sorted(bm.free_blocks()) == [0, 1, 5]
+    bm.check_invariants([c])
+
+
+def test_a_huge_cache_is_built_small() -> None:
+    """Ten million blocks (a tiny model on a large card): no per-block objects, a capped digest."""
+    tracemalloc.start()
+    try:
+        bm = BlockManager(10_000_000, 16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20, peak
+    assert bm.num_free_blocks == 10_000_000 and bm.digest().num_bits == MAX_BITS
+    seq = make_seq("a", list(range(40)))
+    assert compute_and_release(bm, seq, [40]) == [0, 1, 2]
+    assert bm.num_used_blocks == 0 and bm.num_cached_free == 2 and bm.digest().num_cached_blocks == 2
+    assert bm.find_cached_prefix(make_seq("b", list(range(40)))) == [0, 1]
+    bm.check_invariants([])

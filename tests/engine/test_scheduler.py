@@ -140,10 +140,10 @@ class Simulation:
         bs = self.bm.block_size
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                block = self.bm.blocks[seq.block_table[pos // bs]]
-                assert block.ref_count == 1, f"{seq} writes block {block.block_id}, which is shared"
-                assert block.hash is None, f"{seq} writes block {block.block_id}, which is in the prefix cache"
-                self.kv[block.block_id][pos % bs] = seq.token_ids[pos]
+                block_id = seq.block_table[pos // bs]
+                assert self.bm.ref_count(block_id) == 1, f"{seq} writes block {block_id}, which is shared"
+                assert self.bm.block_hash(block_id) is None, f"{seq} writes cached block {block_id}"
+                self.kv[block_id][pos % bs] = seq.token_ids[pos]
 
     # ---- checks -----------------------------------------------------------------------
     def check_output(self, out: SchedulerOutput) -> None:
@@ -193,8 +193,8 @@ class Simulation:
         bm.check_invariants([*s.running, *s.waiting])
         assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
         for h, block_id in bm.cached.items():
-            assert bm.blocks[block_id].hash == h
-            assert tuple(self.kv[block_id]) == bm.blocks[block_id].token_ids, f"cached block {block_id} lost its KV"
+            assert bm.block_hash(block_id) == h
+            assert tuple(self.kv[block_id]) == bm.block_tokens(block_id), f"cached block {block_id} lost its KV"
 
     def check_done(self) -> None:
         assert not self.scheduler.running and not self.scheduler.waiting
@@ -205,7 +205,7 @@ class Simulation:
         assert len(self.seqs) == len(self.w.requests), "a request never arrived"
         assert self.bm.num_used_blocks == 0, "blocks leaked"
         assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert all(self.bm.blocks[b].hash is not None for b in self.bm.cached.values())
+        assert all(self.bm.block_hash(b) is not None for b in self.bm.cached.values())
         self.bm.check_invariants([])
         assert self.bm.block_hashes == {} and self.bm.num_registered == {}, "per-sequence state leaked"
 
@@ -219,10 +219,9 @@ def check_block_ownership(bm: BlockManager, seqs: Iterable[Sequence]) -> None:
         for block_id in seq.block_table:
             owners[block_id] = owners.get(block_id, 0) + 1
     for block_id, n in owners.items():
-        block = bm.blocks[block_id]
-        assert block.ref_count == n, (block_id, block.ref_count, n)
+        assert bm.ref_count(block_id) == n, (block_id, bm.ref_count(block_id), n)
         if n > 1:
-            assert block.hash is not None, f"block {block_id} owned by {n} sequences but not a cached block"
+            assert bm.block_hash(block_id) is not None, f"block {block_id} owned by {n} sequences but not cached"
     assert bm.num_used_blocks == len(owners)
 
 

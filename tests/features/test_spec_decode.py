@@ -512,5 +512,6 @@ def test_blocks_that_held_rejected_drafts_are_cached_with_the_right_kv(random_mo
     assert hits >= sum((len(p) + 48) // 16 * 16 for p in prompts), hits  # the output's blocks too
     sequences = [p + t for p, (t, _) in zip(prompts, ref)] + [a + t for a, t in zip(again, ours)]
     known = {tuple(s[i : i + 16]) for s in sequences for i in range(0, len(s) - 15, 16)}
-    cached = [tuple(b.token_ids) for b in spec_llm.engine.block_manager.blocks if b.hash is not None]
+    bm = spec_llm.engine.block_manager
+    cached = [bm.block_tokens(b) for b in bm.cached.values()]
     assert cached and all(t in known for t in cached)

@@ -14,7 +14,7 @@ from test_block_manager import compute_and_release, make_seq
 
 from cb_serve import PrefixDigest, prefix_block_hashes
 from cb_serve.engine.block_manager import BlockManager
-from cb_serve.prefix_hash import CountingBloom, chain_hash
+from cb_serve.prefix_hash import MAX_BITS, CountingBloom, chain_hash
 from cb_serve.serve.request_router import expected_hit_tokens, hit_advantage, order_by_cost
 from cb_serve.serve.routing_report import ReplicaReport
 
@@ -80,6 +80,16 @@ def test_digest_is_fixed_size_and_false_positives_are_rare():
     for h in members:
         bloom.remove(h)
     assert not bloom.counts.any() and bloom.digest().num_cached_blocks == 0
+
+
+def test_digest_size_is_capped():
+    """A huge cache (millions of blocks) gets a ``MAX_BITS`` filter: the router reads its size."""
+    bloom = CountingBloom(100_000_000, BS)
+    assert bloom.num_bits == MAX_BITS and bloom.num_bits % 64 == 0
+    member = chain_hash(None, [1, 2, 3, 4])
+    bloom.add(member)
+    digest = PrefixDigest.from_dict(bloom.digest().to_dict())
+    assert len(digest.bits) * 8 == MAX_BITS and digest.hit_blocks(member) == 1
 
 
 def test_digest_round_trips_as_plain_data():
