@@ -3,6 +3,7 @@ processes or Ray actors) get each step's batch and run their shard in step with 
 
 from __future__ import annotations
 
+from cb_serve.errors import EngineFatalError
 from cb_serve.executor.base import Executor
 from cb_serve.executor.worker_pool import WorkerPool
 from cb_serve.model_executor.device_context import device_context
@@ -16,8 +17,20 @@ class TensorParallelExecutor(Executor):
         self.workers = workers
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        with device_context(self.runner.device):  # a failed broadcast step is fatal (``ModelRunner.execute``)
-            return self.runner.execute(sched, broadcast=self.workers.send_step)
+        """A failed broadcast step is fatal (``ModelRunner.execute``), and so is any step during
+        which the watchdog aborted the group (a dead worker): under NCCL the collectives it ended
+        return garbage instead of raising."""
+        group = self.workers.group
+        with device_context(self.runner.device):
+            try:
+                result = self.runner.execute(sched, broadcast=self.workers.send_step)
+            except Exception as e:
+                if isinstance(e, EngineFatalError) or group.aborted is not None:
+                    raise self.workers.failure(e) from e
+                raise  # this rank's own failure: the step's requests fail, the engine goes on
+        if group.aborted is not None:
+            raise self.workers.failure()
+        return result
 
     def check_health(self) -> list[int]:
         return self.workers.dead_workers()

@@ -6,6 +6,7 @@ manager and sampler stay on the driver."""
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import pickle
@@ -30,6 +31,8 @@ from cb_serve.executor.worker import STORE_TIMEOUT_S, WorkerHandle, WorkerSpec
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600  # loading a large model's shard
+WATCHDOG_INTERVAL_S = 0.5  # how often the driver looks for a dead worker once serving
+FAILURE_GRACE_S = 1.0  # after a failed step, how long to wait for a dying worker's exit to show
 T = TypeVar("T")
 
 
@@ -84,7 +87,8 @@ class WorkerPool:
         self.handles: list[WorkerHandle] = launch(specs)
         self.conns: list[Connection] = []
         self.pids: list[int] = []
-        self._finalizer = weakref.finalize(self, _stop, self.conns, self.handles, self.listener)
+        self._watchdogs: list[WorkerWatchdog] = []
+        self._finalizer = weakref.finalize(self, _stop, self._watchdogs, self.conns, self.handles, self.listener)
         hellos = self._await("connect", lambda: [self._accept() for _ in specs])
         hellos.sort()
         self.conns[:] = [conn for _, _, conn in hellos]
@@ -98,6 +102,9 @@ class WorkerPool:
             conn.send(num_blocks)
         answers = self._await("load the model", lambda: [conn.recv() for conn in self.conns])
         assert answers == ["ready"] * len(self.conns), answers
+        # Neither callable holds the pool: dropping it still runs its finalizer, which stops the watch.
+        dead = functools.partial(_dead_ranks, self.handles)
+        self._watchdogs.append(WorkerWatchdog(dead, functools.partial(_abort_group, self.group)))
 
     def send_step(self, batch: Any) -> None:
         payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
@@ -109,7 +116,18 @@ class WorkerPool:
 
     def dead_workers(self) -> list[int]:
         """Ranks whose process or actor has ended."""
-        return [rank for rank, handle in enumerate(self.handles, 1) if not handle.is_alive()]
+        return _dead_ranks(self.handles)
+
+    def failure(self, error: BaseException | None = None) -> EngineFatalError:
+        """The fatal error of a step that failed with ``error`` (None: one whose collectives the
+        watchdog aborted), naming the dead ranks (a killed worker's exit may show a moment after
+        its connections closed)."""
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while not (dead := self.dead_workers()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cause = f"worker rank(s) {dead} died" if dead else (self.group.aborted or "a rank failed")
+        detail = f": {error}" if error is not None else ""
+        return EngineFatalError(f"the tensor-parallel group cannot go on, {cause}{detail}")
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -146,14 +164,74 @@ class WorkerPool:
         return value
 
 
+class WorkerWatchdog:
+    """Looks for dead workers every ``interval_s`` from a daemon thread and, the first time
+    ``dead_workers()`` names any, calls ``abort(dead)`` once and ends. Under NCCL a collective
+    whose peer died never completes, so the driver's step would hang until the group's timeout;
+    aborting the group ends it. ``stop`` ends the watch without aborting (idempotent)."""
+
+    def __init__(
+        self,
+        dead_workers: Callable[[], list[int]],
+        abort: Callable[[list[int]], object],
+        interval_s: float = WATCHDOG_INTERVAL_S,
+    ) -> None:
+        self._stopped = threading.Event()
+        args = (dead_workers, abort, interval_s, self._stopped)  # the thread holds no watchdog, no pool
+        self._thread = threading.Thread(target=_watch, args=args, name="tp-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the watch; once it returns, no abort starts."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    @property
+    def running(self) -> bool:
+        """Whether the watch goes on (it ends once it has aborted, or on ``stop``)."""
+        return self._thread.is_alive()
+
+
+def _watch(
+    dead_workers: Callable[[], list[int]],
+    abort: Callable[[list[int]], object],
+    interval_s: float,
+    stopped: threading.Event,
+) -> None:
+    while not stopped.wait(interval_s):
+        try:
+            dead = dead_workers()
+        except Exception:  # noqa: BLE001 - looked at again next time
+            logger.debug("looking for dead tensor-parallel workers failed", exc_info=True)
+            continue
+        if dead and not stopped.is_set():
+            abort(dead)
+            return
+
+
+def _dead_ranks(handles: list[WorkerHandle]) -> list[int]:
+    return [rank for rank, handle in enumerate(handles, 1) if not handle.is_alive()]
+
+
+def _abort_group(group: TensorParallelGroup, dead: list[int]) -> None:
+    logger.error("tensor-parallel worker rank(s) %s died: aborting the driver's process group", dead)
+    group.abort(f"worker rank(s) {dead} died")
+
+
 def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
 
 
-def _stop(conns: list[Connection], handles: list[WorkerHandle], listener: Listener) -> None:
-    """Tells every worker to stop, then makes sure it has (the pool's finalizer: idempotent)."""
+def _stop(
+    watchdogs: list[WorkerWatchdog], conns: list[Connection], handles: list[WorkerHandle], listener: Listener
+) -> None:
+    """Stops the watch (workers told to stop are no failure), tells every worker to stop, then
+    makes sure it has (the pool's finalizer: idempotent)."""
+    for watchdog in watchdogs:
+        watchdog.stop()
     for conn in conns:
         try:
             conn.send_bytes(b"")

@@ -8,13 +8,17 @@ Its size is bounded by ``models.LOGPROB_ATOL`` on every returned log-probability
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -126,27 +130,76 @@ def test_smollm2_on_two_ranks_equals_one(smol_llm):
 def test_shutdown_and_release_stop_the_workers(random_model_dir):
     model = str(random_model_dir("llama"))
     llm = LLM(model, tensor_parallel_size=2, **STRESS_ENGINE_ARGS)
-    pid = llm.engine.worker_pids[0]
+    pid, group = llm.engine.worker_pids[0], llm.engine.executor.workers.group
     llm.engine.shutdown()
     llm.engine.shutdown()  # idempotent
     assert stopped(pid)
+    assert group.aborted is None  # a worker told to stop is no failure: the watch ended first
     llm = LLM(model, tensor_parallel_size=2, **STRESS_ENGINE_ARGS)
     pid = llm.engine.worker_pids[0]
-    del llm  # no shutdown: releasing the engine stops its workers
+    (watchdog,) = llm.engine.executor.workers._watchdogs
+    pool = weakref.ref(llm.engine.executor.workers)
+    del llm  # no shutdown: releasing the engine stops its workers (the watchdog's thread holds no pool)
     gc.collect()
+    assert pool() is None and not watchdog.running
     assert stopped(pid)
 
 
-def test_a_killed_worker_ends_the_streams_with_an_error(random_model_dir):
+class HangUntilAborted:
+    """Makes the driver's collectives act as NCCL's do once a peer is dead (``armed``): they neither
+    complete nor fail until the group is aborted, then return garbage (their input), as a host
+    sync behind an aborted NCCL kernel does. ``parked``: the driver is waiting in one, in the step
+    after ``steps_at_park`` completed steps."""
+
+    def __init__(self, group, num_steps: Callable[[], int]) -> None:
+        self.group, self.size, self.num_steps = group, group.size, num_steps
+        self.armed, self.parked = threading.Event(), threading.Event()
+        self.steps_at_park = -1
+        self.real = group.all_reduce, group.all_gather
+        group.all_reduce, group.all_gather = self.all_reduce, self.all_gather
+
+    def _hang(self) -> None:
+        if not self.parked.is_set():
+            self.steps_at_park = self.num_steps()
+            self.parked.set()
+        deadline = time.monotonic() + 60
+        while self.group.aborted is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed.is_set():
+            return self.real[0](x)
+        self._hang()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed.is_set():
+            return self.real[1](x)
+        self._hang()
+        return torch.cat([x] * self.size, dim=-1)
+
+
+@pytest.mark.parametrize("collectives", ["gloo", "hang-until-aborted"])
+def test_a_killed_worker_ends_the_streams_with_an_error(random_model_dir, collectives):
+    """Every stream fails with an ``EngineError`` within a bound, and the health check names the
+    dead rank. Gloo fails the collective at once; with collectives that hang as NCCL's do, the
+    driver's watchdog aborts the group, and the step it ends is fatal although it returned."""
     engine = AsyncLLM(EngineConfig(model=str(random_model_dir("llama")), tensor_parallel_size=2, **STRESS_ENGINE_ARGS))
+    group = engine._engine.executor.workers.group
+    hang = HangUntilAborted(group, lambda: engine._engine.num_steps) if collectives == "hang-until-aborted" else None
+    killed_at: list[float] = []
 
     async def stream(i: int, prompt: list[int]):
         got, params = 0, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         try:
             async for out in engine.generate(prompt, params, f"r{i}"):
                 got += len(out.outputs[0].token_ids)
-                if got >= 5 and prompt == PROMPTS[0]:
+                if got >= 5 and prompt == PROMPTS[0] and not killed_at:
+                    if hang is not None:  # the driver waits in a collective that will never complete
+                        hang.armed.set()
+                        assert hang.parked.wait(30)
                     os.kill(engine.worker_pids[0], signal.SIGKILL)
+                    killed_at.append(time.monotonic())
         except EngineError as e:
             return got, e
         return got, None
@@ -158,10 +211,66 @@ def test_a_killed_worker_ends_the_streams_with_an_error(random_model_dir):
         results = asyncio.run(main())
         assert all(isinstance(error, EngineError) for _, error in results), results
         assert all(got < 200 for got, _ in results)
-        with pytest.raises(EngineError):
+        assert time.monotonic() - killed_at[0] < 30  # a bound (the collective timeout is minutes), not a speed
+        with pytest.raises(EngineError, match=r"rank\(s\) \[1\] died"):
             engine.check_health()
+        if hang is not None:
+            assert group.aborted == "worker rank(s) [1] died"
+            assert engine._engine.num_steps == hang.steps_at_park  # the step the abort ended emitted nothing
     finally:
         engine.shutdown()
+
+
+class RecordingGroup:
+    """Stands in for a ProcessGroupNCCL (the CPU build has none): records ``abort`` calls."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.aborts, self.fail = 0, fail
+
+    def abort(self) -> None:
+        self.aborts += 1
+        if self.fail:
+            raise RuntimeError("abort failed")
+
+
+def test_the_watchdog_aborts_a_dead_workers_group_once():
+    """A killed worker's group is aborted exactly once, within a bound; later collectives raise.
+    A stopped watch (shutdown) never aborts, and an abort that raises leaves the group aborted."""
+    from cb_serve.distributed.group import TensorParallelGroup
+    from cb_serve.executor.worker_pool import WorkerWatchdog, _abort_group, _dead_ranks
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    handles = [SimpleNamespace(is_alive=lambda: proc.poll() is None)]
+    pg = RecordingGroup()
+    group = TensorParallelGroup(0, 2, process_group=pg)
+    watchdog = WorkerWatchdog(functools.partial(_dead_ranks, handles), functools.partial(_abort_group, group), 0.05)
+    time.sleep(0.2)
+    assert pg.aborts == 0 and watchdog.running
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while pg.aborts == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pg.aborts == 1 and group.aborted == "worker rank(s) [1] died"
+    time.sleep(0.2)
+    assert pg.aborts == 1 and not watchdog.running
+    assert group.abort("again") is False and pg.aborts == 1  # idempotent
+    with pytest.raises(RuntimeError, match="aborted"):
+        group.all_reduce(torch.ones(2))
+    proc.wait()
+
+    dead: list[int] = []
+    quiet = TensorParallelGroup(0, 2, process_group=RecordingGroup())
+    stopped_watch = WorkerWatchdog(lambda: dead, functools.partial(_abort_group, quiet), 0.05)
+    stopped_watch.stop()
+    stopped_watch.stop()
+    dead.append(1)
+    time.sleep(0.2)
+    assert quiet.pg.aborts == 0 and quiet.aborted is None and not stopped_watch.running
+
+    failing = TensorParallelGroup(0, 2, process_group=RecordingGroup(fail=True))
+    assert failing.abort("worker rank(s) [1] died") is True and failing.pg.aborts == 1
+    with pytest.raises(RuntimeError, match="aborted"):
+        failing.all_gather(torch.ones(2))
 
 
 @pytest.mark.gpu
