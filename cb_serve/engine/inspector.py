@@ -9,12 +9,13 @@ request ids and token counts only, never text. Everything here runs on the engin
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.kv_map import kv_map
 from cb_serve.sequence import SchedulerOutput, Sequence
 
 MAX_KV_CELLS = 4096  # a larger cache is summarized: one cell per group of blocks
@@ -298,40 +299,8 @@ class Inspector:
         return done + list(self.live.values())
 
     def kv_map(self, live: Iterable[Sequence]) -> dict[str, Any]:
-        """Every block's state, owners and hash prefix, or (over ``MAX_KV_CELLS`` blocks) counts
-        per group of consecutive blocks."""
-        bm = self.block_manager
-        owners: dict[int, list[str]] = {}
-        for seq in live:
-            for block_id in seq.block_table:
-                owners.setdefault(block_id, []).append(seq.request_id)
-        group = -(-bm.num_blocks // MAX_KV_CELLS)
-        cells = []
-        if group == 1:
-            for block_id in range(bm.num_blocks):
-                ref, block_hash = bm.ref_count(block_id), bm.block_hash(block_id)
-                state = "used" if ref else ("cached" if block_hash is not None else "free")
-                own = sorted(set(owners.get(block_id, ())))
-                digest = block_hash.hex()[:8] if block_hash else None
-                cells.append({"state": state, "owners": own, "shared": ref > 1, "hash": digest})
-        else:  # counts per cell from the used and the cached blocks only: O(blocks in use or cached)
-            used, shared, cached = Counter(), Counter(), Counter()
-            cell_owners: dict[int, set[str]] = {}
-            for block_id, own in owners.items():
-                cell_owners.setdefault(block_id // group, set()).update(own)
-            for block_id in {*owners, *bm.cached.values()}:
-                ref = bm.ref_count(block_id)
-                used[block_id // group] += ref > 0
-                shared[block_id // group] += ref > 1
-                cached[block_id // group] += ref == 0 and bm.block_hash(block_id) is not None
-            for cell, start in enumerate(range(0, bm.num_blocks, group)):
-                size = min(group, bm.num_blocks - start)
-                n_used, n_cached = used[cell], cached[cell]
-                state = "used" if n_used * 2 >= size else ("cached" if n_cached * 2 >= size else "free")
-                cells.append({"state": state, "owners": sorted(cell_owners.get(cell, ()))[:1],
-                              "shared": shared[cell] > 0, "used": n_used, "cached": n_cached,
-                              "blocks": size})  # fmt: skip
-        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size, "group": group, "cells": cells}
+        """The KV cache's blocks for the inspector's map (``kv_map.kv_map``)."""
+        return kv_map(self.block_manager, live, MAX_KV_CELLS)
 
 
 def queue_rows(seqs: Iterable[Sequence]) -> list[dict[str, Any]]:
