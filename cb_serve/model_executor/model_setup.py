@@ -17,7 +17,7 @@ from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.device_context import concrete_device
-from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.models import LlamaForCausalLM
 
 MAX_DEFAULT_MODEL_LEN = 8192
 DEVICE_ENV = "CB_SERVE_DEVICE"  # what device="auto" means in this process and its workers (the tests: cpu)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from cb_serve import cpu_ops
 from cb_serve.attention import CpuAttentionBackend, TorchAttentionBackend
 from cb_serve.attention.base import AttentionMetadata
-from cb_serve.model_executor.models.llama import rotate_half
+from cb_serve.model_executor.layers.rotary import rotate_half
 
 if os.environ.get("CB_SERVE_REQUIRE_CPU_OPS") == "1":  # CI: a build failure is an error, not a skip
     assert cpu_ops.available(), f"cb_serve CPU kernels failed to build: {cpu_ops.BUILD_ERROR}"

@@ -22,6 +22,7 @@ from cb_serve.attention.base import AttentionMetadata
 from cb_serve.config import EngineConfig
 from cb_serve.engine.kv_cache_sizing import activation_bytes, cuda_kv_cache_bytes
 from cb_serve.model_executor.cuda_graph import DecodeBuffers, DecodeGraphRunner, bucket_for, capture_sizes
+from cb_serve.model_executor.models import MODELS
 
 GiB = 1 << 30
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -489,7 +490,7 @@ def test_loader_builds_weights_in_the_target_dtype(tmp_path, tokenizer, tied):
     assert (gate_up, torch.bfloat16) in spy.seen
     with AllocationSpy() as old_way:  # the detector sees a float32 build
         with cpu:
-            loader.ARCHITECTURES["llama"](config, backend, model.rope_cos, model.rope_sin).to(torch.bfloat16)
+            MODELS["llama"](config, backend, model.rope_cos, model.rope_sin).to(torch.bfloat16)
     assert (gate_up, torch.float32) in old_way.seen
 
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -1,0 +1,25 @@
+"""One file per model family over the shared layers (``model_executor/layers``); ``MODELS`` maps
+an HF config's ``model_type`` to the class that serves it."""
+
+from __future__ import annotations
+
+from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
+from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def model_class(config) -> type[LlamaForCausalLM]:
+    """The class serving ``config``; a clear error naming the architecture where none does."""
+    if config.model_type not in MODELS:
+        raise ValueError(
+            f"Unsupported architecture {config.model_type!r} "
+            f"({', '.join(getattr(config, 'architectures', None) or [])}); supported: {', '.join(sorted(MODELS))}."
+        )
+    return MODELS[config.model_type]

@@ -1,0 +1,83 @@
+"""The attention layer: fused q/k/v projection, optional per-head q/k norms, RoPE, the attention
+backend over the paged KV cache, and the output projection. Each layer is configured on its own
+(``AttentionSpec``: its sliding window, biases, q/k norms), as a model's layers may differ."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cb_serve.attention.base import AttentionBackend, AttentionMetadata
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.layers.norm import RMSNorm
+from cb_serve.model_executor.layers.rotary import Rope
+from cb_serve.model_executor.linear import Linear
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What differs between architectures' (and layers') attention."""
+
+    sliding_window: int | None = None  # None: every earlier token
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+
+    def __post_init__(self) -> None:
+        assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per-layer sliding window (``None``: full attention), as HF's modeling code applies it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window] * config.num_hidden_layers
+
+
+class Attention(nn.Module):
+    """This rank's heads (``shard``); the output projection's partial sums are reduced over ranks."""
+
+    def __init__(
+        self,
+        config,
+        backend: AttentionBackend,
+        spec: AttentionSpec,
+        shard: TensorParallelShard,
+        tp: TensorParallelGroup,
+    ) -> None:
+        super().__init__()
+        self.num_heads = len(shard.q_heads)
+        self.num_kv_heads = len(shard.kv_heads)
+        self.head_dim = head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = spec.sliding_window
+        self.backend = backend
+        self.use_cpu_ops = backend.supports_fused_cpu_ops
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_bias and shard.is_driver)  # added once
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head: a rank's heads need no other rank's statistics
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = rope.apply(qk)  # on q and k heads at once
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))

@@ -1,0 +1,36 @@
+"""The gated MLP (``down(act(gate(x)) * up(x))``) with fused gate/up columns."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cb_serve import cpu_ops
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.linear import Linear
+
+ACTIVATIONS = ("silu",)
+
+
+class GatedMLP(nn.Module):
+    """This rank's intermediate columns; the down projection's partial sums are reduced over ranks."""
+
+    def __init__(self, config, shard: TensorParallelShard, tp: TensorParallelGroup, use_cpu_ops: bool = False) -> None:
+        super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"Unsupported activation {config.hidden_act!r} (supported: {', '.join(ACTIVATIONS)}).")
+        self.use_cpu_ops = use_cpu_ops
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = len(shard.intermediate)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=bias and shard.is_driver)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.gate_up_proj(x)
+        if self.use_cpu_ops:
+            return self.tp.all_reduce(self.down_proj(cpu_ops.silu_and_mul(x)))
+        gate, up = x.split(self.intermediate_size, dim=-1)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))

@@ -1,0 +1,35 @@
+"""RMSNorm in HF's op order (float32 statistics, the weight applied in the input's dtype)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cb_serve import cpu_ops
+
+
+class RMSNorm(nn.Module):
+    """``norm(x)``, or with a residual ``(norm(residual + x), residual + x)`` (vLLM's fused form).
+    Normalizes the last dimension: a hidden state ``[T, hidden]``, or each head of ``[T, heads,
+    head_dim]`` (q/k norms; the C++ kernel serves the 2-D hidden state only)."""
+
+    def __init__(self, hidden_size: int, eps: float, use_cpu_ops: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.use_cpu_ops = use_cpu_ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return cpu_ops.rms_norm(x, self.weight, self.eps) if self.use_cpu_ops else self._norm(x)
+        if self.use_cpu_ops:
+            cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
