@@ -32,6 +32,17 @@ ARCHS: dict[str, tuple[str, dict]] = {
         "Qwen3Config",
         {"head_dim": 16, "use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1},
     ),
+    # (1 + w) norms, four per layer, q/k norms, scaled embedding, GELU-tanh, its own score scale; a
+    # sliding layer then a global one, each with its own RoPE table
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 40,
+            "layer_types": ["sliding_attention", "full_attention"],  # RoPE theta 10k and 1M (its defaults)
+        },
+    ),
 }
 
 

@@ -124,12 +124,15 @@ def _load_tokenizer(source: ModelSource, trust_remote_code: bool):
         raise ValueError(f"Could not load the tokenizer from {path!r}: {e}") from e
 
 
-def rope_tables(rotary: torch.nn.Module, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for positions ``0..max_positions-1``, from the HF model's own rotary module
-    (so every rope scaling type transformers knows is computed exactly as it computes it)."""
+def rope_tables(rotary: torch.nn.Module, max_positions: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[tables, max_positions, rotary dim]`` for positions ``0..max_positions-1``, from
+    the HF model's own rotary module (so every rope scaling type transformers knows is computed
+    exactly as it computes it): one table, or one per layer type the model's class names."""
     positions = torch.arange(max_positions)[None]
-    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-    return cos[0].float(), sin[0].float()
+    x = torch.zeros(1, dtype=torch.float32)
+    layer_types = model_class(config).rope_layer_types(config)
+    tables = [rotary(x, positions, t) for t in layer_types] if layer_types else [rotary(x, positions)]
+    return torch.stack([cos[0].float() for cos, _ in tables]), torch.stack([sin[0].float() for _, sin in tables])
 
 
 def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -189,7 +192,7 @@ def load_model(
     lazy = LazyCheckpoint(files, dtype) if files is not None else None
     if lazy is not None and "model.embed_tokens.weight" in lazy:  # HF's own names: read only this rank's slices
         hf_config, state = config, lazy
-        cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len)
+        cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len, config)
     else:
         hf_model = AutoModelForCausalLM.from_pretrained(
             source.path,
@@ -200,7 +203,7 @@ def load_model(
             **source.hf_kwargs(),
         )
         hf_config, state = hf_model.config, hf_model.state_dict()
-        cos, sin = rope_tables(hf_model.model.rotary_emb, max_model_len)
+        cos, sin = rope_tables(hf_model.model.rotary_emb, max_model_len, hf_config)
     make = functools.partial(model_class(config), hf_config, backend, cos, sin, shard, tp)
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)

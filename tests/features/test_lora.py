@@ -81,7 +81,7 @@ def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS, loras=None, logprobs=N
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text"])
 def test_greedy_with_adapters_equals_hf_peft(arch, adapters):
     """Under chunked prefill and preemption; two adapters at ranks 8 and 16 on attention and MLP."""
     model_dir, paths = adapters(arch)

@@ -24,10 +24,13 @@ class AttentionSpec:
     sliding_window: int | None = None  # None: every earlier token
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    qk_norm: type[RMSNorm] | None = None  # a norm over each q and k head before RoPE (Qwen3, Gemma 3)
+    scale: float | None = None  # of the scores; None: head_dim ** -0.5
+    rope_table: int = 0  # which of the model's RoPE tables (Gemma 3: local and global layers differ)
 
     def __post_init__(self) -> None:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
+        assert self.scale is None or self.scale > 0, self.scale
 
 
 def head_dim(config) -> int:
@@ -60,14 +63,15 @@ class Attention(nn.Module):
         self.head_dim = head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = spec.scale or self.head_dim**-0.5
         self.sliding_window = spec.sliding_window
+        self.rope_table = spec.rope_table
         self.backend = backend
         self.use_cpu_ops = backend.supports_fused_cpu_ops
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_bias and shard.is_driver)  # added once
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = spec.qk_norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = spec.qk_norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.tp = tp
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -11,7 +11,12 @@ from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.linear import Linear
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation_name(config) -> str:
+    """The MLP's activation as the HF config names it (Gemma: ``hidden_activation``)."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
 
 
 class GatedMLP(nn.Module):
@@ -19,9 +24,11 @@ class GatedMLP(nn.Module):
 
     def __init__(self, config, shard: TensorParallelShard, tp: TensorParallelGroup, use_cpu_ops: bool = False) -> None:
         super().__init__()
-        if config.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"Unsupported activation {config.hidden_act!r} (supported: {', '.join(ACTIVATIONS)}).")
-        self.use_cpu_ops = use_cpu_ops
+        name = activation_name(config)
+        if name not in ACTIVATIONS:
+            raise ValueError(f"Unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)}).")
+        self.act = ACTIVATIONS[name]
+        self.use_cpu_ops = use_cpu_ops and name == "silu"  # the C++ kernel is SiLU-and-mul
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = len(shard.intermediate)
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
@@ -33,4 +40,4 @@ class GatedMLP(nn.Module):
         if self.use_cpu_ops:
             return self.tp.all_reduce(self.down_proj(cpu_ops.silu_and_mul(x)))
         gate, up = x.split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))

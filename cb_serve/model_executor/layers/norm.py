@@ -33,3 +33,16 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as an offset from one and applied in float32 before
+    the cast back (``(x * (1 + w)).to(dtype)``; Llama casts first). PyTorch ops only."""
+
+    def __init__(self, hidden_size: int, eps: float, use_cpu_ops: bool = False) -> None:
+        super().__init__(hidden_size, eps, use_cpu_ops=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)

@@ -3,6 +3,7 @@ an HF config's ``model_type`` to the class that serves it."""
 
 from __future__ import annotations
 
+from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -12,6 +13,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

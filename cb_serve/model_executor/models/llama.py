@@ -71,19 +71,30 @@ class LlamaForCausalLM(nn.Module):
         self.use_cpu_ops = backend.supports_fused_cpu_ops
         self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(
+            self.decoder_layer(
                 config,
                 Attention(config, backend, spec, shard, tp),
                 GatedMLP(config, shard, tp, self.use_cpu_ops),
             )
             for spec in self.attention_specs(config)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_cpu_ops)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, self.use_cpu_ops)
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.lm_head = Linear(config.hidden_size, len(shard.vocab), bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("rope_cos", rope_cos, persistent=False)  # [max_positions, head_dim]
+        # [tables, max_positions, rotary dim]: one table per kind of layer (``rope_layer_types``)
+        self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
+
+    decoder_layer: type[nn.Module] = DecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
+
+    @classmethod
+    def rope_layer_types(cls, config) -> list[str] | None:
+        """The layer types whose RoPE tables differ (HF's rotary module takes a ``layer_type``), in
+        table order; None: one table for every layer."""
+        return None
 
     @classmethod
     def attention_specs(cls, config) -> list[AttentionSpec]:
@@ -94,14 +105,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        rope = Rope(positions, self.rope_cos, self.rope_sin, x.dtype, self.use_cpu_ops)
+        x, residual = self.embed(input_ids), None
+        ropes = [Rope(positions, cos, sin, x.dtype, self.use_cpu_ops) for cos, sin in zip(self.rope_cos, self.rope_sin)]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer(x, residual, ropes[layer.self_attn.rope_table], kv_cache, meta)
         return residual + x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(self.lm_head(self.norm(hidden)))  # each rank's vocabulary rows
+        if self.final_logit_softcapping:  # Gemma 2: cap * tanh(logits / cap), in the model's dtype
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         return logits[:, : self.config.vocab_size].float()
 
     @torch.no_grad()
@@ -129,8 +146,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn, w = src + "self_attn.", state.__getitem__
-            put(dst + "input_layernorm.weight", w(src + "input_layernorm.weight"))
-            put(dst + "post_attention_layernorm.weight", w(src + "post_attention_layernorm.weight"))
+            for name, _ in layer.named_parameters():  # every norm (Gemma has four per layer), by HF's name
+                if name.endswith("norm.weight"):
+                    put(dst + name, w(src + name))
             qkv = (w(attn + "q_proj.weight")[q], w(attn + "k_proj.weight")[kv], w(attn + "v_proj.weight")[kv])
             put(dst + "self_attn.qkv_proj.weight", *qkv)
             put(dst + "self_attn.o_proj.weight", w(attn + "o_proj.weight")[:, q])
@@ -142,9 +160,6 @@ class LlamaForCausalLM(nn.Module):
                 put(dst + "self_attn.qkv_proj.bias", *qkv)
             if layer.self_attn.o_proj.bias is not None:  # the driver's alone: added once
                 put(dst + "self_attn.o_proj.bias", w(attn + "o_proj.bias"))
-            if layer.self_attn.q_norm is not None:  # over head_dim: the same on every rank
-                put(dst + "self_attn.q_norm.weight", w(attn + "q_norm.weight"))
-                put(dst + "self_attn.k_norm.weight", w(attn + "k_norm.weight"))
             if layer.mlp.gate_up_proj.bias is not None:
                 put(dst + "mlp.gate_up_proj.bias", w(src + "mlp.gate_proj.bias")[mlp], w(src + "mlp.up_proj.bias")[mlp])
             if layer.mlp.down_proj.bias is not None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from cb_serve.model_executor.layers.attention import AttentionSpec
+from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def attention_specs(cls, config) -> list[AttentionSpec]:
-        return [dataclasses.replace(spec, qk_norm=True) for spec in super().attention_specs(config)]
+        return [dataclasses.replace(spec, qk_norm=RMSNorm) for spec in super().attention_specs(config)]
