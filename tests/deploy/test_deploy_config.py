@@ -18,7 +18,7 @@ from cb_serve.serve.engine_replica import EngineReplica  # noqa: E402
 from cb_serve.serve.router import Router  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-CONFIGS = ["config.yaml", "config.gpu.yaml", "config.tp.yaml"]
+CONFIGS = ["config.yaml", "config.gemma3.yaml", "config.gpu.yaml", "config.tp.yaml"]
 
 
 def load(name: str) -> dict:

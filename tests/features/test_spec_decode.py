@@ -172,6 +172,8 @@ def oracle_drafts(llm, prompts, ref) -> None:
         ("llama", "oracle"),
         ("qwen2", "oracle"),
         ("mistral", "oracle"),
+        ("qwen3", "oracle"),
+        ("gemma3_text", "ngram"),  # a sliding-window model with n-gram drafts
         ("smollm2", "oracle"),
         ("smollm2", "ngram"),
         ("smollm2", "adaptive"),

@@ -1,0 +1,49 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF, the second built-in model, ``model="gemma-3-270m"``):
+greedy tokens equal HF transformers loading the same GGUF (dequantized to float32), through the
+exactness harness under chunked prefill, preemption and prefix hits; a chat request to this base
+model is refused, naming why."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+from exactness import check_engine_exercised, make_prompts, run_and_compare
+from models import STRESS_ENGINE_ARGS
+
+from cb_serve import LLM
+from cb_serve.errors import InvalidRequestError
+from cb_serve.model_executor.builtin_models import GEMMA3_INSTALL, GEMMA3_PACKAGE
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec(GEMMA3_PACKAGE) is None, reason=f"gemma-3-270m not installed (`{GEMMA3_INSTALL}`)"
+)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return LLM("gemma-3-270m", **STRESS_ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def gemma_hf(gemma):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = gemma.engine.source
+    return AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+
+
+def test_gemma3_270m_matches_hf(gemma, gemma_hf):
+    assert gemma.engine.source.name == "gemma-3-270m"
+    text = pathlib.Path(__file__).read_text() * 8
+    prompts, max_tokens = make_prompts(gemma.get_tokenizer().encode(text), seed=3)
+    deltas = run_and_compare(gemma, gemma_hf, prompts, max_tokens, "gemma-3-270m", stop_at_eos=True)
+    check_engine_exercised(gemma, prompts, deltas)
+    assert gemma.engine.get_stats().kv_blocks_used == 0
+
+
+def test_a_chat_request_to_the_base_model_is_refused(gemma):
+    with pytest.raises(InvalidRequestError, match="no chat template.*completions"):
+        gemma.chat([{"role": "user", "content": "Hello"}])
