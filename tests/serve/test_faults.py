@@ -334,7 +334,8 @@ def test_soak_mixed_load_with_disconnects_leaks_nothing(app):
     )
     unexpected = {k: v for k, v in outcomes.items() if k not in ("ok", "aborted", "rejected")}
     assert not unexpected, f"every request got a final answer or its error: {unexpected}"
-    assert outcomes["ok"] > 50 and outcomes["aborted"] > 0 and outcomes["rejected"] > 0
+    # Work of every kind happened (how much depends on the CPU, and on what else runs on it: no rate here).
+    assert outcomes["ok"] >= 10 and outcomes["aborted"] > 0 and outcomes["rejected"] > 0
 
 
 # ---- 8.1: SIGKILL of a replica's worker process with six streams in flight --------------------------------------
