@@ -57,8 +57,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def attention_specs(cls, config) -> list[AttentionSpec]:
         tables = cls.rope_layer_types(config)
         bias = getattr(config, "attention_bias", False)
+        scale = config.query_pre_attn_scalar**-0.5
         return [
-            AttentionSpec(window, bias, bias, GemmaRMSNorm, config.query_pre_attn_scalar**-0.5, tables.index(kind))
+            AttentionSpec(window, bias, bias, qk_norm=GemmaRMSNorm, scale=scale, rope_table=tables.index(kind))
             for window, kind in zip(layer_windows(config), config.layer_types)
         ]
 
