@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 REPLICA_HEADER = "x-cb-replica"
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -39,6 +45,50 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, interval: floa
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
+
+
+@contextmanager
+def serve_run(
+    config: Path, workdir: Path, env: dict[str, str], headers: dict[str, str] | None = None, timeout_s: float = 240
+) -> Iterator[str]:
+    """``serve run CONFIG`` as a user runs it (a process group of its own, from the repository root),
+    until ``/v1/models`` answers on 127.0.0.1:8000; stopped with Ctrl-C (then killed) and ``ray stop``
+    after. Yields the base URL; the log is ``workdir/serve_run.log``."""
+    bin_dir = Path(sys.executable).parent
+    serve_bin = shutil.which("serve", path=str(bin_dir)) or "serve"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", **env}
+    log_path = workdir / "serve_run.log"
+    log = log_path.open("w")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [serve_bin, "run", str(config)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+    def log_tail() -> str:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+
+    base = "http://127.0.0.1:8000"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"serve run exited; its log ends:\n{log_tail()}"
+            try:
+                if httpx.get(f"{base}/v1/models", headers=headers, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail(f"the server did not come up within {timeout_s} s; its log ends:\n{log_tail()}")
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], capture_output=True, timeout=60)
+        log.close()
 
 
 @contextmanager

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import REPLICA_HEADER, wait_for
+from serving import REPLICA_HEADER, serve_run, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "http://127.0.0.1:8000"
@@ -31,48 +28,13 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    serve_bin = shutil.which("serve", path=str(Path(sys.executable).parent)) or "serve"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "CB_SERVE_API_KEY": API_KEY}
     workdir = tmp_path_factory.mktemp("serve")
     config = workdir / "config.speculative.yaml"
     text = (ROOT / "deploy" / "config.yaml").read_text()
     assert "        # speculative_config:" in text
     config.write_text(text.replace("        # speculative_config:", "        speculative_config:"))
-    log_path = workdir / "serve_run.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(
-        [serve_bin, "run", str(config)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-    def log_tail() -> str:
-        return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"serve run exited; its log ends:\n{log_tail()}"
-            try:
-                if httpx.get(f"{BASE}/v1/models", headers=AUTH, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(f"the server did not come up within 240 s; its log ends:\n{log_tail()}")
-        yield BASE
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True, timeout=60)
-        log.close()
+    with serve_run(config, workdir, {"CB_SERVE_API_KEY": API_KEY}, headers=AUTH) as base:
+        yield base
 
 
 def test_openai_client_matches_offline(server, smol_llm):
