@@ -147,25 +147,40 @@ def _make_executor(
         speculator: Speculator | NoSpeculation = NoSpeculation()
         if spec is not None:
             speculator = _make_speculator(config, spec, draft, num_blocks, setup, structured)
-        graph_sizes = _graph_sizes(config, setup, lora)
-        runner = ModelRunner(
-            model,
-            num_blocks,
-            setup.block_size,
-            setup.kv_cache_dtype,
-            setup.device,
-            graph_sizes,
-            setup.max_model_len,
-            lora,
-            speculator.verify,
-        )
-        if setup.device.type == "cuda" and size == 1:  # Triton's prefill kernels compile now, not at a first request
-            with device_context(setup.device):
-                warm_up(runner, config.max_num_batched_tokens, setup.max_model_len)
+        runner = _make_runner(config, setup, model, num_blocks, lora, speculator)
     except BaseException:
         if workers is not None:
             workers.shutdown()
         raise
+    executor = UniProcExecutor(runner) if workers is None else TensorParallelExecutor(runner, workers)
+    return executor, lora, speculator
+
+
+def _make_runner(
+    config: EngineConfig,
+    setup: ModelSetup,
+    model,
+    num_blocks: int,
+    lora: LoRAManager | None,
+    speculator: Speculator | NoSpeculation,
+) -> ModelRunner:
+    """The driver's model runner with its KV cache and CUDA graphs; on one GPU, the prefill kernels
+    are compiled now (``warm_up``), not at a first request."""
+    graph_sizes = _graph_sizes(config, setup, lora)
+    runner = ModelRunner(
+        model,
+        num_blocks,
+        setup.block_size,
+        setup.kv_cache_dtype,
+        setup.device,
+        graph_sizes,
+        setup.max_model_len,
+        lora,
+        speculator.verify,
+    )
+    if setup.device.type == "cuda" and config.tensor_parallel_size == 1:
+        with device_context(setup.device):
+            warm_up(runner, config.max_num_batched_tokens, setup.max_model_len)
     logger.info(
         "engine ready: model=%s device=%s dtype=%s kv cache %s backend=%s blocks=%d x %d tokens, cuda graphs %s, "
         "tensor parallel %d",
@@ -177,10 +192,9 @@ def _make_executor(
         num_blocks,
         setup.block_size,
         graph_sizes and f"{len(graph_sizes)} sizes up to {graph_sizes[-1]}",
-        size,
+        config.tensor_parallel_size,
     )
-    executor = UniProcExecutor(runner) if workers is None else TensorParallelExecutor(runner, workers)
-    return executor, lora, speculator
+    return runner
 
 
 def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None) -> int:
