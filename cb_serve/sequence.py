@@ -82,7 +82,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the first scheduling
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]  # one per KV-cache group (``kv_cache_interface``)
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] = []
@@ -102,6 +102,11 @@ class Sequence:
             f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's block table (every group's has this length)."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:

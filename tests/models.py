@@ -43,6 +43,45 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "layer_types": ["sliding_attention", "full_attention"],  # RoPE theta 10k and 1M (its defaults)
         },
     ),
+    # Gemma 3's layer without q/k norms, one RoPE table, and soft-caps low enough to bite on random
+    # weights: attention scores (|s| median ~5, max ~40 here) capped at 5, logits (std ~3, max ~13) at 8
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 40,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 8.0,
+        },
+    ),
+    # post-norms only, q/k norms over all heads' width
+    "olmo2": ("Olmo2Config", {}),
+    # the four multipliers: embedding, residual, score scale, logits
+    "granite": (
+        "GraniteConfig",
+        {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 4.0},
+    ),
+    # fused qkv / gate_up weights, partial rotary (8 of 16 dims) and LongRoPE: the harness's sequences
+    # (at most 324 tokens) stay within the original 330 positions, where HF and the engine both use
+    # the short factors (and LongRoPE's attention factor, from 1024 / 330); tests/features/test_phi3.py
+    # covers the long factors and a sliding window
+    "phi3": (
+        "Phi3Config",
+        {
+            "head_dim": 16,
+            "original_max_position_embeddings": 330,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 1.7, 2.2],
+                "long_factor": [1.5, 2.5, 4.0, 6.0],
+                "original_max_position_embeddings": 330,
+            },
+        },
+    ),
 }
 
 
@@ -75,6 +114,16 @@ def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **co
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Architectures whose checkpoints fuse projections (Phi-3): the module an adapter targets instead.
+FUSED_TARGETS = {
+    "phi3": {
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+    }
+}
 
 
 def make_adapter(model_dir: Path, out: Path, rank: int, seed: int, targets=LORA_TARGETS, **lora_kwargs) -> Path:
@@ -83,6 +132,8 @@ def make_adapter(model_dir: Path, out: Path, rank: int, seed: int, targets=LORA_
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    fused = FUSED_TARGETS.get(base.config.model_type, {})
+    targets = list(dict.fromkeys(fused.get(t, t) for t in targets))
     torch.manual_seed(seed)
     kwargs = dict(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
     get_peft_model(base, LoraConfig(**{**kwargs, **lora_kwargs})).save_pretrained(out)
@@ -148,6 +199,16 @@ def assert_greedy_match(
 STRESS_ENGINE_ARGS = dict(
     block_size=16, max_num_batched_tokens=64, num_gpu_blocks=40, max_model_len=400, max_num_seqs=8
 )
+# Architectures whose every layer has a sliding window hold only a window's blocks per sequence
+# (``kv_cache_interface``): a smaller pool still makes the stress workload preempt.
+STRESS_BLOCKS = {"mistral": 16}
+
+
+def stress_engine_args(arch: str) -> dict:
+    """``STRESS_ENGINE_ARGS`` with a KV pool that makes ``arch`` preempt."""
+    return {**STRESS_ENGINE_ARGS, "num_gpu_blocks": STRESS_BLOCKS.get(arch, STRESS_ENGINE_ARGS["num_gpu_blocks"])}
+
+
 LOGPROB_ATOL = 1e-3  # float32 reduction-order differences (another GEMM kernel or split, an all-reduce)
 TOP_TWO_TIE = 1e-3  # a greedy pick may differ only where the reference's top two log-probabilities are this close
 

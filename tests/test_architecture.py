@@ -27,6 +27,7 @@ LEAVES = {
     "errors",
     "fault_injection",
     "inputs",
+    "kv_cache_interface",
     "lora_request",
     "outputs",
     "prefix_hash",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -15,6 +16,10 @@ class AttentionMetadata:
     (cached context plus the new tokens, whose KV goes to ``slot_mapping``).
 
     Sequences with one query token come first (``num_decodes`` of them).
+
+    With several KV-cache groups (``kv_cache_interface``), ``kv_block_tables`` / ``kv_slot_mappings``
+    hold every group's and ``block_table`` / ``slot_mapping`` the first group's; a layer reads its
+    group's metadata, ``for_layer(i)``.
     """
 
     num_decodes: int
@@ -28,10 +33,32 @@ class AttentionMetadata:
     block_table: torch.Tensor  # int32 [B, max_blocks], padded with 0
     slot_mapping: torch.Tensor  # int64 [T]
     backend_cache: dict = field(default_factory=dict)  # per-step plans a backend builds once, used by all layers
+    kv_block_tables: torch.Tensor | None = None  # int32 [G, B, max_blocks]: each KV-cache group's
+    kv_slot_mappings: torch.Tensor | None = None  # int64 [G, T]
+    layer_groups: tuple[int, ...] = ()  # each layer's KV-cache group (empty: one group)
+    group_metas: dict = field(default_factory=dict, repr=False)  # group -> its metadata, made once per step
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata of ``layer``'s KV-cache group: its block tables and slots (and plans of its own)."""
+        group = self.layer_groups[layer] if self.layer_groups else 0
+        if group == 0:
+            return self
+        meta = self.group_metas.get(group)
+        if meta is None:
+            assert self.kv_block_tables is not None and self.kv_slot_mappings is not None
+            meta = dataclasses.replace(
+                self,
+                block_table=self.kv_block_tables[group],
+                slot_mapping=self.kv_slot_mappings[group],
+                backend_cache={},
+                group_metas={},
+            )
+            self.group_metas[group] = meta
+        return meta
 
 
 class AttentionBackend(ABC):
@@ -50,6 +77,8 @@ class AttentionBackend(ABC):
     supports_narrow_kv_cache: bool = False
     # The model may run its fused C++ CPU layer ops (RMSNorm, RoPE, SiLU-and-mul, packed GEMMs) beside it.
     supports_fused_cpu_ops: bool = False
+    # Attention sinks (``forward``'s ``sinks``); every backend soft-caps (``softcap``).
+    supports_sinks: bool = True
 
     @abstractmethod
     def forward(
@@ -61,8 +90,14 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        ...
+        """Causal attention of the batch over its cached context plus the new tokens. ``softcap``
+        (Gemma 2): scores ``cap * tanh(scores / cap)`` before the mask and softmax. ``sinks`` (gpt-oss,
+        float ``[num_heads]``): a learned logit per head that joins the softmax denominator as one more
+        column with no value (``exp(sink - m)``), so a row's weights may sum to less than one."""
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cb_serve import cpu_ops
 from cb_serve.attention.base import AttentionMetadata
-from cb_serve.attention.torch_backend import TorchAttentionBackend
+from cb_serve.attention.torch_backend import NO_EXTRAS, Extras, TorchAttentionBackend
 
 
 def is_available() -> bool:
@@ -20,15 +20,32 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def write_kv(k, v, kv_cache, slot_mapping) -> None:
         cpu_ops.write_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], slot_mapping)
 
-    def decode(self, out, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
+    def decode(
+        self,
+        out,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        extra: Extras = NO_EXTRAS,
+    ) -> None:
         n = meta.num_decodes
-        cpu_ops.paged_decode_attention(
-            out[:n], q[:n], kv_cache[0], kv_cache[1], meta.block_table[:n], meta.seqused_k[:n], scale, sliding_window
-        )
+        args = (meta.block_table[:n], meta.seqused_k[:n], scale, sliding_window, extra.softcap, extra.sinks)
+        cpu_ops.paged_decode_attention(out[:n], q[:n], kv_cache[0], kv_cache[1], *args)
 
     def prefill(
-        self, out, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None
+        self,
+        out,
+        q,
+        k,
+        v,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        extra: Extras = NO_EXTRAS,
     ) -> None:
         args = (meta.cu_seqlens_q, meta.seqused_k, meta.block_table, meta.num_decodes, scale, sliding_window)
-        if not cpu_ops.paged_prefill_attention(out, q, kv_cache[0], kv_cache[1], *args):
-            super().prefill(out, q, k, v, kv_cache, meta, scale, sliding_window)
+        if not cpu_ops.paged_prefill_attention(out, q, kv_cache[0], kv_cache[1], *args, extra.softcap, extra.sinks):
+            super().prefill(out, q, k, v, kv_cache, meta, scale, sliding_window, extra)

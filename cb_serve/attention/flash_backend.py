@@ -24,6 +24,12 @@ INSTALL_ADVICE = (
 )
 
 
+SINKS_UNSUPPORTED = (
+    "attention_backend='flash_attn' cannot serve attention sinks (flash-attn 2 has none): "
+    "use attention_backend='triton' (the CUDA default)."
+)
+
+
 def is_available() -> bool:
     return flash_attn_varlen_func is not None and torch.cuda.is_available()
 
@@ -42,11 +48,18 @@ class FlashAttentionBackend(AttentionBackend):
       graph's padding rows (``cache_seqlens`` 0) read no KV;
     - the KV write must skip the padding rows' slot -1, which ``index_copy_`` would reject: it is
       the Triton backend's write kernel (Triton ships with CUDA PyTorch).
+
+    Soft-capping is flash-attn's own: since 2.6 both ``flash_attn_varlen_func`` and
+    ``flash_attn_with_kvcache`` take ``softcap`` (``flash_attn/flash_attn_interface.py``: "softcap=0.0,
+    # 0.0 means deactivated", "Anything > 0 activates softcapping attention"). Attention sinks they have
+    not (FA2's interface has no sink argument; ``learnable_sink`` is FA3's): ``supports_sinks`` is False,
+    and a model with sinks is refused when built on this backend (``Attention``), never served wrong.
     """
 
     name = "flash_attn"
     block_size_multiple = 256  # FA2's paged KV requires it
     supports_cuda_graphs = True
+    supports_sinks = False
     write_kv = staticmethod(triton_backend.TritonAttentionBackend.write_kv)
 
     def __init__(self) -> None:  # pragma: no cover - needs CUDA + flash-attn
@@ -56,8 +69,20 @@ class FlashAttentionBackend(AttentionBackend):
             raise RuntimeError("flash-attn backend writes the KV cache with a Triton kernel: install triton.")
 
     def forward(  # pragma: no cover - needs CUDA + flash-attn
-        self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None = None
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        *,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise NotImplementedError(SINKS_UNSUPPORTED)
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         if meta.max_seqlen_q == 1:
@@ -70,6 +95,7 @@ class FlashAttentionBackend(AttentionBackend):
                 softmax_scale=scale,
                 causal=True,
                 window_size=window,
+                softcap=softcap or 0.0,
             )
             return out.squeeze(1)
         return flash_attn_varlen_func(
@@ -83,5 +109,6 @@ class FlashAttentionBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             window_size=window,
+            softcap=softcap or 0.0,
             block_table=meta.block_table,
         )

@@ -30,6 +30,42 @@ def causal_mask(query_len: int, key_len: int, sliding_window: int | None, device
     return mask
 
 
+@dataclass(frozen=True)
+class Extras:
+    """A layer's score soft-cap and attention sinks (float32 ``[num_heads]``), which SDPA has not."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.softcap is not None or self.sinks is not None
+
+
+NO_EXTRAS = Extras()
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, extra: Extras
+) -> torch.Tensor:
+    """HF's eager attention in float32 (Gemma 2's soft-cap, gpt-oss's sinks): ``q [B, H, Q, D]``,
+    ``k``/``v [B, KVH, K, D]``, boolean ``mask`` (True = attend) broadcast to ``[B, H, Q, K]``."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.matmul(q.float(), k.transpose(2, 3)) * scale
+    if extra.softcap is not None:  # HF's op order: / cap, tanh, * cap
+        scores = torch.tanh(scores / extra.softcap) * extra.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if extra.sinks is not None:  # one more column per head, dropped after the softmax
+        sinks = extra.sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sinks], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).to(q.dtype)
+
+
 @dataclass
 class DecodeBucket:
     """Decode rows ``start:end`` attend over ``num_blocks`` blocks each (their longest context);
@@ -82,18 +118,38 @@ class TorchAttentionBackend(AttentionBackend):
     supports_narrow_kv_cache = True
 
     def forward(
-        self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None = None
+        self,
+        q,
+        k,
+        v,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        *,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
+        extra = Extras(softcap, None if sinks is None else sinks.float())
         if meta.num_decodes:
-            self.decode(out, q, kv_cache, meta, scale, sliding_window)
+            self.decode(out, q, kv_cache, meta, scale, sliding_window, extra)
         if meta.num_seqs > meta.num_decodes:
-            self.prefill(out, q, k, v, kv_cache, meta, scale, sliding_window)
+            self.prefill(out, q, k, v, kv_cache, meta, scale, sliding_window, extra)
         return out
 
     def prefill(
-        self, out, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None
+        self,
+        out,
+        q,
+        k,
+        v,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        extra: Extras = NO_EXTRAS,
     ) -> None:
         """Attention of the prefill chunks (the rows after the decodes), written into ``out``."""
         block_size = kv_cache.shape[2]
@@ -107,29 +163,41 @@ class TorchAttentionBackend(AttentionBackend):
                 block_ids = meta.block_table[i, : -(-k_len // block_size)]
                 ks = gather_blocks(kv_cache[0], block_ids)[:k_len].to(q.dtype)
                 vs = gather_blocks(kv_cache[1], block_ids)[:k_len].to(q.dtype)
-            out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window)
+            out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window, extra)
             start = end
 
-    def decode(self, out, q, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None) -> None:
+    def decode(
+        self,
+        out,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        extra: Extras = NO_EXTRAS,
+    ) -> None:
         """Attention of the ``meta.num_decodes`` one-token rows, written into ``out``."""
         block_size = kv_cache.shape[2]
         for b in decode_buckets(meta, block_size):
             n = b.end - b.start
             ks = gather_blocks(kv_cache[0], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2).to(q.dtype)
             vs = gather_blocks(kv_cache[1], b.block_ids).view(n, -1, *kv_cache.shape[-2:]).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(
-                q[b.start : b.end].unsqueeze(2),
-                ks,
-                vs,
-                attn_mask=b.mask(block_size, sliding_window),
-                scale=scale,
-                enable_gqa=True,
-            )
+            qs, mask = q[b.start : b.end].unsqueeze(2), b.mask(block_size, sliding_window)
+            if extra.any:
+                o = eager_attention(qs, ks, vs, mask, scale, extra)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             out[b.start : b.end] = o.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k, v, scale: float, sliding_window: int | None) -> torch.Tensor:
+    def _prefill(q, k, v, scale: float, sliding_window: int | None, extra: Extras = NO_EXTRAS) -> torch.Tensor:
         q_len, k_len = q.shape[0], k.shape[0]
+        if extra.any:
+            mask = causal_mask(q_len, k_len, sliding_window, q.device)
+            o = eager_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale, extra
+            )
+            return o[0].transpose(0, 1)
         if q_len == k_len and sliding_window is None:
             mask, is_causal = None, True
         else:

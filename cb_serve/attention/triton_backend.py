@@ -7,7 +7,8 @@ decode row gives ``group`` rows, padded to 16). Decode rows are their own tiles,
 launch a grid that depends only on tensor shapes (CUDA-graph capturable), reading their KV length from
 the device-side ``seqused_k``; mixed steps add a launch over prefill tiles listed by a per-step plan.
 A tile's KV range may be split over several programs (flash-decoding) whose partial softmax states a
-second kernel combines.
+second kernel combines. Optional, as constexpr branches: scores soft-capped (``cap * tanh(s / cap)``), and
+a per-head sink logit that starts the online softmax of the first split (max = sink, sum = 1).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ if triton is not None:
         q_pos,
         window,
         qk_scale,
+        softcap,
         stride_cb,
         stride_ct,
         offs_d,
@@ -88,6 +90,7 @@ if triton is not None:
         MASKED: tl.constexpr,
         PAD_D: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         """One online-softmax step over keys ``j * BLOCK_N ...``; ``MASKED`` applies causal/window/length masks."""
@@ -105,6 +108,8 @@ if triton is not None:
             k = tl.load(k_cache + ptrs)
             v = tl.load(v_cache + ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:  # cap * tanh(s / cap) (both in log2 units), tanh(y) = 1 - 2 / (e^2y + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
         if MASKED:
             ok = offs_n[None, :] <= q_pos[:, None]
             if HAS_WINDOW:
@@ -132,7 +137,9 @@ if triton is not None:
         part_m,
         part_l,
         part_acc,
+        sinks,
         qk_scale,
+        softcap,
         window,
         num_splits,
         num_heads,
@@ -154,6 +161,8 @@ if triton is not None:
         IS_DECODE: tl.constexpr,
         SPLIT: tl.constexpr,
         HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         PAD_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -213,6 +222,10 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
+        if HAS_SINKS:  # the sink column (no value), counted once: in split 0
+            first = (offs_m * 0 + split) == 0
+            m_i = tl.where(first, tl.load(sinks + head).to(tl.float32) * 1.4426950408889634, m_i)
+            l_i = tl.where(first, 1.0, l_i)
         bt_row = block_table + seq * stride_bt
         k_base = k_cache + kvh * stride_ch
         v_base = v_cache + kvh * stride_ch
@@ -230,6 +243,7 @@ if triton is not None:
                 q_pos,
                 window,
                 qk_scale,
+                softcap,
                 stride_cb,
                 stride_ct,
                 offs_d,
@@ -239,6 +253,7 @@ if triton is not None:
                 True,
                 PAD_D,
                 HAS_WINDOW,
+                HAS_SOFTCAP,
                 DOT_PRECISION,
             )
         for j in range(tl.maximum(j_a, s_lo), tl.minimum(j_b, s_hi)):
@@ -255,6 +270,7 @@ if triton is not None:
                 q_pos,
                 window,
                 qk_scale,
+                softcap,
                 stride_cb,
                 stride_ct,
                 offs_d,
@@ -264,6 +280,7 @@ if triton is not None:
                 False,
                 PAD_D,
                 HAS_WINDOW,
+                HAS_SOFTCAP,
                 DOT_PRECISION,
             )
         for j in range(tl.maximum(j_b, s_lo), s_hi):
@@ -280,6 +297,7 @@ if triton is not None:
                 q_pos,
                 window,
                 qk_scale,
+                softcap,
                 stride_cb,
                 stride_ct,
                 offs_d,
@@ -289,6 +307,7 @@ if triton is not None:
                 True,
                 PAD_D,
                 HAS_WINDOW,
+                HAS_SOFTCAP,
                 DOT_PRECISION,
             )
 
@@ -390,6 +409,9 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        *,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1:]
         num_kv_heads = kv_cache.shape[-2]
@@ -400,7 +422,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        args = (kv_cache, meta, scale * _LOG2E, sliding_window)
+        extra = (softcap * _LOG2E if softcap else None, None if sinks is None else sinks.float())
+        args = (kv_cache, meta, scale * _LOG2E, sliding_window, *extra)
         if meta.max_seqlen_q == 1:  # decode only: grid and arguments depend on shapes alone (graph capturable)
             self._launch(out, q, *args)
             return out
@@ -427,6 +450,8 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         qk_scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
         plan: torch.Tensor | None = None,
         block_m: int = 16,
         first_row: int = 0,
@@ -454,12 +479,14 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         _paged_attention_kernel[(num_kv_heads, num_tiles, splits)](
             out, q, k_cache, v_cache, meta.block_table, meta.seqused_k, meta.cu_seqlens_q,
-            meta.seqused_k if plan is None else plan, part_m, part_l, part_acc,
-            qk_scale, sliding_window or 0, splits, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            meta.seqused_k if plan is None else plan, part_m, part_l, part_acc, out if sinks is None else sinks,
+            qk_scale, softcap or 1.0, sliding_window or 0, splits, num_heads,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             meta.block_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_Q=1 if is_decode else block_m // group,
             BLOCK_N=block_n, BLOCK_SIZE=block_size, IS_DECODE=is_decode, SPLIT=splits > 1,
-            HAS_WINDOW=sliding_window is not None, PAD_D=d_pad != head_dim,
+            HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+            PAD_D=d_pad != head_dim,
             DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
             num_warps=8 if block_m >= 128 else 4, num_stages=3 if small else 2,
         )  # fmt: skip

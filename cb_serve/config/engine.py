@@ -78,6 +78,11 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False,
+        "Keep every token's KV in every layer, sliding-window layers too (by default those keep only "
+        "their window's blocks, in KV-cache groups of their own).",
+    )
     enable_jump_forward: bool = _arg(
         True, "Structured outputs: append the tokens a grammar forces without a forward pass of their own."
     )

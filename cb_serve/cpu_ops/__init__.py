@@ -226,12 +226,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """``out[i]`` = softmax attention of the single query ``q[i]`` (``[N, H, D]``) over the first
     ``seq_lens[i]`` tokens (the last ``sliding_window`` of them, if set) of sequence ``i``, whose
-    blocks ``block_table[i]`` live in ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, KVH, D]``)."""
+    blocks ``block_table[i]`` live in ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, KVH, D]``);
+    scores soft-capped at ``softcap`` and float32 ``sinks`` ``[H]`` in the denominator where given."""
     torch.ops.cb_serve.paged_decode_attention(
-        out, q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window or 0
+        out, q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window or 0, softcap or 0.0, sinks
     )
 
 
@@ -246,13 +249,26 @@ def paged_prefill_attention(
     first_seq: int,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Causal attention of sequences ``first_seq..`` (query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``,
     the last of the ``seq_lens[i]`` keys in the cache) into ``out``; False, with ``out`` untouched,
     where the kernel does not apply (not float32 queries and cache, head_dim not 64 or 128, no
     AVX-512)."""
     return torch.ops.cb_serve.paged_prefill_attention(
-        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, first_seq, scale, sliding_window or 0
+        out,
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_table,
+        first_seq,
+        scale,
+        sliding_window or 0,
+        softcap or 0.0,
+        sinks,
     )
 
 

@@ -1,16 +1,40 @@
-"""Paged KV-cache bookkeeping: block tables, ref counts, prefix caching with LRU eviction."""
+"""Paged KV-cache bookkeeping: block tables per KV-cache group, ref counts, prefix caching with LRU
+eviction, and sliding-window groups that free what their window no longer sees."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
+from cb_serve.kv_cache_interface import NULL_BLOCK
 from cb_serve.prefix_hash import CountingBloom, PrefixDigest, chain_hash, num_hit_blocks
 from cb_serve.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """A cached prefix of ``num_blocks`` full blocks: each group's table for it (a sliding group's
+    holds ``NULL_BLOCK`` before its window)."""
+
+    tables: tuple[tuple[int, ...], ...]
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks(self) -> list[int]:
+        """The first group's blocks."""
+        return list(self.tables[0])
+
+
 class BlockManager:
-    """Owns which KV blocks each sequence uses.
+    """Owns which KV blocks each sequence uses, in each KV-cache group (``kv_cache_interface``):
+    ``seq.block_tables[g]`` is group ``g``'s table; all groups share the pool.
 
     A full block whose KV is computed is registered under its chained hash; when freed it
     stays free *with* its content, so a later prompt with the same prefix takes it back (a
@@ -22,22 +46,41 @@ class BlockManager:
     a table's tail first, so a prefix outlives its tail). State is kept per block only for
     blocks ever handed out (ids below ``len(self._refs)``; the rest are free and untouched)
     and per cached block, so a manager of millions of blocks costs next to nothing to build.
+
+    A sliding-window group (``group_windows[g]`` not None) gives back, each time a sequence is
+    allocated for, the blocks no later token can see (their table entries become ``NULL_BLOCK``);
+    they stay cached. A prefix hit then needs, in such a group, only the window's blocks before
+    the hit point. Prefix-cache hashes are the same in every group (the tokens'); each group keeps
+    its own blocks under them, and the router's digest counts the first group's.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        assert num_blocks > 0 and block_size > 0
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        group_windows: Seq[int | None] = (None,),
+    ) -> None:
+        assert num_blocks > 0 and block_size > 0 and group_windows
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
         self._refs: list[int] = []  # ref counts of blocks 0..len-1, grown as blocks are first used
         self._free_uncached: list[int] = []  # a stack: the last freed is reused first
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
-        self._content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block id -> (hash, token ids), if cached
-        self.cached: dict[bytes, int] = {}  # chained hash -> block id
+        self._content: dict[int, tuple[int, bytes, tuple[int, ...]]] = {}  # block -> (group, hash, tokens), if cached
+        self.cached_by_group: list[dict[bytes, int]] = [{} for _ in self.group_windows]  # chained hash -> block id
         self.block_hashes: dict[str, list[bytes]] = {}  # seq id -> hashes of its full blocks
         self.num_registered: dict[str, int] = {}  # seq id -> leading blocks already registered
         self.num_evictions = 0  # cached blocks whose content was dropped for reuse
         self.bloom = CountingBloom(num_blocks, block_size) if enable_prefix_caching else None
+
+    @property
+    def cached(self) -> dict[bytes, int]:
+        """The first group's cached blocks by chained hash (the router's digest counts these)."""
+        return self.cached_by_group[0]
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,12 +106,21 @@ class BlockManager:
     def block_hash(self, block_id: int) -> bytes | None:
         """The chained hash ``block_id`` is cached under, or None."""
         content = self._content.get(block_id)
-        return None if content is None else content[0]
+        return None if content is None else content[1]
 
     def block_tokens(self, block_id: int) -> tuple[int, ...]:
         """The token ids a cached block holds (``()`` if it is not cached)."""
         content = self._content.get(block_id)
-        return () if content is None else content[1]
+        return () if content is None else content[2]
+
+    def block_group(self, block_id: int) -> int | None:
+        """The group a cached block's content belongs to (None: not cached)."""
+        content = self._content.get(block_id)
+        return None if content is None else content[0]
+
+    def cached_blocks(self) -> Iterator[int]:
+        """Every cached block id, used or free, of every group."""
+        return iter(self._content)
 
     def free_blocks(self) -> Iterator[int]:
         """The free block ids, in the order they will be handed out."""
@@ -85,68 +137,131 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else salt, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq`` (never all of its tokens:
-        the last one must be computed to get logits)."""
-        if not self.enable_prefix_caching:
-            return []
-        max_blocks = num_hit_blocks(seq.num_tokens, self.block_size)
-        hit: list[int] = []
+    def _lookup(self, group: int, index: int, block_hash: bytes, seq: Sequence) -> int | None:
+        block_id = self.cached_by_group[group].get(block_hash)
         bs = self.block_size
-        for i, h in enumerate(self._hashes(seq, max_blocks)[:max_blocks]):
-            block_id = self.cached.get(h)
-            if block_id is None or self._content[block_id][1] != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
-                break
-            hit.append(block_id)
-        return hit
+        if block_id is None or self._content[block_id][2] != tuple(seq.token_ids[index * bs : (index + 1) * bs]):
+            return None
+        return block_id
+
+    def _window_start(self, group: int, num_tokens: int) -> int:
+        """The first block a sliding group still needs once ``num_tokens`` are computed (0: full)."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(0, num_tokens - window + 1) // self.block_size
+
+    def find_cached_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix of ``seq`` that every group can serve (never all of its tokens:
+        the last one must be computed to get logits): full groups need each of its blocks, sliding
+        groups the blocks of the window before its end."""
+        bs = self.block_size
+        n = num_hit_blocks(seq.num_tokens, bs) if self.enable_prefix_caching else 0
+        hashes = self._hashes(seq, n)[:n] if n else []
+        found: list[list[int | None]] = []  # per group, the cached block (or None) of each block index
+        for g, window in enumerate(self.group_windows):
+            blocks: list[int | None] = []
+            for i in range(n):
+                blocks.append(self._lookup(g, i, hashes[i], seq))
+                if blocks[-1] is None and window is None:
+                    n = i
+                    break
+            found.append(blocks)
+        while n > 0 and any(None in found[g][self._window_start(g, n * bs) : n] for g in range(self.num_groups)):
+            n -= 1
+        tables = tuple(
+            tuple(NULL_BLOCK if i < self._window_start(g, n * bs) else found[g][i] for i in range(n))
+            for g in range(self.num_groups)
+        )
+        return PrefixHit(tables, n, self.block_size)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_tables[0]))
         start = self.num_registered.get(seq.seq_id, 0)
         hashes = self._hashes(seq, num_full)
         bs = self.block_size
-        for i in range(start, num_full):
-            block_id = seq.block_table[i]
-            if block_id not in self._content and hashes[i] not in self.cached:
-                self._content[block_id] = (hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-                self.cached[hashes[i]] = block_id
-                self.bloom.add(hashes[i])
+        for g, table in enumerate(seq.block_tables):
+            cached = self.cached_by_group[g]
+            for i in range(start, num_full):
+                block_id = table[i]
+                if block_id != NULL_BLOCK and block_id not in self._content and hashes[i] not in cached:
+                    self._content[block_id] = (g, hashes[i], tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+                    cached[hashes[i]] = block_id
+                    if g == 0:
+                        self.bloom.add(hashes[i])
         self.num_registered[seq.seq_id] = max(start, num_full)
 
     # ---- allocation -----------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Iterable[int] = ()) -> bool:
-        """Give ``seq`` blocks for ``num_new_tokens`` more tokens (after taking
-        ``cached_blocks``, its prefix hit, if any). Returns False, changing nothing, if the
-        pool is too small."""
-        cached_blocks = list(cached_blocks)
-        assert not cached_blocks or not seq.block_table, "a prefix hit only starts a block table"
-        num_computed = len(cached_blocks) * self.block_size if cached_blocks else seq.num_computed_tokens
+    def allocate(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens in every group (after taking
+        ``hit``, its prefix hit, if any); first, sliding groups give back what their windows no
+        longer see. Returns False, taking nothing, if the pool is too small."""
+        if hit is not None and hit.num_blocks:
+            assert not seq.block_table, "a prefix hit only starts a block table"
+            num_computed = hit.num_tokens
+            tables: Seq[Seq[int]] = hit.tables
+        else:
+            hit = None
+            if len(seq.block_tables) != self.num_groups:
+                assert not seq.block_table
+            else:
+                self._free_out_of_window(seq)
+            num_computed = seq.num_computed_tokens
+            tables = seq.block_tables if len(seq.block_tables) == self.num_groups else ((),) * self.num_groups
         total_blocks = self.blocks_needed(num_computed + num_new_tokens)
-        num_new_blocks = total_blocks - len(seq.block_table) - len(cached_blocks)
         refs = self._refs
-        num_needed = max(num_new_blocks, 0) + sum(1 for b in cached_blocks if refs[b] == 0)
+        num_needed = sum(max(0, total_blocks - len(t)) for t in tables)
+        if hit is not None:
+            num_needed += sum(1 for t in hit.tables for b in t if b != NULL_BLOCK and refs[b] == 0)
         if num_needed and num_needed > self.num_free_blocks:
             return False
-        table = seq.block_table
-        for block_id in cached_blocks:
-            if refs[block_id] == 0:
-                del self._free_cached[block_id]
-            refs[block_id] += 1
-            table.append(block_id)
-        for _ in range(num_new_blocks):
-            if self._free_uncached:
-                block_id = self._free_uncached.pop()
-                refs[block_id] = 1
-            elif len(refs) < self.num_blocks:
-                block_id = len(refs)
-                refs.append(1)
-            else:  # evict the least recently freed cached block
-                block_id, _ = self._free_cached.popitem(last=False)
-                self.num_evictions += 1
-                self._uncache(block_id)
-                refs[block_id] = 1
-            table.append(block_id)
+        if len(seq.block_tables) != self.num_groups or hit is not None:
+            seq.block_tables = [list(t) for t in tables]
+        if hit is not None:
+            for block_id in (b for t in hit.tables for b in t if b != NULL_BLOCK):
+                if refs[block_id] == 0:
+                    del self._free_cached[block_id]
+                refs[block_id] += 1
+        for table in seq.block_tables:
+            for _ in range(total_blocks - len(table)):
+                table.append(self._take())
         return True
+
+    def _take(self) -> int:
+        """A free block, in hand-out order (the last freed uncached, never used, least recently
+        freed cached: evicted)."""
+        refs = self._refs
+        if self._free_uncached:
+            block_id = self._free_uncached.pop()
+            refs[block_id] = 1
+        elif len(refs) < self.num_blocks:
+            block_id = len(refs)
+            refs.append(1)
+        else:  # evict the least recently freed cached block
+            block_id, _ = self._free_cached.popitem(last=False)
+            self.num_evictions += 1
+            self._uncache(block_id)
+            refs[block_id] = 1
+        return block_id
+
+    def _free_out_of_window(self, seq: Sequence) -> None:
+        """Sliding groups give back blocks before their window (oldest first: evicted first)."""
+        for g, table in enumerate(seq.block_tables):
+            end = min(self._window_start(g, seq.num_computed_tokens), len(table))
+            start = end
+            while start > 0 and table[start - 1] != NULL_BLOCK:
+                start -= 1
+            for i in range(start, end):
+                self._release(table[i])
+                table[i] = NULL_BLOCK
+
+    def _release(self, block_id: int) -> None:
+        n = self._refs[block_id] - 1
+        assert n >= 0
+        self._refs[block_id] = n
+        if n == 0:
+            if block_id in self._content:
+                self._free_cached[block_id] = None
+            else:
+                self._free_uncached.append(block_id)
 
     def commit_computed(self, seq: Sequence) -> None:
         """Call after a step raised ``seq.num_computed_tokens``: registers newly full blocks."""
@@ -155,17 +270,11 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks; tail blocks first, so they are evicted before the prefix."""
-        refs, content = self._refs, self._content
-        for block_id in reversed(seq.block_table):
-            n = refs[block_id] - 1
-            assert n >= 0
-            refs[block_id] = n
-            if n == 0:
-                if block_id in content:
-                    self._free_cached[block_id] = None
-                else:
-                    self._free_uncached.append(block_id)
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK:
+                    self._release(block_id)
+        seq.block_tables = [[]]
         self.num_registered.pop(seq.seq_id, None)
 
     def forget(self, seq: Sequence) -> None:
@@ -173,9 +282,10 @@ class BlockManager:
         self.block_hashes.pop(seq.seq_id, None)
 
     def _uncache(self, block_id: int) -> None:
-        block_hash, _ = self._content.pop(block_id)
-        del self.cached[block_hash]
-        self.bloom.remove(block_hash)
+        group, block_hash, _ = self._content.pop(block_id)
+        del self.cached_by_group[group][block_hash]
+        if group == 0:
+            self.bloom.remove(block_hash)
 
     def reset_prefix_cache(self) -> None:
         """Drops the content of every free cached block; they join the uncached free blocks
@@ -195,9 +305,14 @@ class BlockManager:
         num_touched = len(self._refs)
         refs = [0] * num_touched
         for seq in live:
-            for block_id in seq.block_table:
-                assert 0 <= block_id < num_touched, (block_id, num_touched)
-                refs[block_id] += 1
+            assert len({len(t) for t in seq.block_tables}) == 1, "groups' tables of one length"
+            for g, table in enumerate(seq.block_tables):
+                live_blocks = [b for b in table if b != NULL_BLOCK]
+                assert self.group_windows[g] is not None or len(live_blocks) == len(table), "a hole in a full group"
+                assert table[len(table) - len(live_blocks) :] == live_blocks, "a hole after a live block"
+                for block_id in live_blocks:
+                    assert 0 <= block_id < num_touched, (block_id, num_touched)
+                    refs[block_id] += 1
         if refs != self._refs:
             bad = next(b for b in range(num_touched) if refs[b] != self._refs[b])
             raise AssertionError((bad, self._refs[bad], refs[bad]))
@@ -206,9 +321,10 @@ class BlockManager:
         assert all(refs[b] == 0 for b in free)
         assert not any(b in self._content for b in self._free_uncached)
         assert all(b in self._content for b in self._free_cached)
-        assert len(self._content) == len(self.cached)
-        for h, block_id in self.cached.items():
-            assert self._content[block_id][0] == h
+        assert len(self._content) == sum(len(c) for c in self.cached_by_group)
+        for g, cached in enumerate(self.cached_by_group):
+            for h, block_id in cached.items():
+                assert self._content[block_id][:2] == (g, h)
         if self.bloom is not None:
             expected = CountingBloom(self.num_blocks, self.block_size)
             for h in self.cached:

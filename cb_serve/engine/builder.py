@@ -95,7 +95,9 @@ def build(config: EngineConfig) -> EngineParts:
     with device_context(setup.device):  # load, KV sizing and graph capture on the engine's device
         executor, lora, speculator = _make_executor(config, setup, draft, spec, structured)
     num_blocks = executor.runner.num_blocks
-    block_manager = BlockManager(num_blocks, setup.block_size, config.enable_prefix_caching)
+    block_manager = BlockManager(
+        num_blocks, setup.block_size, config.enable_prefix_caching, setup.kv_layout.group_windows
+    )
     release = speculator.release  # a proposer's per-sequence state goes with its blocks
     scheduler = Scheduler(
         block_manager,
@@ -177,6 +179,7 @@ def _make_runner(
         setup.max_model_len,
         lora,
         speculator.verify,
+        setup.kv_layout,
     )
     if setup.device.type == "cuda" and config.tensor_parallel_size == 1:
         with device_context(setup.device):
@@ -204,9 +207,9 @@ def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None
         draft.load()  # before the KV cache is sized: its weights and its cache share the memory
     rank_config = per_rank_config(s.hf_config, config.tensor_parallel_size, s.device)
     d = draft and draft.setup
-    mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype)
+    mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype, d.kv_layout)
     return num_kv_blocks(
-        config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror
+        config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror, s.kv_layout
     )
 
 
@@ -233,6 +236,6 @@ def _make_speculator(
     budget = config.max_num_batched_tokens
     proposer = None
     if draft is not None:
-        blocks = BlockManager(num_blocks, setup.block_size, enable_prefix_caching=False)
+        blocks = BlockManager(num_blocks, setup.block_size, False, draft.setup.kv_layout.group_windows)
         proposer = DraftModelProposer(draft.runner(num_blocks), blocks, budget)
     return Speculator(spec, setup.max_model_len, budget, proposer, structured.valid_drafts)

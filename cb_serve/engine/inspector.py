@@ -16,6 +16,7 @@ from typing import Any
 
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.kv_map import kv_map
+from cb_serve.kv_cache_interface import NULL_BLOCK
 from cb_serve.sequence import SchedulerOutput, Sequence
 
 MAX_KV_CELLS = 4096  # a larger cache is summarized: one cell per group of blocks
@@ -317,7 +318,7 @@ def queue_rows(seqs: Iterable[Sequence]) -> list[dict[str, Any]]:
                 "output_tokens": seq.num_output_tokens,
                 "computed": seq.num_computed_tokens,
                 "tokens": seq.num_tokens,
-                "blocks": len(seq.block_table),
+                "blocks": sum(len(t) - t.count(NULL_BLOCK) for t in seq.block_tables),
                 "preemptions": seq.num_preemptions,
             }
         )

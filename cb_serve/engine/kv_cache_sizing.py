@@ -9,13 +9,18 @@ import torch
 
 from cb_serve.config import EngineConfig
 from cb_serve.config.speculative import SpeculativeConfig
+from cb_serve.kv_cache_interface import KVCacheLayout
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
-def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(
+    hf_config, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None
+) -> int:
+    """One block id's bytes: a page of each of ``layout.group_size`` layers (default: every layer)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+    num_layers = hf_config.num_hidden_layers if layout is None else layout.group_size
+    per_token = 2 * num_layers * hf_config.num_key_value_heads * head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -71,11 +76,14 @@ def num_kv_blocks(
     dtype: torch.dtype,
     device: torch.device,
     mirror_bytes_per_block: int = 0,
+    layout: KVCacheLayout | None = None,
 ) -> int:
     """``num_gpu_blocks``, else ``kv_cache_memory``, else (CUDA) free device memory, else 1 GiB;
-    raises if that cannot hold one ``max_model_len`` sequence. ``mirror_bytes_per_block``: a second
+    raises if that cannot hold one ``max_model_len`` sequence (in each KV-cache group of ``layout``:
+    a sliding group holds only its window and a step's chunk). ``mirror_bytes_per_block``: a second
     cache with as many blocks shares the memory (a draft model's, ``spec_decode.draft_model``)."""
-    per_block = kv_cache_bytes_per_block(hf_config, block_size, kv_cache_dtype) + mirror_bytes_per_block
+    layout = layout or KVCacheLayout.from_windows([None] * hf_config.num_hidden_layers)
+    per_block = kv_cache_bytes_per_block(hf_config, block_size, kv_cache_dtype, layout) + mirror_bytes_per_block
     if config.num_gpu_blocks:
         num = config.num_gpu_blocks
     elif config.kv_cache_memory:
@@ -86,7 +94,7 @@ def num_kv_blocks(
         num = cuda_kv_cache_bytes(free, total, config.gpu_memory_utilization, activations) // per_block
     else:
         num = CPU_DEFAULT_KV_CACHE_BYTES // per_block
-    need = -(-max_model_len // block_size)
+    need = layout.blocks_per_sequence(max_model_len, block_size, min(max_model_len, config.max_num_batched_tokens))
     if num < need:
         raise ValueError(
             f"The KV cache holds {num} blocks of {block_size} tokens, fewer than one "

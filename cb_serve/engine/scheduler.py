@@ -142,15 +142,15 @@ class Scheduler:
             if not self.admission.may_admit(seq):
                 i += 1
                 continue
-            cached = bm.find_cached_prefix(seq)
-            num_computed = len(cached) * bm.block_size
+            hit = bm.find_cached_prefix(seq)
+            num_computed = hit.num_tokens
             num_new = seq.num_tokens - num_computed
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
                 self.counters.num_partial_prefills += 1
-            if not bm.allocate(seq, num_new, cached):
+            if not bm.allocate(seq, num_new, hit):
                 break  # FCFS: nobody overtakes the head of the queue
             del self.waiting[i]
             self.admission.admitted(seq)

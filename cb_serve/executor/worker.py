@@ -57,7 +57,9 @@ def worker_main(spec: WorkerSpec) -> None:
         tp = TensorParallelGroup.connect(store, spec.rank, spec.size, device)
         model = setup.load_model(shard_for(setup.hf_config, spec.rank, spec.size), tp)
         num_blocks = conn.recv()
-        runner = ModelRunner(model, num_blocks, setup.block_size, setup.kv_cache_dtype, device)
+        runner = ModelRunner(
+            model, num_blocks, setup.block_size, setup.kv_cache_dtype, device, kv_layout=setup.kv_layout
+        )
         conn.send("ready")
         while payload := conn.recv_bytes():  # empty: stop
             runner.compute_logits(runner.to_device(pickle.loads(payload)))

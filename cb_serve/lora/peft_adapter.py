@@ -25,7 +25,11 @@ FUSED_PROJECTIONS = {
     "mlp.gate_up_proj": ("gate_proj", "up_proj"),
     "mlp.down_proj": ("down_proj",),
 }
-FUSED_OF = {sub: (fused, i) for fused, subs in FUSED_PROJECTIONS.items() for i, sub in enumerate(subs)}
+FUSED_OF: dict[str, tuple[str, int | None]] = {
+    sub: (fused, i) for fused, subs in FUSED_PROJECTIONS.items() for i, sub in enumerate(subs)
+}
+# Checkpoints whose own projections are fused (Phi-3): an adapter on one spans all its columns.
+FUSED_OF.update({"qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)})
 SUPPORTED_TARGETS = tuple(FUSED_OF)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -136,7 +140,8 @@ def load_peft_adapter(
         a, b = ab["A"], ab["B"]
         r = a.shape[0] if a.dim() == 2 else -1
         shape = shapes.get(module)
-        expected = None if shape is None else (shape.in_features, shape.sub_out_features[index])
+        out = None if shape is None else sum(shape.sub_out_features) if index is None else shape.sub_out_features[index]
+        expected = None if shape is None else (shape.in_features, out)
         if shape is None or r < 1 or b.shape != (expected[1], r) or a.shape[1] != expected[0]:
             got = f"lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}"
             want = "no such layer" if shape is None else f"{expected[0]} -> {expected[1]}"
@@ -151,13 +156,16 @@ def load_peft_adapter(
         parts.setdefault(module, []).append((index, a, b * scale))
     modules = {}
     for module, subs in parts.items():
+        if len(subs) > 1 and any(index is None for index, _, _ in subs):
+            raise LoRAAdapterError(f"Adapter {name!r} targets {module} both fused and by its parts.")
         out_sizes = shapes[module].sub_out_features
         offsets = [0, *itertools.accumulate(out_sizes)]
         a_cat = torch.cat([a for _, a, _ in subs]).to(dtype).contiguous()
         b_cat = torch.zeros(a_cat.shape[0], offsets[-1], dtype=dtype)
         row = 0
         for index, a, b in subs:  # block-structured: a sub-projection's rank rows feed its own columns
-            b_cat[row : row + a.shape[0], offsets[index] : offsets[index + 1]] = b.t()
+            columns = slice(None) if index is None else slice(offsets[index], offsets[index + 1])
+            b_cat[row : row + a.shape[0], columns] = b.t()
             row += a.shape[0]
         modules[module] = (a_cat, b_cat)
     return LoRAWeights(name, rank, modules)

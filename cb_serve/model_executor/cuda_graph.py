@@ -61,23 +61,28 @@ class DecodeBuffers:
 
     input_ids: torch.Tensor  # int64 [max_rows]
     positions: torch.Tensor  # int64 [max_rows]
-    slot_mapping: torch.Tensor  # int64 [max_rows]; -1 on padding rows
+    slot_mapping: torch.Tensor  # int64 [groups, max_rows]; -1 on padding rows
     seqused_k: torch.Tensor  # int32 [max_rows]; 0 on padding rows
-    block_table: torch.Tensor  # int32 [max_rows, max_blocks_per_seq]
+    block_table: torch.Tensor  # int32 [groups, max_rows, max_blocks_per_seq]
     cu_seqlens_q: torch.Tensor  # int32 [max_rows + 1]: 0, 1, 2, ... (one query per row)
+    layer_groups: tuple[int, ...] = ()  # each layer's KV-cache group (empty: one group)
 
     @classmethod
-    def allocate(cls, max_rows: int, max_blocks_per_seq: int, device: torch.device) -> DecodeBuffers:
+    def allocate(
+        cls, max_rows: int, max_blocks_per_seq: int, device: torch.device, layer_groups: tuple[int, ...] = ()
+    ) -> DecodeBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
+        num_groups = max(layer_groups, default=0) + 1
         return cls(
             input_ids=zeros(max_rows),
             positions=zeros(max_rows),
-            slot_mapping=torch.full((max_rows,), -1, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((num_groups, max_rows), -1, dtype=torch.int64, device=device),
             seqused_k=zeros(max_rows, dtype=torch.int32),
-            block_table=zeros(max_rows, max_blocks_per_seq, dtype=torch.int32),
+            block_table=zeros(num_groups, max_rows, max_blocks_per_seq, dtype=torch.int32),
             cu_seqlens_q=torch.arange(max_rows + 1, dtype=torch.int32, device=device),
+            layer_groups=layer_groups,
         )
 
     def metadata(self, size: int, max_seqlen_k: int) -> AttentionMetadata:
@@ -92,24 +97,30 @@ class DecodeBuffers:
             seqused_k=self.seqused_k[:size],
             max_seqlen_q=1,
             max_seqlen_k=max_seqlen_k,
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
+            block_table=self.block_table[0, :size],
+            slot_mapping=self.slot_mapping[0, :size],
+            kv_block_tables=self.block_table[:, :size],
+            kv_slot_mappings=self.slot_mapping[:, :size],
+            layer_groups=self.layer_groups,
         )
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
         """Copies one step's ``n`` decode rows in and marks rows ``n:size`` as padding."""
         n = input_ids.shape[0]
         assert meta.max_seqlen_q == 1 and n <= size
-        width = meta.block_table.shape[1]
-        assert width <= self.block_table.shape[1], "block table wider than max_model_len allows"
+        tables = meta.kv_block_tables if meta.kv_block_tables is not None else meta.block_table[None]
+        slots = meta.kv_slot_mappings if meta.kv_slot_mappings is not None else meta.slot_mapping[None]
+        width = tables.shape[-1]
+        assert width <= self.block_table.shape[-1], "block table wider than max_model_len allows"
+        assert tables.shape[0] == self.block_table.shape[0], "one table per KV-cache group"
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[:, :n].copy_(slots, non_blocking=True)
         self.seqused_k[:n].copy_(meta.seqused_k, non_blocking=True)
-        self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
+        self.block_table[:, :n, :width].copy_(tables, non_blocking=True)
         self.input_ids[n:size].zero_()
         self.positions[n:size].zero_()
-        self.slot_mapping[n:size].fill_(-1)
+        self.slot_mapping[:, n:size].fill_(-1)
         self.seqused_k[n:size].zero_()
 
 
@@ -124,12 +135,14 @@ class DecodeGraphRunner:
         block_size: int,
         device: torch.device,
         capture: bool = True,
+        layer_groups: tuple[int, ...] = (),
     ) -> None:
+        """``layer_groups``: each layer's KV-cache group, where the model has several."""
         self._forward = weak_callable(forward)
         self.sizes = sorted(sizes)
         self.capture = capture
         self.device = device
-        self.buffers = DecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device)
+        self.buffers = DecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device, layer_groups)
         self.metas = {size: self.buffers.metadata(size, max_model_len) for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

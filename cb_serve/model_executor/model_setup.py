@@ -15,9 +15,10 @@ from cb_serve.attention.base import AttentionBackend
 from cb_serve.config import EngineConfig
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.device_context import concrete_device
-from cb_serve.model_executor.models import LlamaForCausalLM
+from cb_serve.model_executor.models import LlamaForCausalLM, model_class
 
 MAX_DEFAULT_MODEL_LEN = 8192
 DEVICE_ENV = "CB_SERVE_DEVICE"  # what device="auto" means in this process and its workers (the tests: cpu)
@@ -82,6 +83,12 @@ class ModelSetup:
         max_model_len = config.max_model_len or min(max_positions, MAX_DEFAULT_MODEL_LEN)
         backend, block_size = choose_backend(config, device, dtype, kv_cache_dtype)
         return cls(config, source, hf_config, device, dtype, kv_cache_dtype, backend, block_size, max_model_len)
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """The model's KV-cache groups, from its layers' attention (``kv_cache_interface``)."""
+        windows = [spec.sliding_window for spec in model_class(self.hf_config).attention_specs(self.hf_config)]
+        return KVCacheLayout.from_windows(windows, hybrid=not self.config.disable_hybrid_kv_cache_manager)
 
     def load_model(
         self, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None

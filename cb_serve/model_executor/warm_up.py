@@ -22,10 +22,12 @@ def warm_up_query_lens(max_num_tokens: int, max_model_len: int) -> list[list[int
     return [[n] for n in singles] + ([mixed] if max_num_tokens >= 3 else [])
 
 
-def dummy_batch(query_lens: list[int], block_size: int, num_blocks: int, max_model_len: int) -> StepBatch:
+def dummy_batch(
+    query_lens: list[int], block_size: int, num_blocks: int, max_model_len: int, num_groups: int = 1
+) -> StepBatch:
     """A step over made-up rows: each row has as much context as its query (a decode row: 16 tokens
     before it), in blocks 0, 1, ... (rows share them: the KV written is garbage, overwritten before
-    any request reads it, as every block's is) and samples its last token."""
+    any request reads it, as every block's is; every KV-cache group the same) and samples its last token."""
     num_decodes = sum(1 for n in query_lens if n == 1)
     seq_lens = [min(max_model_len, 17 if n == 1 else n) for n in query_lens]
     width = -(-max(seq_lens) // block_size)
@@ -38,12 +40,12 @@ def dummy_batch(query_lens: list[int], block_size: int, num_blocks: int, max_mod
     arrays = {
         "input_ids": np.zeros(cu_q[-1], dtype=np.int64),
         "positions": positions,
-        "slot_mapping": positions,  # block i of every row is block i
+        "slot_mappings": np.tile(positions, (num_groups, 1)),  # block i of every row is block i
         "logits_indices": cu_q[1:] - 1,
         "cu_seqlens_q": cu_q,
         "cu_seqlens_k": cu_k,
         "seqused_k": np.asarray(seq_lens),
-        "block_table": np.tile(np.arange(width), (len(q), 1)),
+        "block_tables": np.tile(np.arange(width), (num_groups, len(q), 1)),
     }
     return StepBatch(num_decodes, list(query_lens), seq_lens, arrays)
 
@@ -53,7 +55,8 @@ def warm_up(runner: ModelRunner, max_num_tokens: int, max_model_len: int) -> Non
     """Runs ``runner``'s forward pass and logits on each of ``warm_up_query_lens``'s batches (one
     rank: tensor-parallel ranks would each have to run the same batches in step)."""
     for query_lens in warm_up_query_lens(max_num_tokens, max_model_len):
-        batch = dummy_batch(query_lens, runner.block_size, runner.num_blocks, max_model_len)
+        num_groups = len(runner.kv_layout.groups)
+        batch = dummy_batch(query_lens, runner.block_size, runner.num_blocks, max_model_len, num_groups)
         if runner.lora is not None:  # every row on the base model
             rows = np.repeat(np.arange(len(query_lens)), query_lens)
             runner.lora.set_active_loras([None] * len(query_lens), rows, runner.device)

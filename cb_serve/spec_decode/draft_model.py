@@ -77,7 +77,7 @@ class DraftModel:
 
     def runner(self, num_blocks: int) -> ModelRunner:
         s = self.setup
-        return ModelRunner(self.model, num_blocks, s.block_size, s.kv_cache_dtype, s.device)
+        return ModelRunner(self.model, num_blocks, s.block_size, s.kv_cache_dtype, s.device, kv_layout=s.kv_layout)
 
 
 def common_prefix(a: list[int], b: list[int], start: int) -> int:

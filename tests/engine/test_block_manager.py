@@ -10,7 +10,9 @@ are all frequent.
 Next to the manager it keeps a model of the KV cache itself (which token each slot of each
 block holds, written when a chunk is computed), so it checks not just the bookkeeping but
 that a prefix hit hands out blocks that really hold the sequence's tokens, and that no
-block is written while it is shared or registered in the cache.
+block is written while it is shared or registered in the cache. The manager has one KV-cache
+group or several (full and sliding-window ones, ``kv_cache_interface``): every group's table
+must hold the KV its layers attend to, and a sliding group no more than its window spans.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.block_manager import BlockManager, PrefixHit
+from cb_serve.kv_cache_interface import NULL_BLOCK
 from cb_serve.prefix_hash import MAX_BITS
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import Sequence
@@ -42,7 +45,18 @@ def next_token(token_ids: list[int]) -> int:
 def snapshot(bm: BlockManager, seq: Sequence) -> tuple:
     """Everything ``allocate`` may change (order of the free pool included)."""
     blocks = [(bm.ref_count(b), bm.block_hash(b), bm.block_tokens(b)) for b in range(bm.num_blocks)]
-    return (blocks, list(bm.free_blocks()), dict(bm.cached), list(seq.block_table), copy.deepcopy(bm.num_registered))
+    tables = copy.deepcopy(seq.block_tables)
+    return (blocks, list(bm.free_blocks()), copy.deepcopy(bm.cached_by_group), tables, copy.deepcopy(bm.num_registered))
+
+
+def window_start(bm: BlockManager, group: int, num_tokens: int) -> int:
+    """The first block of ``group`` the next token attends to (0: a full-attention group)."""
+    w = bm.group_windows[group]
+    return 0 if w is None else max(0, num_tokens - w + 1) // bm.block_size
+
+
+def num_cached(bm: BlockManager) -> int:
+    return sum(len(c) for c in bm.cached_by_group)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -69,11 +83,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.manager
         bs = bm.block_size
         assert len(seq.block_table) * bs >= seq.num_computed_tokens + n, "no room allocated for the chunk"
-        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            block_id = seq.block_table[pos // bs]
-            assert bm.ref_count(block_id) == 1, f"block {block_id} is written while shared"
-            assert bm.block_hash(block_id) is None, f"block {block_id} is written while registered in the cache"
-            self.kv[block_id][pos % bs] = seq.token_ids[pos]
+        for table in seq.block_tables:
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block_id = table[pos // bs]
+                assert block_id != NULL_BLOCK, "a token written out of its window"
+                assert bm.ref_count(block_id) == 1, f"block {block_id} is written while shared"
+                assert bm.block_hash(block_id) is None, f"block {block_id} is written while registered in the cache"
+                self.kv[block_id][pos % bs] = seq.token_ids[pos]
         seq.num_computed_tokens += n
         bm.commit_computed(seq)
         if seq.num_computed_tokens == seq.num_tokens:  # caught up: the engine always samples
@@ -83,31 +99,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.manager
         bs = bm.block_size
         hit = bm.find_cached_prefix(seq)
-        assert len(hit) * bs < seq.num_tokens, "a prefix hit must leave the last token to compute"
-        assert len(set(hit)) == len(hit)
-        for i, block_id in enumerate(hit):
-            expected = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            assert bm.block_hash(block_id) is not None and bm.cached[bm.block_hash(block_id)] == block_id
-            assert bm.block_tokens(block_id) == expected
-            assert tuple(self.kv[block_id]) == expected, f"block {block_id} is a hit but holds other KV"
-        num_computed = len(hit) * bs
+        n_hit = hit.num_blocks
+        assert hit.num_tokens < seq.num_tokens, "a prefix hit must leave the last token to compute"
+        for g, table in enumerate(hit.tables):
+            assert len(table) == n_hit
+            start = window_start(bm, g, hit.num_tokens)
+            assert all(b == NULL_BLOCK for b in table[:start]) and NULL_BLOCK not in table[start:]
+            for i, block_id in enumerate(table[start:], start):
+                expected = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                assert bm.block_group(block_id) == g and bm.cached_by_group[g][bm.block_hash(block_id)] == block_id
+                assert bm.block_tokens(block_id) == expected
+                assert tuple(self.kv[block_id]) == expected, f"block {block_id} is a hit but holds other KV"
+        num_computed = hit.num_tokens
         num_new = 1 + chunk % (seq.num_tokens - num_computed)
         before = snapshot(bm, seq)
-        num_cached_before = len(bm.cached)
+        num_cached_before = num_cached(bm)
         uncached_free = sum(1 for b in bm.free_blocks() if bm.block_hash(b) is None)
         if not bm.allocate(seq, num_new, hit):
             assert snapshot(bm, seq) == before, "a failed allocate changed state"
             event("admission: allocate failed")
             self.parked[seq.seq_id] = seq
             return
-        if hit:
+        hit_blocks = [b for t in hit.tables for b in t if b != NULL_BLOCK]
+        if n_hit:
             event("admission: prefix-cache hit")
-            if any(bm.ref_count(b) > 1 for b in hit):
+            if any(bm.ref_count(b) > 1 for b in hit_blocks):
                 event("admission: hit on a block in use by another sequence")
-        assert seq.block_table[: len(hit)] == hit
-        assert len(seq.block_table) == bm.blocks_needed(num_computed + num_new)
-        num_taken = len(seq.block_table) - len(hit)
-        num_evicted = num_cached_before - len(bm.cached)
+            if NULL_BLOCK in {b for t in hit.tables for b in t}:
+                event("admission: a sliding group's hit starts at its window")
+        assert [t[:n_hit] for t in seq.block_tables] == [list(t) for t in hit.tables]
+        assert {len(t) for t in seq.block_tables} == {bm.blocks_needed(num_computed + num_new)}
+        num_taken = sum(len(t) - n_hit for t in seq.block_tables)
+        num_evicted = num_cached_before - num_cached(bm)
         assert num_evicted == max(0, num_taken - uncached_free), "evicted a cached block while an uncached was free"
         if num_evicted:
             event("admission: evicted cached blocks")
@@ -121,9 +144,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(1, 12),
         block_size=st.sampled_from([1, 2, 3, 4]),
         prefixes=st.lists(tokens, min_size=1, max_size=3),
+        windows=st.sampled_from([(None,), (None,), (None, 3), (None, 5), (4,), (None, 2, 6)]),
     )
-    def setup(self, num_blocks: int, block_size: int, prefixes: list[list[int]]) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
+    def setup(self, num_blocks: int, block_size: int, prefixes: list[list[int]], windows: tuple) -> None:
+        self.bm = BlockManager(num_blocks, block_size, group_windows=windows)
         self.kv = [[None] * block_size for _ in range(num_blocks)]
         self.prefixes = prefixes
 
@@ -142,18 +166,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._admit(self._pick(self.parked, pick), chunk)
 
     @precondition(lambda self: self.live)
-    @rule(pick=st.integers(0, 100), chunk=st.integers(0, 50))
-    def step(self, pick: int, chunk: int) -> None:
+    @rule(pick=st.integers(0, 100), chunk=st.integers(0, 50), settle=st.booleans())
+    def step(self, pick: int, chunk: int, settle: bool) -> None:
         bm = self.manager
         seq = self._pick(self.live, pick)
         n = 1 + chunk % seq.num_uncomputed_tokens
         old_len = len(seq.block_table)
+        if settle:  # sliding groups give back what their windows no longer see (allocate does it first)
+            assert bm.allocate(seq, 0)
         before = snapshot(bm, seq)
+        old_tables = copy.deepcopy(seq.block_tables)
         if not bm.allocate(seq, n):
-            assert snapshot(bm, seq) == before, "a failed allocate changed state"
+            if settle:
+                assert snapshot(bm, seq) == before, "a failed allocate changed state"
+            else:  # it may only have given back blocks out of a window
+                for g, (old, new) in enumerate(zip(old_tables, seq.block_tables)):
+                    start = window_start(bm, g, seq.num_computed_tokens)
+                    assert new == [NULL_BLOCK] * start + old[start:] or new == old
             event("step: allocate failed")
             return
         assert len(seq.block_table) == max(old_len, bm.blocks_needed(seq.num_computed_tokens + n))
+        for g, w in enumerate(bm.group_windows):  # a sliding group holds only its window and the chunk
+            live = len(seq.block_tables[g]) - seq.block_tables[g].count(NULL_BLOCK)
+            if w is not None:
+                assert live <= (w + n - 2) // bm.block_size + 2, (w, n, seq.block_tables[g])
+                if live < len(seq.block_tables[g]):
+                    event("step: a sliding group freed blocks out of its window")
         self._compute(seq, n)
 
     @precondition(lambda self: self.live)
@@ -180,7 +218,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.manager
         bm.reset_prefix_cache()
         assert all(bm.block_hash(b) is None for b in bm.free_blocks())
-        assert all(bm.ref_count(b) > 0 for b in bm.cached.values())
+        assert all(bm.ref_count(b) > 0 for b in bm.cached_blocks())
 
     # ---- invariants -----------------------------------------------------------------------
     @invariant()
@@ -192,12 +230,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm.check_invariants([*self.live.values(), *self.parked.values()])
         owners: dict[int, int] = {}
         for seq in self.live.values():
-            assert len(set(seq.block_table)) == len(seq.block_table), f"a block twice in {seq}"
             assert len(seq.block_table) * bs >= seq.num_computed_tokens
-            for block_id in seq.block_table:
-                owners[block_id] = owners.get(block_id, 0) + 1
-            for pos in range(seq.num_computed_tokens):  # the KV this sequence attends to is its own
-                assert self.kv[seq.block_table[pos // bs]][pos % bs] == seq.token_ids[pos], (seq, pos)
+            for g, table in enumerate(seq.block_tables):
+                live = [b for b in table if b != NULL_BLOCK]
+                assert len(set(live)) == len(live), f"a block twice in {seq}"
+                for block_id in live:
+                    owners[block_id] = owners.get(block_id, 0) + 1
+                # the KV this group's layers attend to is the sequence's own
+                for pos in range(window_start(bm, g, seq.num_computed_tokens) * bs, seq.num_computed_tokens):
+                    block_id = table[pos // bs]
+                    assert block_id != NULL_BLOCK, (seq, g, pos)
+                    assert self.kv[block_id][pos % bs] == seq.token_ids[pos], (seq, g, pos)
         for seq in self.parked.values():
             assert seq.block_table == [] and seq.num_computed_tokens == 0
         for block_id, n in owners.items():
@@ -208,9 +251,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert bm.ref_count(block_id) <= 1 or bm.block_hash(block_id) is not None
         assert bm.num_used_blocks == len(owners)
         assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
-        for h, block_id in bm.cached.items():
-            assert bm.block_hash(block_id) == h and len(bm.block_tokens(block_id)) == bs
-            assert tuple(self.kv[block_id]) == bm.block_tokens(block_id), f"cached block {block_id} lost its tokens"
+        for g, cached in enumerate(bm.cached_by_group):
+            for h, block_id in cached.items():
+                assert bm.block_hash(block_id) == h and len(bm.block_tokens(block_id)) == bs
+                assert bm.block_group(block_id) == g
+                assert tuple(self.kv[block_id]) == bm.block_tokens(block_id), f"cached block {block_id} lost its tokens"
         free_hashed = [bm.block_hash(b) is not None for b in bm.free_blocks()]
         assert free_hashed == sorted(free_hashed), "an uncached free block waits behind a cached one"
 
@@ -257,15 +302,15 @@ def compute_and_release(bm: BlockManager, seq: Sequence, chunks: list[int]) -> l
 def test_prefix_hit_reuses_computed_blocks_and_survives_until_evicted() -> None:
     bm = BlockManager(num_blocks=4, block_size=2)
     a = make_seq("a", [0, 1, 2, 0, 1])
-    assert bm.find_cached_prefix(a) == []
+    assert bm.find_cached_prefix(a).blocks == []
     table = compute_and_release(bm, a, [5])
     assert bm.num_used_blocks == 0 and len(bm.cached) == 2  # two full blocks stay cached while free
 
     b = make_seq("b", [0, 1, 2, 0, 2, 2])
     hit = bm.find_cached_prefix(b)
-    assert hit == table[:2]
+    assert hit.blocks == table[:2]
     assert bm.allocate(b, 2, hit)
-    assert b.block_table[:2] == hit and bm.num_used_blocks == 3
+    assert b.block_table[:2] == hit.blocks and bm.num_used_blocks == 3
     bm.check_invariants([b])
 
     c = make_seq("c", [2, 2, 2, 2, 2, 2, 2])  # needs 4 blocks: only 1 is free
@@ -288,7 +333,7 @@ def test_blocks_registered_over_several_steps_all_hit() -> None:
     prompt = [0, 1, 2, 0, 1, 2, 2, 1, 0]
     table = compute_and_release(bm, make_seq("a", prompt), [3, 6])
     b = make_seq("b", list(prompt))
-    assert bm.find_cached_prefix(b) == table[:4]
+    assert bm.find_cached_prefix(b).blocks == table[:4]
 
 
 def test_prefix_caching_disabled_never_hits() -> None:
@@ -299,7 +344,7 @@ def test_prefix_caching_disabled_never_hits() -> None:
     bm.commit_computed(a)
     assert bm.cached == {}
     bm.free(a)
-    assert bm.find_cached_prefix(make_seq("b", [0, 1, 2, 0, 1])) == []
+    assert bm.find_cached_prefix(make_seq("b", [0, 1, 2, 0, 1])).num_blocks == 0
 
 
 def test_prefix_hit_never_covers_the_whole_sequence() -> None:
@@ -311,7 +356,7 @@ def test_prefix_hit_never_covers_the_whole_sequence() -> None:
     bm.free(seq)  # e.g. preempted before its next token was appended
     seq.num_computed_tokens = 0
     hit = bm.find_cached_prefix(seq)
-    assert len(hit) * bm.block_size < seq.num_tokens  # fails: hit == [0, 1], 4 of 4 tokens
+    assert hit.num_tokens < seq.num_tokens  # fails: hit == [0, 1], 4 of 4 tokens
 
 
 def test_allocation_order() -> None:
@@ -330,7 +375,7 @@ def test_allocation_order() -> None:
     assert list(bm.free_blocks()) == [5, 3, 4, 6, 7, 2, 1, 0]
     b = make_seq("b", [1, 2, 3, 4, 0])
     hit = bm.find_cached_prefix(b)
-    assert hit == [0, 1] and bm.allocate(b, 1, hit) and b.block_table == [0, 1, 5]
+    assert hit.blocks == [0, 1] and bm.allocate(b, 1, hit) and b.block_table == [0, 1, 5]
     assert list(bm.free_blocks()) == [3, 4, 6, 7, 2] and bm.num_cached_free == 1
     c = make_seq("c", [8] * 10)
     assert bm.allocate(c, 10) and c.block_table == [3, 4, 6, 7, 2]
@@ -357,5 +402,36 @@ def test_a_huge_cache_is_built_small() -> None:
     seq = make_seq("a", list(range(40)))
     assert compute_and_release(bm, seq, [40]) == [0, 1, 2]
     assert bm.num_used_blocks == 0 and bm.num_cached_free == 2 and bm.digest().num_cached_blocks == 2
-    assert bm.find_cached_prefix(make_seq("b", list(range(40)))) == [0, 1]
+    assert bm.find_cached_prefix(make_seq("b", list(range(40)))).blocks == [0, 1]
     bm.check_invariants([])
+
+
+def test_a_sliding_group_frees_what_its_window_no_longer_sees() -> None:
+    """A full group and a 4-token window (blocks of 2): while a sequence decodes, the sliding table
+    keeps at most the 3 blocks the window spans; the blocks it gave back stay cached, and a prefix
+    hit on them takes only the window's blocks before the hit point."""
+    bm = BlockManager(num_blocks=40, block_size=2, group_windows=(None, 4))
+    seq = make_seq("a", list(range(20)))
+    assert bm.allocate(seq, 3)
+    seq.num_computed_tokens = 3
+    bm.commit_computed(seq)
+    while seq.num_computed_tokens < 20:
+        assert bm.allocate(seq, 1)
+        full, sliding = seq.block_tables
+        assert NULL_BLOCK not in full and len(full) == len(sliding)
+        assert len(sliding) - sliding.count(NULL_BLOCK) <= 3
+        assert sliding[: window_start(bm, 1, seq.num_computed_tokens)] == [NULL_BLOCK] * window_start(
+            bm, 1, seq.num_computed_tokens
+        )
+        seq.num_computed_tokens += 1
+        bm.commit_computed(seq)
+        bm.check_invariants([seq])
+    assert bm.num_used_blocks == 10 + 2  # the last step's window: tokens 16-19
+    bm.free(seq)
+    bm.forget(seq)
+    assert bm.num_used_blocks == 0 and len(bm.cached_by_group[1]) == 10  # every full block stayed cached
+
+    hit = bm.find_cached_prefix(make_seq("b", list(range(20)) + [7]))
+    assert isinstance(hit, PrefixHit) and hit.num_blocks == 10
+    # the next token (20) sees tokens 17-19: blocks 8 and 9
+    assert hit.tables[1][:8] == (NULL_BLOCK,) * 8 and NULL_BLOCK not in hit.tables[1][8:]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 from exactness import check_engine_exercised, make_prompts, run_and_compare
-from models import ARCHS, STRESS_ENGINE_ARGS, hf_greedy
+from models import ARCHS, STRESS_ENGINE_ARGS, hf_greedy, stress_engine_args
 
 from cb_serve import LLM, cpu_ops
 
@@ -19,7 +19,7 @@ def test_random_models_match_hf(arch, backend, random_model_dir):
     if backend == "cpu" and not cpu_ops.available():
         pytest.skip("cb_serve CPU kernels did not build here (no C++ toolchain?)")
     model_dir = random_model_dir(arch)
-    llm = LLM(str(model_dir), attention_backend=backend, **STRESS_ENGINE_ARGS)
+    llm = LLM(str(model_dir), attention_backend=backend, **stress_engine_args(arch))
     assert llm.engine.backend.name == backend
     prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=list(ARCHS).index(arch))
     deltas = run_and_compare(llm, model_dir, prompts, max_tokens, arch, stop_at_eos=False)

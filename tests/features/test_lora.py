@@ -18,6 +18,7 @@ from models import (
     hf_greedy,
     make_adapter,
     make_random_model,
+    stress_engine_args,
 )
 from safetensors.torch import save_file
 
@@ -81,11 +82,13 @@ def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS, loras=None, logprobs=N
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma2", "olmo2", "granite", "phi3"]
+)
 def test_greedy_with_adapters_equals_hf_peft(arch, adapters):
     """Under chunked prefill and preemption; two adapters at ranks 8 and 16 on attention and MLP."""
     model_dir, paths = adapters(arch)
-    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, **STRESS_ENGINE_ARGS)
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, **stress_engine_args(arch))
     base = run(llm)
     for i, path in enumerate(paths[:2]):
         ours = run(llm, loras=lora(path, i))

@@ -105,8 +105,17 @@ def stopped(pid: int, timeout: float = 20.0) -> bool:
 
 @pytest.mark.parametrize(
     "arch, overrides",
-    [("llama", {}), ("qwen2", {}), ("llama", {"num_key_value_heads": 1}), ("qwen3", {}), ("gemma3_text", {})],
-    ids=["llama", "qwen2-bias", "mqa", "qwen3-qk-norm-sliding", "gemma3"],
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("llama", {"num_key_value_heads": 1}),
+        ("qwen3", {}),
+        ("gemma3_text", {}),
+        ("olmo2", {}),
+        ("olmo2", {"num_key_value_heads": 1}),
+        ("phi3", {}),
+    ],
+    ids=["llama", "qwen2-bias", "mqa", "qwen3-qk-norm-sliding", "gemma3", "olmo2-qk-norm", "olmo2-mqa", "phi3-fused"],
 )
 def test_two_ranks_equal_one_on_random_models(tmp_path, tokenizer, arch, overrides):
     model = str(make_random_model(tmp_path, arch, tokenizer, **overrides))

@@ -90,6 +90,41 @@ def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_w
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("softcap,sinks", [(1.5, False), (None, True), (1.5, True)])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype,heads,kv_heads,head_dim",
+    [
+        (torch.float32, torch.float32, 12, 2, 64),  # AVX-512 decode, 3 heads a pass; the prefill kernel
+        (torch.float32, torch.float32, 8, 2, 128),
+        (torch.float32, torch.float32, 4, 4, 32),  # the generic decode, the PyTorch prefill
+        (torch.bfloat16, torch.bfloat16, 9, 3, 64),
+        (torch.float32, torch.bfloat16, 9, 3, 64),  # a narrower cache
+    ],
+)
+def test_softcap_and_sinks_match_reference(
+    dtype, cache_dtype, heads, kv_heads, head_dim, sliding_window, softcap, sinks
+):
+    """Gemma 2's score soft-cap and gpt-oss's sinks, alone and together, in the decode and prefill
+    kernels: the reference's results (itself checked against HF's eager code in test_attention_features)."""
+    gen = torch.Generator().manual_seed(heads + head_dim)
+    block_size, num_blocks = 16, 80
+    query_lens, seq_lens = [1] * 5 + [5, 33, 20], [300, 64, 33, 17, 1, 40, 33, 70]
+    meta = ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen)
+    tokens = sum(query_lens)
+    q = (3 * torch.randn(tokens, heads, head_dim, generator=gen)).to(dtype)  # scores the cap bites on
+    k, v = torch.randn(2, tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    sink_logits = 2 * torch.randn(heads, generator=gen) + 1 if sinks else None
+    caches = [cache.clone(), cache.clone()]
+    outs = [
+        backend.forward(q, k, v, c, meta, head_dim**-0.5, sliding_window, softcap=softcap, sinks=sink_logits)
+        for backend, c in zip([TorchAttentionBackend(), CpuAttentionBackend()], caches)
+    ]
+    tol = TOLERANCE[dtype] if cache_dtype == dtype else 1e-5
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize(
     "dtype,cache_dtype,head_dim,applies",
     [

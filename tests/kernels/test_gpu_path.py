@@ -67,13 +67,28 @@ def test_decode_buffers_pad_rows_and_clear_stale_ones():
     assert buffers.input_ids[:4].tolist() == [7, 8, 0, 0]
     assert buffers.positions[:4].tolist() == [19, 2, 0, 0]
     assert buffers.seqused_k[:4].tolist() == [20, 3, 0, 0]  # padding rows attend to nothing ...
-    assert buffers.slot_mapping[:4].tolist() == [10 * 16 + 3, 11 * 16 + 2, -1, -1]  # ... and write no KV
-    assert buffers.block_table[:2, :2].tolist() == [[9, 10], [11, 0]]
-    assert buffers.block_table[2, :3].tolist() == [4, 5, 6]  # a padding row's stale blocks: never read (seqused_k 0)
+    assert buffers.slot_mapping[0, :4].tolist() == [10 * 16 + 3, 11 * 16 + 2, -1, -1]  # ... and write no KV
+    assert buffers.block_table[0, :2, :2].tolist() == [[9, 10], [11, 0]]
+    assert buffers.block_table[0, 2, :3].tolist() == [4, 5, 6]  # a padding row's stale blocks: never read (seqused_k 0)
     meta = buffers.metadata(4, max_seqlen_k=64)
     assert meta.num_decodes == 4 and meta.max_seqlen_q == 1 and meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(AssertionError, match="block table wider"):
         buffers.load(torch.tensor([1]), torch.tensor([0]), decode_meta([80], [[1, 2, 3, 4, 5]], 16), size=1)
+
+
+def test_decode_buffers_hold_each_kv_cache_group():
+    """Two KV-cache groups (layer 0 full, layer 1 sliding): the graphs' static tables hold both, and
+    each layer's captured metadata reads its own group's."""
+    buffers = DecodeBuffers.allocate(max_rows=4, max_blocks_per_seq=4, device=torch.device("cpu"), layer_groups=(0, 1))
+    meta = decode_meta([20, 3], [[9, 10], [11]], block_size=16)
+    meta.kv_block_tables = torch.stack([meta.block_table, torch.tensor([[0, 12], [13, 0]], dtype=torch.int32)])
+    meta.kv_slot_mappings = torch.stack([meta.slot_mapping, torch.tensor([12 * 16 + 3, 13 * 16 + 2])])
+    buffers.load(torch.tensor([7, 8]), torch.tensor([19, 2]), meta, size=4)
+    static = buffers.metadata(4, max_seqlen_k=64)
+    assert static.for_layer(0).block_table[:2, :2].tolist() == [[9, 10], [11, 0]]
+    assert static.for_layer(1).block_table[:2, :2].tolist() == [[0, 12], [13, 0]]
+    assert static.for_layer(1).slot_mapping.tolist() == [12 * 16 + 3, 13 * 16 + 2, -1, -1]
+    assert static.for_layer(1) is static.for_layer(1), "a group's metadata is made once per step"
 
 
 def test_kv_cache_sizing_from_device_memory():
@@ -356,11 +371,11 @@ def test_graphs_are_captured_and_replayed_on_the_runner_gpu(monkeypatch):
     and replay runs with cuda:1 current, on one capture stream made on cuda:1 (torch.cuda.graph's
     default stream belongs to whichever device was current when the process first captured)."""
     cuda = FakeCuda(monkeypatch, current=0)
-    allocate = DecodeBuffers.allocate.__func__
+    allocate, CPU = DecodeBuffers.allocate.__func__, torch.device("cpu")
     monkeypatch.setattr(
         DecodeBuffers,
         "allocate",
-        classmethod(lambda cls, rows, width, device: allocate(cls, rows, width, torch.device("cpu"))),
+        classmethod(lambda cls, rows, width, _device, groups=(): allocate(cls, rows, width, CPU, groups)),
     )
     forwards: list[int] = []
 

@@ -96,13 +96,16 @@ def make_batch(specs, heads, kv_heads, head_dim, block_size, dtype, device="cpu"
     return Batch(q, k, v, kv_cache, query_lens, seq_lens, block_table, block_size)
 
 
-def reference(b: Batch, rows: int, scale: float, window: int | None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PyTorch backend's output and cache on the first ``rows`` rows (optionally upcast)."""
+def reference(
+    b: Batch, rows: int, scale: float, window: int | None, dtype=None, **extra
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch backend's output and cache on the first ``rows`` rows (optionally upcast); ``extra``:
+    ``softcap`` and ``sinks``."""
     t = b.tokens(rows)
     dtype = dtype or b.q.dtype
     cache = b.kv_cache.to(dtype)
     out = TorchAttentionBackend().forward(
-        b.q[:t].to(dtype), b.k[:t].to(dtype), b.v[:t].to(dtype), cache, b.meta(rows), scale, window
+        b.q[:t].to(dtype), b.k[:t].to(dtype), b.v[:t].to(dtype), cache, b.meta(rows), scale, window, **extra
     )
     return out, cache
 
@@ -132,13 +135,13 @@ CASES = [
 DTYPES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3)}
 
 
-def check_case(case, dtype: torch.dtype, device: str, tol: dict, ref_dtype=None) -> None:
+def check_case(case, dtype: torch.dtype, device: str, tol: dict, ref_dtype=None, **extra) -> None:
     _, specs, heads, kv_heads, head_dim, block_size, window, splits = case
     b = make_batch(specs, heads, kv_heads, head_dim, block_size, dtype, device=device)
     scale = head_dim**-0.5
-    ref_out, ref_cache = reference(b, len(specs), scale, window, ref_dtype)
+    ref_out, ref_cache = reference(b, len(specs), scale, window, ref_dtype, **extra)
     cache = b.kv_cache.clone()
-    out = TritonAttentionBackend(num_splits=splits).forward(b.q, b.k, b.v, cache, b.meta(), scale, window)
+    out = TritonAttentionBackend(num_splits=splits).forward(b.q, b.k, b.v, cache, b.meta(), scale, window, **extra)
     assert out.dtype == dtype and out.shape == b.q.shape
     torch.testing.assert_close(cache.to(ref_cache.dtype), ref_cache, atol=tol["atol"], rtol=0)
     torch.testing.assert_close(out.to(ref_out.dtype), ref_out, **tol)
@@ -149,6 +152,25 @@ def check_case(case, dtype: torch.dtype, device: str, tol: dict, ref_dtype=None)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_torch_backend(case, dtype):
     check_case(case, dtype, "cpu", DTYPES[dtype])
+
+
+# Soft-cap (Gemma 2) and sinks (gpt-oss), alone and together: decode split over programs (the sink
+# counted once), prefill and mixed steps, with and without a window.
+FEATURE_CASES = [CASES[i] for i in (1, 2, 5, 6, 7)]
+FEATURES = [(0.5, False), (None, True), (0.5, True)]
+
+
+def sinks_for(case, device: str = "cpu") -> torch.Tensor:
+    return (2 * torch.randn(case[2], generator=torch.Generator().manual_seed(7)) + 1).to(device)
+
+
+@interpreted
+@pytest.mark.parametrize("softcap,sinks", FEATURES)
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+def test_softcap_and_sinks_match_torch_backend(case, softcap, sinks):
+    check_case(
+        case, torch.float32, "cpu", DTYPES[torch.float32], softcap=softcap, sinks=sinks_for(case) if sinks else None
+    )
 
 
 @interpreted
@@ -166,12 +188,14 @@ def test_random_ragged_batches(seed):
 
 @interpreted
 @pytest.mark.parametrize("splits", [1, 3])
-def test_padding_rows_give_zeros_and_write_nothing(splits):
+@pytest.mark.parametrize("sinks", [False, True])  # a sink adds to a padding row's empty sum: zeros still
+def test_padding_rows_give_zeros_and_write_nothing(splits, sinks):
     specs = [(60, 1), (8, 1)]
     b = make_batch(specs, 6, 2, 64, 16, torch.float32, pad_rows=2)
-    ref_out, ref_cache = reference(b, len(specs), 0.125, None)
+    extra = dict(sinks=torch.linspace(-1, 3, 6), softcap=0.5) if sinks else {}
+    ref_out, ref_cache = reference(b, len(specs), 0.125, None, **extra)
     cache = b.kv_cache.clone()
-    out = TritonAttentionBackend(num_splits=splits).forward(b.q, b.k, b.v, cache, b.meta(), 0.125)
+    out = TritonAttentionBackend(num_splits=splits).forward(b.q, b.k, b.v, cache, b.meta(), 0.125, **extra)
     torch.testing.assert_close(out[:2], ref_out, atol=1e-4, rtol=1e-4)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
     assert torch.equal(cache, ref_cache)  # padding rows wrote nothing
@@ -251,6 +275,16 @@ CUDA_DTYPES = {
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_cuda_matches_fp32_reference(case, dtype):
     check_case(case, dtype, "cuda", CUDA_DTYPES[dtype], ref_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", list(CUDA_DTYPES), ids=str)
+@pytest.mark.parametrize("softcap,sinks", FEATURES)
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+def test_cuda_softcap_and_sinks_match_fp32_reference(case, softcap, sinks, dtype):
+    extra = dict(softcap=softcap, sinks=sinks_for(case, "cuda") if sinks else None)
+    check_case(case, dtype, "cuda", CUDA_DTYPES[dtype], ref_dtype=torch.float32, **extra)
 
 
 @pytest.mark.gpu

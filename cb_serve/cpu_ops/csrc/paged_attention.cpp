@@ -1,6 +1,8 @@
 // CPU kernels for the paged KV cache. paged_decode_attention: one query token per sequence, K
 // and V read in place from the block cache (no gather into padded tensors), every KV head of a
 // cached token read as one contiguous row; the semantics of TorchAttentionBackend's decode path.
+// Optional score soft-capping (cap * tanh(s / cap), Gemma 2) and attention sinks (a per-head logit in
+// the softmax denominator, gpt-oss) cost one branch per head when off.
 // write_kv: the new tokens' K/V into their cache slots (AttentionBackend.write_kv).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -12,10 +14,45 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
+
+// scores[0:span] = cap * tanh(scores / cap), in place; returns their max.
+inline float softcap_scores(float* scores, int64_t span, float cap) {
+  const float inv = 1.f / cap;
+  float max = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(max);
+  for (; i + 16 <= span; i += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(scores + i), _mm512_set1_ps(inv));
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps(cap), tanh512(x));
+    _mm512_storeu_ps(scores + i, y);
+    vmax = _mm512_max_ps(vmax, y);
+  }
+  max = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 vmax = _mm256_set1_ps(max);
+  for (; i + 8 <= span; i += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(scores + i), _mm256_set1_ps(inv));
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps(cap), tanh256(x));
+    _mm256_storeu_ps(scores + i, y);
+    vmax = _mm256_max_ps(vmax, y);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (const float lane : lanes) max = std::max(max, lane);
+#endif
+  for (; i < span; ++i) {
+    scores[i] = cap * std::tanh(scores[i] * inv);
+    max = std::max(max, scores[i]);
+  }
+  return max;
+}
 
 // One call's operands: decode row n's query is q + n * q_stride_n + h * q_stride_h (head h), its
 // output out + (n * num_heads + h) * head_dim, its cached tokens live in the blocks of its row of
@@ -32,8 +69,19 @@ struct DecodeProblem {
   int64_t q_stride_n, q_stride_h, block_stride, table_stride;
   float scale;
   int64_t sliding_window;  // <= 0: none
+  float softcap;           // <= 0: none
+  const float* sinks;      // [num_heads] logits, or nullptr
 
   int64_t group() const { return num_heads / num_kv_heads; }
+
+  // Head h's softmax over its `span` scores: soft-caps them in place (when set) and returns their
+  // max, the sink's logit included (when set), and that sink's exp(sink - max) term of the denominator.
+  std::pair<float, float> softmax_max(float* scores, int64_t span, float max, int64_t h) const {
+    if (softcap > 0) max = softcap_scores(scores, span, softcap);
+    if (sinks == nullptr) return {max, 0.f};
+    max = std::max(max, sinks[h]);
+    return {max, std::exp(sinks[h] - max)};
+  }
 
   // Element offsets (into k_cache and v_cache alike) of the [KVH, D] rows of the cached tokens that
   // row n attends to, oldest first: its last sliding_window tokens, or all of them.
@@ -57,8 +105,8 @@ inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32: the 16 bits bec
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// exp(s - max) in place over `scores[0:span]`; returns 1 / their sum, broadcast.
-inline __m512 softmax_numerators(float* scores, int64_t span, float max) {
+// exp(s - max) in place over `scores[0:span]`; returns 1 / (their sum + extra), broadcast.
+inline __m512 softmax_numerators(float* scores, int64_t span, float max, float extra) {
   const __m512 vm = _mm512_set1_ps(max);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t i = 0; i < span; i += 16) {
@@ -67,7 +115,7 @@ inline __m512 softmax_numerators(float* scores, int64_t span, float max) {
     _mm512_mask_storeu_ps(scores + i, lanes, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(lanes, e));
   }
-  return _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  return _mm512_set1_ps(1.f / (_mm512_reduce_add_ps(vsum) + extra));
 }
 
 // float32 queries, head_dim = 16 * NV, a float32 or bf16 cache. The query heads of a KV head are
@@ -106,7 +154,10 @@ void decode_sequence_avx512(const DecodeProblem<float, cache_t>& p, int64_t n) {
       }
     }
     __m512 inv_sum[G];
-    for (int g = 0; g < G; ++g) inv_sum[g] = softmax_numerators(scores.data() + g * span, span, m[g]);
+    for (int g = 0; g < G; ++g) {
+      const auto [max, sink] = p.softmax_max(scores.data() + g * span, span, m[g], first + g);
+      inv_sum[g] = softmax_numerators(scores.data() + g * span, span, max, sink);
+    }
     __m512 acc[G][NV];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
@@ -136,8 +187,8 @@ inline __m256 load8(const c10::BFloat16* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-// exp(s - max) in place over `scores[0:span]`; returns 1 / their sum.
-inline float softmax_numerators(float* scores, int64_t span, float max) {
+// exp(s - max) in place over `scores[0:span]`; returns 1 / (their sum + extra).
+inline float softmax_numerators(float* scores, int64_t span, float max, float extra) {
   const __m256 vm = _mm256_set1_ps(max);
   __m256 vsum = _mm256_setzero_ps();
   int64_t i = 0;
@@ -154,7 +205,7 @@ inline float softmax_numerators(float* scores, int64_t span, float max) {
     _mm256_maskstore_ps(scores + i, lanes, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  return 1.f / reduce_add256(vsum);
+  return 1.f / (reduce_add256(vsum) + extra);
 }
 
 // float32 queries, head_dim = 8 * NV, a float32 or bf16 cache. Scores token by token (each cached row
@@ -200,7 +251,8 @@ void decode_sequence_avx2(const DecodeProblem<float, cache_t>& p, int64_t n) {
   for (int64_t h = 0; h < heads; ++h) {
     const int64_t head = (h / group) * D;  // the KV head's columns in a cached row
     float* sh = scores.data() + h * span;
-    const __m256 inv_sum = _mm256_set1_ps(softmax_numerators(sh, span, m[h]));
+    const auto [max, sink] = p.softmax_max(sh, span, m[h], h);
+    const __m256 inv_sum = _mm256_set1_ps(softmax_numerators(sh, span, max, sink));
     __m256 acc[NV];
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
@@ -247,10 +299,11 @@ void decode_sequence(const DecodeProblem<scalar_t, cache_t>& p, int64_t n) {
     float* sh = scores.data() + h * span;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < span; ++i) m = std::max(m, sh[i]);
-    float sum = 0.f;
+    const auto [max, sink] = p.softmax_max(sh, span, m, h);
+    float sum = sink;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < span; ++i) {
-      sh[i] = std::exp(sh[i] - m);
+      sh[i] = std::exp(sh[i] - max);
       sum += sh[i];
     }
     denom[h] = sum;
@@ -313,10 +366,11 @@ void run_decode(const DecodeProblem<scalar_t, cache_t>& problem, int64_t num_seq
 
 // out [N, H, D] contiguous; q [N, H, D] (head rows contiguous); k_cache / v_cache
 // [num_blocks, block_size, KVH, D] with contiguous blocks; block_table int32 [N, max_blocks];
-// seq_lens int32 [N] (>= 1). sliding_window <= 0: full attention.
+// seq_lens int32 [N] (>= 1). sliding_window <= 0: full attention; softcap <= 0: none; sinks float32 [H].
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+    double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, shaped like q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, D] with contiguous head rows");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
@@ -334,6 +388,8 @@ void paged_decode_attention(
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
   TORCH_CHECK(seq_lens.size(0) == num_seqs && block_table.size(0) == num_seqs, "one row per sequence");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == num_heads),
+              "sinks: contiguous float32 [H]");
 
   auto run = [&](auto* q_type, auto* cache_type) {
     using scalar_t = std::remove_pointer_t<decltype(q_type)>;
@@ -342,7 +398,8 @@ void paged_decode_attention(
         out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
         block_table.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), num_heads, num_kv_heads, head_dim,
         k_cache.size(1), q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
-        static_cast<float>(scale), sliding_window};
+        static_cast<float>(scale), sliding_window, static_cast<float>(softcap),
+        sinks ? sinks->data_ptr<float>() : nullptr};
     run_decode(problem, num_seqs);
   };
   if (k_cache.scalar_type() == at::kBFloat16 && narrow_cache) {
@@ -393,7 +450,7 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "Tensor seq_lens, float scale, int sliding_window) -> ()");
+      "Tensor seq_lens, float scale, int sliding_window, float softcap, Tensor? sinks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {

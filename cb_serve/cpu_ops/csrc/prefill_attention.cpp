@@ -4,6 +4,8 @@
 // are gathered once and reused by all of the KV head's query heads and 16-query blocks. A block's
 // queries are transposed so that one vector holds a key's scores against all 16 queries: the softmax
 // runs with the queries as lanes, with no horizontal reductions. Items run longest first under OpenMP's dynamic schedule.
+// Optional: scores soft-capped (cap * tanh(s / cap)) per tile, and a per-head sink logit that starts each
+// row's online softmax (max = sink, sum = 1) as a column with no value.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -11,6 +13,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -32,6 +35,8 @@ struct PrefillProblem {
   int64_t num_heads, num_kv_heads, block_size, q_stride_t, q_stride_h, block_stride, table_stride;
   float scale;
   int64_t sliding_window;  // <= 0: none
+  float softcap;           // <= 0: none
+  const float* sinks;      // [num_heads] logits, or nullptr
 };
 
 template <int NV>
@@ -68,6 +73,10 @@ void prefill_item(const PrefillProblem& p, const float* k_cache, const float* v_
       for (int64_t r = 0; r < kTile; ++r) std::fill_n(acc[r], D, 0.f);
       // Per row (lane): running max and sum; row r sits at position first_pos + r0 + r.
       __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), l = _mm512_setzero_ps();
+      if (p.sinks != nullptr) {  // the sink column: exp(sink - m) with m = sink
+        m = _mm512_set1_ps(p.sinks[h]);
+        l = _mm512_set1_ps(1.f);
+      }
       const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first_pos + r0)), lane);
       const int64_t last_pos = first_pos + r0 + rows - 1;
       const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos + r0 - p.sliding_window + 1) : 0;
@@ -80,6 +89,11 @@ void prefill_item(const PrefillProblem& p, const float* k_cache, const float* v_
 #pragma GCC unroll 16
           for (int64_t j = 0; j < kTile; ++j)
             scores[j] = _mm512_fmadd_ps(_mm512_set1_ps(keys[(k0 + j) * D + d]), qd, scores[j]);
+        }
+        if (p.softcap > 0) {
+          const __m512 cap = _mm512_set1_ps(p.softcap), inv = _mm512_set1_ps(1.f / p.softcap);
+#pragma GCC unroll 16
+          for (int64_t j = 0; j < kTile; ++j) scores[j] = _mm512_mul_ps(cap, tanh512(_mm512_mul_ps(scores[j], inv)));
         }
         __mmask16 valid[kTile];
         __m512 tile_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -166,10 +180,12 @@ void run_prefill(const PrefillProblem& p, const float* k_cache, const float* v_c
 // out, q [T, H, D] (float32; out contiguous, q head rows contiguous); k_cache / v_cache
 // [num_blocks, block_size, KVH, D] float32 with contiguous blocks; sequences first_seq..B-1
 // of cu_seqlens_q (int32 [B + 1]), seq_lens (int32 [B], keys per sequence, the new ones last) and
-// block_table (int32 [B, max_blocks]) are computed; other rows of out are left alone.
+// block_table (int32 [B, max_blocks]) are computed; other rows of out are left alone. softcap <= 0: none;
+// sinks: float32 [H] or none.
 bool paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                             int64_t first_seq, double scale, int64_t sliding_window) {
+                             int64_t first_seq, double scale, int64_t sliding_window, double softcap,
+                             const std::optional<at::Tensor>& sinks) {
 #if defined(__AVX512F__)
   const int64_t head_dim = q.size(2);
   // A narrower (bf16/fp16) cache stays with the PyTorch path, which attends over the new tokens'
@@ -190,10 +206,13 @@ bool paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK(cu_seqlens_q.size(0) == num_seqs + 1 && block_table.size(0) == num_seqs && q.size(1) % k_cache.size(2) == 0,
               "one row per sequence");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1)),
+              "sinks: contiguous float32 [H]");
   const PrefillProblem problem{out.data_ptr<float>(), q.data_ptr<float>(), cu_seqlens_q.data_ptr<int32_t>(),
                                seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(), q.size(1),
                                k_cache.size(2), k_cache.size(1), q.stride(0), q.stride(1), k_cache.stride(0),
-                               block_table.stride(0), static_cast<float>(scale), sliding_window};
+                               block_table.stride(0), static_cast<float>(scale), sliding_window,
+                               static_cast<float>(softcap), sinks ? sinks->data_ptr<float>() : nullptr};
   const float* k = k_cache.data_ptr<float>();
   const float* v = v_cache.data_ptr<float>();
   head_dim == 64 ? run_prefill<4>(problem, k, v, first_seq, num_seqs) : run_prefill<8>(problem, k, v, first_seq, num_seqs);
@@ -208,7 +227,8 @@ bool paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
 TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
-      "Tensor seq_lens, Tensor block_table, int first_seq, float scale, int sliding_window) -> bool");
+      "Tensor seq_lens, Tensor block_table, int first_seq, float scale, int sliding_window, float softcap, "
+      "Tensor? sinks) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

@@ -12,6 +12,7 @@ from torch import nn
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.layers.full_width_norm import full_width_qk_norms
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
 from cb_serve.model_executor.linear import Linear
@@ -25,12 +26,16 @@ class AttentionSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: type[RMSNorm] | None = None  # a norm over each q and k head before RoPE (Qwen3, Gemma 3)
+    full_width_qk_norm: bool = False  # one norm over all q heads, one over all k heads (OLMo 2)
     scale: float | None = None  # of the scores; None: head_dim ** -0.5
     rope_table: int = 0  # which of the model's RoPE tables (Gemma 3: local and global layers differ)
+    softcap: float | None = None  # scores cap * tanh(scores / cap) before the softmax (Gemma 2)
+    sinks: bool = False  # a learned logit per head in the softmax denominator (gpt-oss: ``self_attn.sinks``)
 
     def __post_init__(self) -> None:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
         assert self.scale is None or self.scale > 0, self.scale
+        assert self.softcap is None or self.softcap > 0, self.softcap
 
 
 def head_dim(config) -> int:
@@ -72,16 +77,28 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_bias and shard.is_driver)  # added once
         self.q_norm = spec.qk_norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = spec.qk_norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.full_width_qk_norm = spec.full_width_qk_norm
+        if spec.full_width_qk_norm:
+            self.q_norm, self.k_norm = full_width_qk_norms(config, shard, tp, self.head_dim)
         self.tp = tp
+        self.softcap = spec.softcap
+        if spec.sinks and not backend.supports_sinks:
+            raise ValueError(f"The {backend.name} attention backend has no attention sinks: use triton, cpu or torch.")
+        # this rank's heads' sink logits (checkpoint ``self_attn.sinks``, sliced like the heads)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if spec.sinks else None
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.full_width_qk_norm:  # over the projections' whole width, before the split into heads
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # per head: a rank's heads need no other rank's statistics
+        if self.q_norm is not None and not self.full_width_qk_norm:  # per head: no other rank's statistics
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = rope.apply(qk)  # on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        extra = dict(softcap=self.softcap, sinks=self.sinks)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))

@@ -25,8 +25,23 @@ class Rope:
             self.sin = sin_table[positions].unsqueeze(1).to(dtype)
 
     def apply(self, qk: torch.Tensor) -> torch.Tensor:
-        """``qk``: ``[T, heads, head_dim]`` (q and k heads together)."""
-        if self.use_cpu_ops:
-            cpu_ops.rotary_embedding(qk, self.positions, self.cos, self.sin)
+        """``qk``: ``[T, heads, head_dim]`` (q and k heads together). Tables narrower than a head
+        (partial rotary, Phi-3/4: ``partial_rotary_factor``) turn its first dims; the rest pass."""
+        rotary_dim = self.cos.shape[-1]
+        if self.use_cpu_ops:  # the kernel works in place on a strided view of the rotary dims
+            cpu_ops.rotary_embedding(qk[..., :rotary_dim], self.positions, self.cos, self.sin)
             return qk
+        if rotary_dim < qk.shape[-1]:
+            rot = qk[..., :rotary_dim]
+            return torch.cat([rot * self.cos + rotate_half(rot) * self.sin, qk[..., rotary_dim:]], dim=-1)
         return qk * self.cos + rotate_half(qk) * self.sin
+
+
+def longrope_switch(config, layer_type: str | None = None) -> int | None:
+    """LongRoPE's ``original_max_position_embeddings`` (None for other RoPE types). HF picks the
+    factors by sequence length, long beyond it; one table per position can only follow that for
+    the newest token, so positions below it take the short factors and later ones the long."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:  # per-layer-type parameters
+        params = params[layer_type]
+    return params.get("original_max_position_embeddings") if params.get("rope_type") == "longrope" else None

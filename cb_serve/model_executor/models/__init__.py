@@ -3,8 +3,12 @@ an HF config's ``model_type`` to the class that serves it."""
 
 from __future__ import annotations
 
+from cb_serve.model_executor.models.gemma2 import Gemma2ForCausalLM
 from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
+from cb_serve.model_executor.models.granite import GraniteForCausalLM
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.models.olmo2 import Olmo2ForCausalLM
+from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
 
@@ -13,7 +17,11 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
+    "granite": GraniteForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 

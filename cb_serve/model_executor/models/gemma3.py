@@ -41,11 +41,14 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     decoder_layer = Gemma3DecoderLayer
     norm_class = GemmaRMSNorm
+    # Refused, never ignored. Gemma 3's config carries attn_logit_softcapping, but HF's Gemma3Attention
+    # never passes it to its attention function: applying it would differ from HF, ignoring it from the config.
+    refused_features: tuple[str, ...] = ("attn_logit_softcapping", "use_bidirectional_attention")
 
     def __init__(self, config, *args, **kwargs) -> None:
-        for feature in ("attn_logit_softcapping", "use_bidirectional_attention"):  # refused, never ignored
+        for feature in self.refused_features:
             if getattr(config, feature, None):
-                raise ValueError(f"Gemma 3 with {feature}={getattr(config, feature)!r} is not supported.")
+                raise ValueError(f"{type(self).__name__} with {feature}={getattr(config, feature)!r} is not supported.")
         super().__init__(config, *args, **kwargs)
         self.embed_scale = config.hidden_size**0.5
 

@@ -107,8 +107,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x, residual = self.embed(input_ids), None
         ropes = [Rope(positions, cos, sin, x.dtype, self.use_cpu_ops) for cos, sin in zip(self.rope_cos, self.rope_sin)]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, ropes[layer.self_attn.rope_table], kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(x, residual, ropes[layer.self_attn.rope_table], kv_cache, meta.for_layer(i))
         return residual + x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -160,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
                 put(dst + "self_attn.qkv_proj.bias", *qkv)
             if layer.self_attn.o_proj.bias is not None:  # the driver's alone: added once
                 put(dst + "self_attn.o_proj.bias", w(attn + "o_proj.bias"))
+            if layer.self_attn.sinks is not None:  # one logit per query head: this rank's heads
+                put(dst + "self_attn.sinks", w(attn + "sinks")[shard.q_heads.start : shard.q_heads.stop])
             if layer.mlp.gate_up_proj.bias is not None:
                 put(dst + "mlp.gate_up_proj.bias", w(src + "mlp.gate_proj.bias")[mlp], w(src + "mlp.up_proj.bias")[mlp])
             if layer.mlp.down_proj.bias is not None:
