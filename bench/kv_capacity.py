@@ -8,7 +8,8 @@ KV head of 256, float32 KV): its KV cache is the real model's byte for byte. The
 are shrunk (64 / 128) and the vocabulary is SmolLM2's, so the run measures the cache, not the matmuls.
 
 Workload: ``--num-requests`` (20) random prompts of 8128 tokens, 64 greedy tokens each (8192 at the end),
-all submitted at once, into a ``--kv-cache-memory`` (1 GiB, the CPU default) cache, prefix caching off.
+all submitted at once, into a ``--kv-cache-memory`` (1 GiB, the CPU default) cache, prefix caching on (the
+prompts share nothing; a preempted sequence gets its computed blocks back while they stay cached).
 Reported per layout: KV blocks and bytes per block, the most sequences holding their whole prompt's KV
 at the same step (the concurrency that counts: shorter ones are still prefilling), preemptions, the
 blocks one 8k sequence needs by the layout's arithmetic, the wall time; and the ratio of the two peaks.
@@ -74,7 +75,6 @@ def run(model_dir: Path, hybrid: bool, prompts: list[list[int]], kv_bytes: int) 
         max_model_len=PROMPT + OUTPUT,
         kv_cache_memory=kv_bytes,
         max_num_seqs=64,
-        enable_prefix_caching=False,
         disable_hybrid_kv_cache_manager=not hybrid,
     )
     engine = llm.engine
@@ -91,7 +91,8 @@ def run(model_dir: Path, hybrid: bool, prompts: list[list[int]], kv_bytes: int) 
     wall = time.perf_counter() - start
     stats = engine.get_stats()
     runner = engine.runner
-    per_block = sum(t.numel() * t.element_size() for t in {id(c): c for c in runner.kv_caches}.values())
+    tensors = {c.untyped_storage().data_ptr(): c for c in runner.kv_caches}  # layers view shared tensors
+    per_block = sum(t.numel() * t.element_size() for t in tensors.values())
     per_block //= stats.kv_blocks_total
     result = {
         "layout": "by layer type" if hybrid else "all-global",

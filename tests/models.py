@@ -56,6 +56,26 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "final_logit_softcapping": 8.0,
         },
     ),
+    # Gemma 4: sliding (head 16, 2 KV heads) and global layers (head 32, 1 KV head: pages of equal width,
+    # proportional RoPE turning 4 of 16 pairs, V = the K projection), the last two layers reading layers 2's
+    # and 3's KV cache with a double-wide MLP, per-layer inputs (8 per layer), random layer scalars, a soft-cap
+    "gemma4_text": (
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 40,
+            "layer_types": ["sliding_attention", "full_attention"] * 3,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": "vocab_size",  # one row per token (``tiny_config``)
+            "final_logit_softcapping": 8.0,
+        },
+    ),
     # post-norms only, q/k norms over all heads' width
     "olmo2": ("Olmo2Config", {}),
     # the four multipliers: embedding, residual, score scale, logits
@@ -91,7 +111,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     if arch not in ARCHS:
         raise ValueError(arch)
     config_class, extra = ARCHS[arch]
-    return getattr(transformers, config_class)(vocab_size=vocab_size, **{**TINY, **extra, **overrides})
+    kwargs = {**TINY, **extra, **overrides}
+    kwargs = {k: vocab_size if v == "vocab_size" else v for k, v in kwargs.items()}
+    return getattr(transformers, config_class)(vocab_size=vocab_size, **kwargs)
 
 
 def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **config_overrides) -> Path:
@@ -108,6 +130,9 @@ def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **co
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # Gemma 4's per-layer output scale
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

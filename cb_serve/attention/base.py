@@ -84,8 +84,8 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,
+        k: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None: no new K/V to write (a KV-shared layer)
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -94,7 +94,9 @@ class AttentionBackend(ABC):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Causal attention of the batch over its cached context plus the new tokens. ``softcap``
+        """Causal attention of the batch over its cached context plus the new tokens. ``k``/``v`` None:
+        the new tokens' K/V are already in ``kv_cache`` (an earlier layer sharing it wrote them this step),
+        nothing is written and every key is read from the cache. ``softcap``
         (Gemma 2): scores ``cap * tanh(scores / cap)`` before the mask and softmax. ``sinks`` (gpt-oss,
         float ``[num_heads]``): a learned logit per head that joins the softmax denominator as one more
         column with no value (``exp(sink - m)``), so a row's weights may sum to less than one."""

@@ -83,7 +83,8 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if sinks is not None:
             raise NotImplementedError(SINKS_UNSUPPORTED)
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if k is not None:  # None: a KV-shared layer, whose K/V an earlier layer wrote
+            self.write_kv(k, v, kv_cache, meta.slot_mapping)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         if meta.max_seqlen_q == 1:
             out = flash_attn_with_kvcache(

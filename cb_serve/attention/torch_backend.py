@@ -130,7 +130,8 @@ class TorchAttentionBackend(AttentionBackend):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if k is not None:  # None: a KV-shared layer, whose K/V an earlier layer wrote
+            self.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         extra = Extras(softcap, None if sinks is None else sinks.float())
         if meta.num_decodes:
@@ -157,7 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
         for i in range(meta.num_decodes, meta.num_seqs):
             q_len, k_len = meta.query_lens[i], meta.seq_lens[i]
             end = start + q_len
-            if q_len == k_len:
+            if q_len == k_len and k is not None:
                 ks, vs = k[start:end], v[start:end]
             else:
                 block_ids = meta.block_table[i, : -(-k_len // block_size)]

@@ -403,8 +403,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -419,7 +419,8 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"triton attention supports fp32/fp16/bf16 q and cache of one dtype, got {q.dtype}.")
         if head_dim > _MAX_HEAD_DIM or kv_cache.shape[-1] != head_dim or num_heads % num_kv_heads:
             raise ValueError(f"triton attention: unsupported head_dim {head_dim} or {num_heads}/{num_kv_heads} heads.")
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if k is not None:  # None: a KV-shared layer, whose K/V an earlier layer wrote
+            self.write_kv(k, v, kv_cache, meta.slot_mapping)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         extra = (softcap * _LOG2E if softcap else None, None if sinks is None else sinks.float())

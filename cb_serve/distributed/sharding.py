@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cb_serve.config.layer_configs import layer_configs, layer_head_dim
+
 
 def balanced_range(n: int, parts: int, index: int) -> range:
     """Part ``index`` of ``range(n)`` cut into ``parts`` contiguous runs whose lengths differ by at most one."""
@@ -39,10 +41,20 @@ class TensorParallelShard:
 
 def shard_for(config, rank: int, size: int) -> TensorParallelShard:
     """Rank ``rank``'s shard of an HF Llama-family ``config``; raises ValueError when ``size``
-    ranks cannot split its heads."""
-    num_heads, num_kv = config.num_attention_heads, config.num_key_value_heads
+    ranks cannot split its heads. Layers of different KV heads or head sizes (Gemma 4) are not split:
+    one rank holds them all (its layers take their own heads, ``kv_heads`` here is layer 0's)."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside tensor_parallel_size={size}.")
+    if getattr(config, "is_heterogeneous", False):
+        layers = layer_configs(config)
+        kv_heads = sorted({c.num_key_value_heads for c in layers})
+        if size > 1 and len({(c.num_key_value_heads, layer_head_dim(c)) for c in layers}) > 1:
+            raise ValueError(
+                f"tensor_parallel_size={size} is not supported for {config.model_type}: its layers differ in KV "
+                f"heads ({kv_heads}) or head size, which tensor parallelism does not split yet."
+            )
+        config = layers[0]
+    num_heads, num_kv = config.num_attention_heads, config.num_key_value_heads
     group = num_heads // num_kv
     if size <= num_kv:
         kv = balanced_range(num_kv, size, rank)

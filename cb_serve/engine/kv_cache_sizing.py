@@ -8,6 +8,7 @@ import gc
 import torch
 
 from cb_serve.config import EngineConfig
+from cb_serve.config.layer_configs import kv_widths
 from cb_serve.config.speculative import SpeculativeConfig
 from cb_serve.kv_cache_interface import KVCacheLayout
 
@@ -17,10 +18,14 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 def kv_cache_bytes_per_block(
     hf_config, block_size: int, dtype: torch.dtype, layout: KVCacheLayout | None = None
 ) -> int:
-    """One block id's bytes: a page of each of ``layout.group_size`` layers (default: every layer)."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    num_layers = hf_config.num_hidden_layers if layout is None else layout.group_size
-    per_token = 2 * num_layers * hf_config.num_key_value_heads * head_dim
+    """One block id's bytes: a page of each of ``layout.group_size`` KV tensors (default: of every layer),
+    each as wide as its widest layer (Gemma 4's layers differ, ``layer_configs``)."""
+    widths = kv_widths(hf_config)
+    tensors = range(len(widths)) if layout is None else layout.layer_tensors
+    widest: dict[int, int] = {}
+    for j, width in zip(tensors, widths):
+        widest[j] = max(widest.get(j, 0), width)
+    per_token = 2 * sum(widest.values())
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 

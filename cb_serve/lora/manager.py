@@ -48,15 +48,18 @@ def wrap_projections(model: torch.nn.Module, batch: LoRABatch, config: LoRAConfi
 
 
 def projection_shapes(model: torch.nn.Module) -> dict[str, ProjectionShape]:
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    hidden, inter = model.config.hidden_size, mlp.intermediate_size
-    per_layer = {
-        "self_attn.qkv_proj": ProjectionShape(hidden, (attn.q_size, attn.kv_size, attn.kv_size)),
-        "self_attn.o_proj": ProjectionShape(attn.q_size, (hidden,)),
-        "mlp.gate_up_proj": ProjectionShape(hidden, (inter, inter)),
-        "mlp.down_proj": ProjectionShape(inter, (hidden,)),
-    }
-    return {f"layers.{i}.{k}": v for i in range(len(model.layers)) for k, v in per_layer.items()}
+    """Each layer's fused projections (Gemma 4's layers differ: head sizes, no k/v projections)."""
+    hidden, shapes = model.config.hidden_size, {}
+    for i, layer in enumerate(model.layers):
+        attn, inter = layer.self_attn, layer.mlp.intermediate_size
+        per_layer = {
+            "self_attn.qkv_proj": ProjectionShape(hidden, attn.qkv_sizes),
+            "self_attn.o_proj": ProjectionShape(attn.q_size, (hidden,)),
+            "mlp.gate_up_proj": ProjectionShape(hidden, (inter, inter)),
+            "mlp.down_proj": ProjectionShape(inter, (hidden,)),
+        }
+        shapes.update({f"layers.{i}.{k}": v for k, v in per_layer.items()})
+    return shapes
 
 
 def checked(manager: LoRAManager | None, lora_request: object) -> LoRAManager:

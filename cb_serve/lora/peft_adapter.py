@@ -140,11 +140,13 @@ def load_peft_adapter(
         a, b = ab["A"], ab["B"]
         r = a.shape[0] if a.dim() == 2 else -1
         shape = shapes.get(module)
+        if shape is not None and index is not None and index >= len(shape.sub_out_features):
+            shape = None  # a projection this layer has not (Gemma 4: KV-shared layers, V = K)
         out = None if shape is None else sum(shape.sub_out_features) if index is None else shape.sub_out_features[index]
         expected = None if shape is None else (shape.in_features, out)
         if shape is None or r < 1 or b.shape != (expected[1], r) or a.shape[1] != expected[0]:
             got = f"lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}"
-            want = "no such layer" if shape is None else f"{expected[0]} -> {expected[1]}"
+            want = "no such layer or projection" if shape is None else f"{expected[0]} -> {expected[1]}"
             raise LoRAAdapterError(
                 f"Adapter {name!r} does not fit this model at layers.{layer}.{block}.{sub} ({want}; the adapter "
                 f"has {got}): it was trained for another base model{f' ({base})' if base else ''}."

@@ -133,7 +133,8 @@ def rope_tables(rotary: torch.nn.Module, max_positions: int, config) -> tuple[to
     """cos/sin ``[tables, max_positions, rotary dim]`` for positions ``0..max_positions-1``, from
     the HF model's own rotary module (so every rope scaling type transformers knows is computed
     exactly as it computes it): one table, or one per layer type the model's class names.
-    LongRoPE: short factors below ``original_max_position_embeddings``, long ones from it on."""
+    LongRoPE: short factors below ``original_max_position_embeddings``, long ones from it on. Tables
+    of different widths (per-layer-type head sizes) are zero-padded on the right to the widest."""
     positions = torch.arange(max_positions)[None]
     x = torch.zeros(1, dtype=torch.float32)
     tables = []
@@ -144,7 +145,12 @@ def rope_tables(rotary: torch.nn.Module, max_positions: int, config) -> tuple[to
         if short and short < max_positions:  # HF's rotary took the long factors for all of them
             cos[:short], sin[:short] = (y[0].float() for y in rotary(x, positions[:, :short], *args))
         tables.append((cos, sin))
-    return torch.stack([cos for cos, _ in tables]), torch.stack([sin for _, sin in tables])
+    width = max(cos.shape[-1] for cos, _ in tables)  # Gemma 4: global heads are wider; narrower tables zero-padded
+
+    def stack(ys: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(y, (0, width - y.shape[-1])) for y in ys])
+
+    return stack([cos for cos, _ in tables]), stack([sin for _, sin in tables])
 
 
 def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module:

@@ -87,8 +87,10 @@ class ModelSetup:
     @property
     def kv_layout(self) -> KVCacheLayout:
         """The model's KV-cache groups, from its layers' attention (``kv_cache_interface``)."""
-        windows = [spec.sliding_window for spec in model_class(self.hf_config).attention_specs(self.hf_config)]
-        return KVCacheLayout.from_windows(windows, hybrid=not self.config.disable_hybrid_kv_cache_manager)
+        model = model_class(self.hf_config)
+        windows = [spec.sliding_window for spec in model.attention_specs(self.hf_config)]
+        hybrid, shared = not self.config.disable_hybrid_kv_cache_manager, model.kv_shared_layers(self.hf_config)
+        return KVCacheLayout.from_windows(windows, hybrid=hybrid, shared_from=shared)
 
     def load_model(
         self, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None

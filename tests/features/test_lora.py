@@ -83,7 +83,7 @@ def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS, loras=None, logprobs=N
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma2", "olmo2", "granite", "phi3"]
+    "arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma2", "olmo2", "granite", "phi3", "gemma4_text"]
 )
 def test_greedy_with_adapters_equals_hf_peft(arch, adapters):
     """Under chunked prefill and preemption; two adapters at ranks 8 and 16 on attention and MLP."""

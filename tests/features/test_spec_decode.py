@@ -174,6 +174,7 @@ def oracle_drafts(llm, prompts, ref) -> None:
         ("mistral", "oracle"),
         ("qwen3", "oracle"),
         ("gemma3_text", "ngram"),  # a sliding-window model with n-gram drafts
+        ("gemma4_text", "oracle"),  # KV-shared layers verifying drafts over their source layers' cache
         ("smollm2", "oracle"),
         ("smollm2", "ngram"),
         ("smollm2", "adaptive"),

@@ -169,3 +169,48 @@ def test_gemma3_still_refuses_attention_softcapping():
         model_class(config)(config, TorchAttentionBackend(), None, None)
     specs = model_class(Gemma2Config()).attention_specs(Gemma2Config(num_hidden_layers=2))
     assert [(s.softcap, s.sliding_window, s.qk_norm) for s in specs] == [(50.0, 4096, None), (50.0, None, None)]
+
+
+def no_write_backends() -> list:
+    """Every backend that runs here: ``(name, backend, head sizes)``; the CPU kernels take head sizes 64
+    and 128 (32 runs their PyTorch fallback), Triton runs in its interpreter without CUDA."""
+    import os
+
+    from cb_serve import cpu_ops
+    from cb_serve.attention.cpu_backend import CpuAttentionBackend
+
+    out = [("torch", TorchAttentionBackend(), (32,))]
+    if cpu_ops.available():
+        out.append(("cpu", CpuAttentionBackend(), (32, 64)))
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return out
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        from cb_serve.attention.triton_backend import TritonAttentionBackend
+
+        out.append(("triton", TritonAttentionBackend(), (32,)))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("name,backend,head_dims", no_write_backends(), ids=lambda v: v if isinstance(v, str) else "")
+def test_kv_shared_layer_reads_the_cache_and_writes_nothing(name, backend, head_dims, window):
+    """Gemma 4's KV-shared layers: ``k=v=None`` attends over the cache as the source layer left it after
+    writing this step's K/V (decodes, a chunked prefill, fresh prefills: those a backend would otherwise
+    take straight from the new K/V) and writes nothing; the result equals the writing layer's."""
+    gen = torch.Generator().manual_seed(5)
+    query_lens, seq_lens = [1, 1, 9, 20, 12], [70, 17, 40, 20, 12]
+    meta, num_blocks = paged_batch(query_lens, seq_lens, 16, gen)
+    tokens, heads, kv_heads = sum(query_lens), 4, 2
+    for head_dim in head_dims:
+        q = torch.randn(tokens, heads, head_dim, generator=gen)
+        k, v = torch.randn(2, tokens, kv_heads, head_dim, generator=gen)
+        cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim, generator=gen)
+        source = backend.forward(q, k, v, cache, meta, head_dim**-0.5, window)  # the source layer writes
+        written = cache.clone()
+        shared = backend.forward(q, None, None, cache, meta, head_dim**-0.5, window, softcap=None)
+        assert torch.equal(cache, written), f"{name}: a KV-shared layer wrote the cache"
+        torch.testing.assert_close(shared, source, atol=1e-5, rtol=1e-5)
+        reference = TorchAttentionBackend().forward(q, None, None, written.clone(), meta, head_dim**-0.5, window)
+        torch.testing.assert_close(shared, reference, atol=1e-5, rtol=1e-5)

@@ -31,6 +31,11 @@ class AttentionSpec:
     rope_table: int = 0  # which of the model's RoPE tables (Gemma 3: local and global layers differ)
     softcap: float | None = None  # scores cap * tanh(scores / cap) before the softmax (Gemma 2)
     sinks: bool = False  # a learned logit per head in the softmax denominator (gpt-oss: ``self_attn.sinks``)
+    # Gemma 4: a KV-shared layer projects q alone and attends over an earlier layer's KV cache, which
+    # that layer wrote this step (``LlamaForCausalLM.kv_shared_layers``); it writes none
+    kv_shared: bool = False
+    k_eq_v: bool = False  # no v projection: V is the K projection's output, before k's norm and RoPE
+    v_norm: type[RMSNorm] | None = None  # a norm over each V head (Gemma 4's, without a weight)
 
     def __post_init__(self) -> None:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
@@ -73,10 +78,15 @@ class Attention(nn.Module):
         self.rope_table = spec.rope_table
         self.backend = backend
         self.use_cpu_ops = backend.supports_fused_cpu_ops
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.kv_shared, self.k_eq_v = spec.kv_shared, spec.k_eq_v
+        kv_projections = 0 if spec.kv_shared else 1 if spec.k_eq_v else 2
+        self.qkv_sizes = (self.q_size,) + (self.kv_size,) * kv_projections  # the fused projection's parts
+        self.qkv_proj = Linear(config.hidden_size, sum(self.qkv_sizes), bias=spec.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_bias and shard.is_driver)  # added once
-        self.q_norm = spec.qk_norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = spec.qk_norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        eps, own_kv = config.rms_norm_eps, not spec.kv_shared
+        self.q_norm = spec.qk_norm(self.head_dim, eps) if spec.qk_norm else None
+        self.k_norm = spec.qk_norm(self.head_dim, eps) if spec.qk_norm and own_kv else None
+        self.v_norm = spec.v_norm(self.head_dim, eps) if spec.v_norm and own_kv else None
         self.full_width_qk_norm = spec.full_width_qk_norm
         if spec.full_width_qk_norm:
             self.q_norm, self.k_norm = full_width_qk_norms(config, shard, tp, self.head_dim)
@@ -89,16 +99,26 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        extra = dict(softcap=self.softcap, sinks=self.sinks)
         if self.full_width_qk_norm:  # over the projections' whole width, before the split into heads
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        if self.kv_shared:  # q alone: the KV is the source layer's, already in the cache
+            q = qkv.view(-1, self.num_heads, self.head_dim)
+            q = rope.apply(self.q_norm(q) if self.q_norm is not None else q)
+            o = self.backend.forward(q, None, None, kv_cache, meta, self.scale, self.sliding_window, **extra)
+            return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+        v_start = self.q_size + (0 if self.k_eq_v else self.kv_size)
+        v = qkv[:, v_start : v_start + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        if self.k_eq_v and self.k_norm is None:  # the in-place RoPE kernel below may turn k's columns
+            v = v.clone()
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.full_width_qk_norm:  # per head: no other rank's statistics
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = rope.apply(qk)  # on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        extra = dict(softcap=self.softcap, sinks=self.sinks)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))

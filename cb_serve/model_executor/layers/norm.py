@@ -46,3 +46,28 @@ class GemmaRMSNorm(RMSNorm):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class Gemma4RMSNorm(RMSNorm):
+    """Gemma 4's RMSNorm: ``x * (mean(x²) + eps) ** -0.5`` in float32 (``torch.pow``, as HF), times
+    the weight itself (no ``1 +``), then cast back. PyTorch ops only."""
+
+    def __init__(self, hidden_size: int, eps: float, use_cpu_ops: bool = False) -> None:
+        super().__init__(hidden_size, eps, use_cpu_ops=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (y * self.weight.float()).type_as(x)
+
+
+class Gemma4UnscaledRMSNorm(Gemma4RMSNorm):
+    """Gemma 4's RMSNorm without a weight (``with_scale=False``: its v-norm)."""
+
+    def __init__(self, hidden_size: int, eps: float, use_cpu_ops: bool = False) -> None:
+        nn.Module.__init__(self)
+        self.eps, self.use_cpu_ops = eps, False
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        return (y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).type_as(x)

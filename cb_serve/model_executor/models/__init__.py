@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cb_serve.model_executor.models.gemma2 import Gemma2ForCausalLM
 from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
+from cb_serve.model_executor.models.gemma4 import Gemma4ForCausalLM
 from cb_serve.model_executor.models.granite import GraniteForCausalLM
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.models.olmo2 import Olmo2ForCausalLM
@@ -19,6 +20,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma4_text": Gemma4ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "granite": GraniteForCausalLM,
     "phi3": Phi3ForCausalLM,

@@ -71,12 +71,7 @@ class LlamaForCausalLM(nn.Module):
         self.use_cpu_ops = backend.supports_fused_cpu_ops
         self.embed_tokens = VocabParallelEmbedding(shard, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            self.decoder_layer(
-                config,
-                Attention(config, backend, spec, shard, tp),
-                GatedMLP(config, shard, tp, self.use_cpu_ops),
-            )
-            for spec in self.attention_specs(config)
+            self.make_layer(i, spec, backend) for i, spec in enumerate(self.attention_specs(config))
         )
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, self.use_cpu_ops)
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
@@ -95,6 +90,17 @@ class LlamaForCausalLM(nn.Module):
         """The layer types whose RoPE tables differ (HF's rotary module takes a ``layer_type``), in
         table order; None: one table for every layer."""
         return None
+
+    @classmethod
+    def kv_shared_layers(cls, config) -> dict[int, int]:
+        """Layers without a KV cache of their own: layer -> the earlier layer whose KV it reads (Gemma 4)."""
+        return {}
+
+    def make_layer(self, index: int, spec: AttentionSpec, backend: AttentionBackend) -> nn.Module:
+        """Decoder layer ``index`` with attention ``spec`` (a model whose layers differ overrides it)."""
+        config, shard, tp = self.config, self.shard, self.tp
+        attention = Attention(config, backend, spec, shard, tp)
+        return self.decoder_layer(config, attention, GatedMLP(config, shard, tp, self.use_cpu_ops))
 
     @classmethod
     def attention_specs(cls, config) -> list[AttentionSpec]:

@@ -1,0 +1,210 @@
+"""Gemma 4 (text, dense): Gemma 3's four-norm layer and scaled embedding, with
+- Gemma 4's RMSNorm (the weight itself, no ``1 +``), q/k norms and a v-norm without weight;
+- scores scaled by 1.0, one RoPE table per layer type (global layers: ``proportional`` RoPE, a
+  table as wide as the head whose unturned dims have cos 1, sin 0);
+- layers that differ (``per_layer_config``): global layers have their own head size and KV heads,
+  and with ``attention_k_eq_v`` no v projection (V is the K projection's output);
+- KV-shared layers (``num_kv_shared_layers``): the last layers project q alone and attend over the
+  KV cache of the last earlier layer of their type (``kv_shared_layers``), with a double-wide MLP
+  where ``use_double_wide_mlp``;
+- per-layer inputs (``hidden_size_per_layer_input``): a per-token embedding of every layer's slice
+  plus a projection of the embedding, gated into each layer's output; a learned ``layer_scalar``;
+- final logit soft-capping.
+Follows ``transformers.models.gemma4.modeling_gemma4`` op for op. Not served (refused): the MoE
+block, bidirectional attention, and tensor parallelism (``sharding.shard_for``: its layers' heads differ)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from cb_serve.attention.base import AttentionBackend, AttentionMetadata
+from cb_serve.distributed.sharding import single_shard
+from cb_serve.model_executor.checkpoint import LazyTensor, materialize
+from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
+from cb_serve.model_executor.layers.mlp import ACTIVATIONS, GatedMLP, activation_name
+from cb_serve.model_executor.layers.norm import Gemma4RMSNorm, Gemma4UnscaledRMSNorm
+from cb_serve.model_executor.layers.rotary import Rope
+from cb_serve.model_executor.linear import Linear
+from cb_serve.model_executor.models.llama import LlamaForCausalLM
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """``h += post_attn_norm(attn(input_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))``, then with
+    per-layer inputs ``h += post_pli_norm(proj(act(gate(h)) * per_layer_input))``, and ``h *= layer_scalar``."""
+
+    def __init__(self, config, attention: Attention, mlp: GatedMLP) -> None:
+        super().__init__()
+        hidden, eps, per_layer = config.hidden_size, config.rms_norm_eps, config.hidden_size_per_layer_input
+        self.input_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        if per_layer:
+            self.act = ACTIVATIONS[activation_name(config)]
+            self.per_layer_input_gate = Linear(hidden, per_layer, bias=False)
+            self.per_layer_projection = Linear(per_layer, hidden, bias=False)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
+
+    def forward(self, h: torch.Tensor, per_layer_input: torch.Tensor | None, rope: Rope, kv_cache, meta):
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv_cache, meta))
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        if per_layer_input is not None:
+            gated = self.act(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return h * self.layer_scalar
+
+
+class Gemma4ForCausalLM(LlamaForCausalLM):
+    decoder_layer = Gemma4DecoderLayer
+    norm_class = Gemma4RMSNorm
+    refused_features = {"enable_moe_block": "the MoE block", "use_bidirectional_attention": "bidirectional attention"}
+
+    def __init__(self, config, backend: AttentionBackend, *args, **kwargs) -> None:
+        for feature, what in self.refused_features.items():
+            if getattr(config, feature, None):
+                raise ValueError(f"Gemma 4 with {feature}={getattr(config, feature)!r} ({what}) is not supported.")
+        super().__init__(config, backend, *args, **kwargs)
+        hidden, layers, per_layer = config.hidden_size, config.num_hidden_layers, config.hidden_size_per_layer_input
+        self.per_layer_size = per_layer or 0
+        if per_layer:
+            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, layers * per_layer)
+            self.per_layer_model_projection = Linear(hidden, layers * per_layer, bias=False)
+            self.per_layer_projection_norm = Gemma4RMSNorm(per_layer, config.rms_norm_eps)
+        self.rope_widths = {layer.self_attn.rope_table: layer.self_attn.head_dim for layer in self.layers}
+        self.narrow_tables: dict = {}  # (table, its storage) -> contiguous narrowed cos/sin, for the C++ RoPE
+
+    @classmethod
+    def rope_layer_types(cls, config) -> list[str]:
+        return sorted(set(config.layer_types))
+
+    @classmethod
+    def kv_shared_layers(cls, config) -> dict[int, int]:
+        """HF's ``kv_sharing_modes``: from ``num_hidden_layers - num_kv_shared_layers`` on, each layer reads
+        the KV of the last earlier layer of its type."""
+        types, first = config.layer_types, config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+        if first <= 0:
+            raise ValueError("Gemma 4 with every layer KV-shared (no layer computing a KV cache) is not supported.")
+        config.kv_sharing_modes  # noqa: B018 - HF's own check: every shared layer type has a source
+        return {i: max(j for j in range(first) if types[j] == types[i]) for i in range(first, len(types))}
+
+    @classmethod
+    def attention_specs(cls, config) -> list[AttentionSpec]:
+        tables, shared = cls.rope_layer_types(config), cls.kv_shared_layers(config)
+        bias = getattr(config, "attention_bias", False)
+        return [
+            AttentionSpec(
+                window,
+                bias,
+                bias,
+                qk_norm=Gemma4RMSNorm,
+                scale=1.0,
+                rope_table=tables.index(kind),
+                kv_shared=i in shared,
+                k_eq_v=bool(config.attention_k_eq_v) and kind != "sliding_attention",
+                v_norm=Gemma4UnscaledRMSNorm,
+            )
+            for i, (window, kind) in enumerate(zip(layer_windows(config), config.layer_types))
+        ]
+
+    def make_layer(self, index: int, spec: AttentionSpec, backend: AttentionBackend) -> nn.Module:
+        """Layer ``index`` from its own config (head size, KV heads); one rank holds all its heads."""
+        config = self.config.per_layer_config[index]
+        shard = single_shard(config)
+        if spec.kv_shared and config.use_double_wide_mlp:
+            shard = dataclasses.replace(shard, intermediate=range(2 * config.intermediate_size))
+        attention = Attention(config, backend, spec, shard, self.tp)
+        return Gemma4DecoderLayer(config, attention, GatedMLP(config, shard, self.tp, self.use_cpu_ops))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, x)
+        ropes = [Rope(positions, cos, sin, x.dtype, self.use_cpu_ops) for cos, sin in self.tables()]
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_input = per_layer[:, i] if per_layer is not None else None
+            x = layer(x, layer_input, ropes[layer.self_attn.rope_table], kv_cache, meta.for_layer(i))
+        return x
+
+    def tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each RoPE table cut to its layers' head size (the loader pads them to the widest)."""
+        out = []
+        for t, (cos, sin) in enumerate(zip(self.rope_cos, self.rope_sin)):
+            width = self.rope_widths[t]
+            if width < cos.shape[-1]:
+                key = (t, cos.data_ptr(), sin.data_ptr())
+                if not self.use_cpu_ops:  # Rope gathers rows: a view will do
+                    cos, sin = cos[:, :width], sin[:, :width]
+                elif key in self.narrow_tables:
+                    cos, sin = self.narrow_tables[key]
+                else:
+                    cos, sin = self.narrow_tables.setdefault(
+                        key, (cos[:, :width].contiguous(), sin[:, :width].contiguous())
+                    )
+            out.append((cos, sin))
+        return out
+
+    @staticmethod
+    def scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+        """HF's ``Gemma4TextScaledWordEmbedding``: times a float32 scale cast to the weights' dtype."""
+        return x * torch.tensor(scale, dtype=torch.float32).to(x.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.scaled(self.embed_tokens(input_ids), self.config.hidden_size**0.5)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """``[T, layers, per_layer]``: HF's ``get_per_layer_inputs`` and ``project_per_layer_inputs``."""
+        size = self.per_layer_size
+        if not size:
+            return None
+        shape = (x.shape[0], self.config.num_hidden_layers, size)
+        tokens = self.scaled(self.embed_tokens_per_layer(input_ids), size**0.5).reshape(shape)
+        projected = self.per_layer_model_projection(x) * self.config.hidden_size**-0.5
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        return (projected + tokens) * 2.0**-0.5
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor | LazyTensor]) -> None:
+        """The weights by HF's names (one rank: no slicing), q/k/v fused as each layer has them."""
+        own = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        w = state.__getitem__
+
+        def put(name: str, *parts: torch.Tensor) -> None:
+            own[name].copy_(torch.cat([materialize(p) for p in parts], dim=0))
+
+        put("embed_tokens.weight", w("model.embed_tokens.weight"))
+        put("norm.weight", w("model.norm.weight"))
+        if not getattr(self.config, "tie_word_embeddings", False):
+            put("lm_head.weight", w("lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"))
+        if self.per_layer_size:
+            for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"):
+                put(f"{name}.weight", w(f"model.{name}.weight"))
+        for i, layer in enumerate(self.layers):
+            src, dst, attn = f"model.layers.{i}.", f"layers.{i}.", layer.self_attn
+            for name, _ in layer.named_parameters():  # norms and per-layer-input projections, by HF's names
+                if name.endswith("norm.weight") or name.startswith("per_layer_"):
+                    put(dst + name, w(src + name))
+            parts = ["q_proj"] + ([] if attn.kv_shared else ["k_proj"] if attn.k_eq_v else ["k_proj", "v_proj"])
+            for kind in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
+                put(f"{dst}self_attn.qkv_proj.{kind}", *(w(f"{src}self_attn.{p}.{kind}") for p in parts))
+            put(dst + "self_attn.o_proj.weight", w(src + "self_attn.o_proj.weight"))
+            if attn.o_proj.bias is not None:
+                put(dst + "self_attn.o_proj.bias", w(src + "self_attn.o_proj.bias"))
+            put(dst + "mlp.gate_up_proj.weight", w(src + "mlp.gate_proj.weight"), w(src + "mlp.up_proj.weight"))
+            put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight"))
+            put(dst + "layer_scalar", w(src + "layer_scalar"))
+
+    def prepare_for_cpu(self) -> None:
+        super().prepare_for_cpu()
+        if self.per_layer_size:
+            linears = [self.per_layer_model_projection]
+            linears += [m for layer in self.layers for m in (layer.per_layer_input_gate, layer.per_layer_projection)]
+            for linear in linears:
+                linear.prepare_for_cpu(pack=self.use_cpu_ops)
