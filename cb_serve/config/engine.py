@@ -65,7 +65,9 @@ class EngineConfig:
         None, "Tokens per KV-cache block; default 16 (256 with the flash-attn backend, which needs multiples of 256)."
     )
     num_gpu_blocks: int | None = _arg(
-        None, "Number of KV-cache blocks; overrides kv_cache_memory and gpu_memory_utilization."
+        None,
+        "Number of KV-cache blocks; overrides kv_cache_memory and gpu_memory_utilization. A block is one page "
+        "of each layer of a KV-cache group (all layers, unless the model mixes sliding-window and global layers).",
     )
     kv_cache_memory: int | None = _arg(
         None, "Bytes for the KV cache; default 1 GiB on CPU, a fraction of free memory on CUDA."

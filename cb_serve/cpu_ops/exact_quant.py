@@ -1,20 +1,22 @@
 """Float32 weights that are exactly low-bit, kept low-bit for ``decode_gemm``.
 
-GGUF files store weights in groups of 32 inputs per output row; transformers dequantizes them to
-float32 on load. Two formats give values that carry the group structure exactly:
+GGUF files store weights in groups of 32 inputs per output row (or sub-blocks of 32 of super-blocks of
+256); transformers dequantizes them to float32 on load. These formats give values that carry the group
+structure exactly (``group_recovery`` finds them):
 
-- Q4_1 (the built-in default model's projections): ``d * q + m`` with ``q`` in 0..15, ``d`` and ``m``
-  float16 scalars, the group minimum at ``q = 0`` and the maximum at ``q = 15``; Q4_0, ``d * (q - 8)``,
-  is the same with ``m = -8 d`` (or ``-7 |d|`` for a negative ``d``, counting ``q`` down);
-- Q8_0 (its embedding / LM head, and whole Q8_0 models): ``d * q`` with ``q`` in -127..127, ``d`` a
-  float16 scalar, the largest magnitude at ``q = ±127``.
+- 4 bits, ``d * q + m`` with ``q`` in 0..15: Q4_1 (the built-in default model's projections; float16 ``d``
+  and ``m``), Q4_0 ``d * (q - 8)``, and Q4_K (``d`` and ``m`` float32 products of float16 super-block
+  scales and 6-bit sub-block ones);
+- 8 bits, ``d * q`` with ``q`` in -127..127 and a float16 ``d``: Q8_0 (embeddings / LM heads, whole Q8_0
+  models) and Q5_0 ``d * (q - 16)`` (``q - 16`` in -16..15).
 
 ``find_quant_groups`` recovers ``(q, d, m)`` from the float32 values alone and accepts them only if they
 give back every weight bit for bit, so any loading path qualifies (GGUF through transformers, a
-re-saved checkpoint, row permutations such as Llama's Q/K one) and any other weight is left alone.
-``d * q`` is exact in float32 (at most 11 + 7 significant bits), so the kernel's ``fma(d, q, m)`` is the
-weight itself: decode reads 0.75 (4-bit) or 1.125 (8-bit) bytes per weight instead of 4 and computes
-exactly what it computes from the float32 copy.
+re-saved checkpoint, row permutations such as Llama's Q/K one, fused projections whose parts differ in
+format) and any other weight is left alone. ``d * q`` is exact in float32 (``d`` has at most 20
+significant bits for 4-bit ``q``, 17 for 8-bit), so the kernel's ``fma(d, q, m)`` is the weight itself:
+decode reads 0.75 (4-bit) or 1.125 (8-bit) bytes per weight instead of 4 and computes exactly what it
+computes from the float32 copy.
 
 ``pack_amx_weight`` lays the same groups out for ``amx_gemm``, which multiplies q (exact in bf16) on AMX
 tiles and applies ``d`` and ``m`` per group.
@@ -22,71 +24,42 @@ tiles and applies ``d`` and ``m`` per group.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from cb_serve.cpu_ops import group_recovery
+
 GROUP = 32  # inputs per scale, as in GGUF
 TILE_COLS = 32  # output columns per decode_gemm tile
-CANDIDATE_ULPS = (0, -1, 1, -2, 2)  # float16 neighbours of the estimated 4-bit scale that are tried
 PROBE_ROWS = 64  # rows checked first, so that a weight of another kind is rejected cheaply
+FINDERS = (  # (find, inputs per group), tried in turn
+    (group_recovery.find_q4, GROUP),
+    (group_recovery.find_q8, GROUP),
+    (group_recovery.find_q8_per_16, GROUP // 2),
+)
 
 
 @dataclass(frozen=True)
 class QuantGroups:
     q: torch.Tensor  # [N, K]: uint8 0..15 (4-bit, with m) or int8 -127..127 (8-bit, m is None)
-    d: torch.Tensor  # float32 [N, K // 32], float16 values
+    d: torch.Tensor  # float32 [N, K // 32] (8-bit also [N, K // 16]: Q6_K's scale per 16 inputs)
     m: torch.Tensor | None  # float32 [N, K // 32] (4-bit only)
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.d.shape[1]
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.d[..., None] * self.q.view(n, k // GROUP, GROUP).float()
+        w = self.d[..., None] * self.q.view(n, k // self.group_size, self.group_size).float()
         return (w if self.m is None else w + self.m[..., None]).view(n, k)
 
-
-def _q4_candidates(w: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(d, m)`` per group to try, for ``w`` ``[N, K // 32, 32]``."""
-    low, high = w.amin(-1), w.amax(-1)
-    # Q4_1: the group's minimum at q = 0 and maximum at q = 15, so 15 d = the range (up to rounding).
-    bits = ((high - low).double() / 15).half().view(torch.int16)
-    for ulps in CANDIDATE_ULPS:
-        yield (bits + ulps).clamp(min=0).view(torch.float16).float(), low
-    # Q4_0: d * (q - 8), the largest magnitude at q = 0, so 8 |d| = it; as d' * q' + m with d' = |d|:
-    # m = -8 d' when that value is negative (d > 0), else -7 d' (d < 0, q' = 15 - q).
-    d = torch.maximum(high, -low) / 8
-    yield d, torch.where(-low > high, -8 * d, -7 * d)
-
-
-def _find_q4(w: torch.Tensor) -> QuantGroups | None:
-    """``w``: ``[N, K // 32, 32]``."""
-    q = d = m = found = None
-    for d_c, m_c in _q4_candidates(w):
-        if not torch.isfinite(d_c).all():
-            return None
-        safe = torch.where(d_c > 0, d_c, torch.ones_like(d_c))
-        q_c = torch.round((w - m_c[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
-        exact = ((d_c[..., None] * q_c + m_c[..., None]) == w).all(-1) & (d_c == d_c.half().float())
-        if q is None:  # constant groups: q = 0 reproduces them whatever d is
-            q, d, m, found = q_c, d_c, m_c, exact
-        else:
-            take = exact & ~found
-            q = torch.where(take[..., None], q_c, q)
-            d, m = torch.where(take, d_c, d), torch.where(take, m_c, m)
-            found |= exact
-        if found.all():
-            return QuantGroups(q.flatten(1), d, m)
-    return None
-
-
-def _find_q8(w: torch.Tensor) -> QuantGroups | None:
-    d = w.abs().amax(-1) / 127  # exact: the largest magnitude is 127 d
-    if not (torch.isfinite(d).all() and torch.equal(d.half().float(), d)):
-        return None
-    q = w / torch.where(d > 0, d, torch.ones_like(d))[..., None]
-    if not torch.equal(q, q.round()):
-        return None
-    return QuantGroups(q.to(torch.int8).flatten(1), d, None)
+    def scales(self) -> list[torch.Tensor]:
+        """Per group of 32: ``[d]``, ``[d, m]`` (4-bit) or ``[d of the first 16 inputs, d of the last 16]``."""
+        if self.group_size == GROUP // 2:
+            return [self.d[:, 0::2], self.d[:, 1::2]]
+        return [self.d] if self.m is None else [self.d, self.m]
 
 
 def find_quant_groups(weight: torch.Tensor) -> QuantGroups | None:
@@ -95,11 +68,15 @@ def find_quant_groups(weight: torch.Tensor) -> QuantGroups | None:
         return None
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    for find in (_find_q4, _find_q8):
-        if find(weight[:PROBE_ROWS].view(-1, k // GROUP, GROUP)) is None:
+    for find, size in FINDERS:
+        if find(weight[:PROBE_ROWS].view(-1, k // size, size)) is None:
             continue
-        groups = find(weight.view(n, k // GROUP, GROUP))
-        if groups is not None and torch.equal(groups.dequantize(), weight):
+        found = find(weight.view(n, k // size, size))
+        if found is None:
+            continue
+        q, d, m = found
+        groups = QuantGroups(q.flatten(1), d, m)
+        if torch.equal(groups.dequantize(), weight):
             return groups
     return None
 
@@ -113,23 +90,24 @@ def _column_tiles(x: torch.Tensor, tiles: int, cols: int) -> torch.Tensor:
 
 def _with_scales(groups: QuantGroups, q_rows: torch.Tensor, cols: int) -> torch.Tensor:
     """``q_rows`` (``[tiles, K // 32, R, 32]``: rows of 32 values per tile of ``cols`` output columns and
-    group) -> per tile and group: ``d[cols]`` (and for 4 bits ``m[cols]``) as float32, then the R rows, 4-bit
+    group) -> per tile and group: ``groups.scales()`` (``[cols]`` each) as float32, then the R rows, 4-bit
     as 16 bytes (byte ``j``: value ``j`` in the low nibble, ``j + 16`` in the high one), 8-bit as 32."""
     tiles, num_groups = q_rows.shape[:2]
     if groups.m is None:
         rows = q_rows.reshape(tiles, num_groups, -1)
     else:
         rows = (q_rows[..., :16] | (q_rows[..., 16:] << 4)).reshape(tiles, num_groups, -1)
-    scales = [groups.d] if groups.m is None else [groups.d, groups.m]
+    scales = groups.scales()
     scale_bytes = [_column_tiles(s, tiles, cols).transpose(1, 2).contiguous().view(rows.dtype) for s in scales]
     return torch.cat([*scale_bytes, rows], dim=-1).contiguous()
 
 
 def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     """The layout ``decode_gemm`` reads, per tile of 32 output columns and group of 32 inputs:
-    ``d[32]`` (and for 4 bits ``m[32]``) as float32, then 32 rows (one per input) of the tile's
-    columns: 4-bit as 16 bytes, byte ``j`` holding column ``j`` in its low nibble and column ``j + 16``
-    in its high nibble (uint8 ``[tiles, K // 32, 768]``); 8-bit as 32 bytes (int8 ``[tiles, K // 32, 1152]``)."""
+    ``d[32]`` (and for 4 bits ``m[32]``, for scales per 16 inputs the second ``d[32]``) as float32, then 32 rows
+    (one per input) of the tile's columns: 4-bit as 16 bytes, byte ``j`` holding column ``j`` in its low nibble
+    and column ``j + 16`` in its high nibble (uint8 ``[tiles, K // 32, 768]``); 8-bit as 32 bytes (int8
+    ``[tiles, K // 32, 1152]``, or 1280 with scales per 16)."""
     n, k = groups.q.shape
     tiles, num_groups = -(-n // TILE_COLS), k // GROUP
     q = _column_tiles(groups.q, tiles, TILE_COLS).view(tiles, TILE_COLS, num_groups, GROUP)
@@ -141,9 +119,9 @@ def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
     for 4 bits ``m[16]``) as float32, then q as 16 VNNI rows of 32 values (input pair, column, pair member):
     4-bit as 16 bytes, byte ``j`` holding value ``j`` in its low nibble and ``j + 16`` in its high one (uint8
     ``[N / 16, K / 32, 384]``), 8-bit as 32 int8 (``[N / 16, K / 32, 576]``). N is padded to 32; None for K
-    over the kernel's 16384."""
+    over the kernel's 16384 and for scales per 16 inputs (which the kernel does not take)."""
     n, k = groups.q.shape
-    if k > 16384:
+    if k > 16384 or groups.group_size != GROUP:
         return None
     tiles, num_groups = -(-n // 32) * 2, k // GROUP
     # q [N, K] -> [tile, column, group, pair, member] -> [tile, group, pair, column, member]: 32 values a row

@@ -101,9 +101,10 @@ def num_kv_blocks(
         num = CPU_DEFAULT_KV_CACHE_BYTES // per_block
     need = layout.blocks_per_sequence(max_model_len, block_size, min(max_model_len, config.max_num_batched_tokens))
     if num < need:
+        groups = f" over its {len(layout.groups)} KV-cache groups" if len(layout.groups) > 1 else ""
         raise ValueError(
-            f"The KV cache holds {num} blocks of {block_size} tokens, fewer than one "
-            f"max_model_len={max_model_len} sequence needs ({need}). Raise the KV cache "
+            f"The KV cache holds {num} blocks of {block_size} tokens ({layout.group_size} layers each), fewer than one "
+            f"max_model_len={max_model_len} sequence needs{groups} ({need}). Raise the KV cache "
             f"size or lower max_model_len."
         )
     return num

@@ -4,8 +4,8 @@
   time on packing and blocking made for large batches, so ``Linear.prepare_for_cpu`` keeps a copy
   of the weight packed for ``cpu_ops.decode_gemm`` (tiles of 32 output columns, each one contiguous
   stream, the next tile prefetched while the current one computes).
-- **Exactly low-bit weights** (the default model's Q4_1 projections and Q8_0 LM head, recognized
-  by ``cpu_ops.exact_quant``) are kept as 4 or 8 bits and dequantized per tile into the same
+- **Exactly low-bit weights** (dequantized GGUF Q4_1 / Q4_0 / Q4_K as 4 bits, Q8_0 / Q5_0 / Q6_K as 8,
+  recognized by ``cpu_ops.exact_quant``) are kept low-bit and dequantized per tile into the same
   float32 values: a fraction of the memory traffic, the same results.
 - **Larger batches of low-bit weights** run a split-bf16 kernel where ``cpu_ops.kernel_choice`` picks one:
   ``amx_gemm`` on AMX CPUs from ``AMX_MIN_ROWS`` rows up, ``bf16_gemm`` (AVX512-BF16) where it measured
@@ -59,9 +59,10 @@ class Linear(nn.Linear):
     @torch.no_grad()
     def prepare_for_cpu(self, pack: bool, transpose: bool = True) -> None:
         """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight
-        when the weight is exactly a dequantized GGUF Q4_1 / Q4_0 / Q8_0 one (``cpu_ops.exact_quant``), else
-        a second float32 copy; for such a low-bit weight, where ``kernel_choice()`` picks a split-bf16 kernel,
-        also the layout it runs larger batches from. ``transpose``: store the weight transposed (still an ``[out, in]``
+        when the weight is exactly a dequantized GGUF one of the formats ``cpu_ops.exact_quant`` knows, else
+        a second float32 copy; for such a low-bit weight, where ``kernel_choice()`` picks a split-bf16 kernel
+        (and it takes the weight's groups: not Q6_K's scales per 16), also the layout it runs larger batches
+        from. ``transpose``: store the weight transposed (still an ``[out, in]``
         parameter) so ``F.linear`` runs an NN GEMM, ~10% faster on CPU; leave it off for a weight
         shared with an embedding (row lookups want the plain layout)."""
         if transpose:
@@ -72,7 +73,7 @@ class Linear(nn.Linear):
                 self.decode_weight = exact_quant.pack_decode_weight_quantized(groups)
                 choice = kernel_choice()
                 if choice is not None and choice.split in SPLIT_KERNELS:
-                    self.split_weight = exact_quant.pack_amx_weight(groups)
+                    self.split_weight = exact_quant.pack_amx_weight(groups)  # None: decode_gemm, then F.linear
                     self.split_kernel, self.split_min_rows = choice.split, choice.split_min_rows
             else:
                 self.decode_weight = cpu_ops.pack_decode_weight(self.weight)

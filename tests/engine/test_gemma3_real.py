@@ -23,7 +23,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def gemma():
-    return LLM("gemma-3-270m", **STRESS_ENGINE_ARGS)
+    # Its KV cache by layer type has 6 groups of 3 layers (a block is 3 layers' pages, not 18): six
+    # times the blocks are the stress settings' memory, and every group keeps a 400-token sequence whole.
+    return LLM("gemma-3-270m", **{**STRESS_ENGINE_ARGS, "num_gpu_blocks": 6 * STRESS_ENGINE_ARGS["num_gpu_blocks"]})
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""Low-bit packing of float32 weights that are exactly dequantized GGUF Q4_1 / Q4_0 / Q8_0: recognized from the
-float32 values alone, the decode GEMM on the low-bit copy is bit for bit the float32 one, and the AMX GEMM on the
-same low bits (q exact in bf16, x in three exact bf16 pieces) is as accurate as a float32 GEMM."""
+"""Low-bit packing of float32 weights that are exactly dequantized GGUF Q4_1 / Q4_0 / Q4_K (4-bit) or Q8_0 /
+Q5_0 / Q6_K (8-bit): recognized from the float32 values alone, the decode GEMM on the low-bit copy is bit for
+bit the float32 one, and the AMX GEMM on the same low bits (q exact in bf16, x in three exact bf16 pieces) is
+as accurate as a float32 GEMM."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from cb_serve import cpu_ops
-from cb_serve.cpu_ops import exact_quant
+from cb_serve.cpu_ops import exact_quant, group_recovery
 from cb_serve.cpu_ops.kernel_choice import kernel_choice
 from cb_serve.model_executor.linear import DECODE_MAX_ROWS, Linear
 
@@ -24,34 +25,71 @@ def uses_split_kernel() -> bool:
     return choice is not None and choice.split != "mkl"
 
 
+Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+Q5_0, Q4_K, Q6_K = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+FOUR_BIT = (Q4_1, Q4_0, Q4_K)
+FORMATS = (Q4_1, Q4_0, Q4_K, Q8_0, Q5_0, Q6_K)
+SPLIT_FORMATS = (Q4_1, Q4_0, Q4_K, Q8_0, Q5_0)  # amx_gemm / bf16_gemm take scales per 32 inputs only
+GROUP_BYTES = {4: 768, 8: 1152, 6: 1280}  # decode_gemm's bytes per 32 x 32 weights: 4-bit, 8-bit, Q6_K's
+
+
+def k_quant_blocks(blocks: int, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K / Q6_K super-blocks (gguf-py dequantizes but does not quantize these): float16 scales of a
+    trained weight's size, random 6-bit sub-block scales / mins (Q4_K) or int8 scales (Q6_K) and quants."""
+    scales = (rng.uniform(0.5, 1.0, (blocks, 2)) * 10.0 ** rng.uniform(-4, -2, (blocks, 1))).astype(np.float16)
+    if qtype == Q4_K:  # d, dmin, 12 bytes of scales and mins, 128 bytes of quants
+        return np.concatenate([scales.view(np.uint8), rng.integers(0, 256, (blocks, 140), dtype=np.uint8)], 1)
+    # Q6_K: 128 + 64 bytes of quants, 16 int8 scales, d
+    return np.concatenate([rng.integers(0, 256, (blocks, 208), dtype=np.uint8), scales[:, :1].view(np.uint8)], 1)
+
+
 def gguf_weight(n: int, k: int, qtype: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
     """A random weight quantized and dequantized by gguf-py, as transformers loads a GGUF file."""
-    w = np.random.default_rng(seed).normal(0, 0.05, (n, k)).astype(np.float32)
-    return torch.from_numpy(quants.dequantize(quants.quantize(w, qtype), qtype).reshape(n, k).astype(np.float32))
+    rng = np.random.default_rng(seed)
+    if qtype in (Q4_K, Q6_K):
+        blocks = k_quant_blocks(n * k // 256, qtype, rng)
+    else:
+        blocks = quants.quantize(rng.normal(0, 0.05, (n, k)).astype(np.float32), qtype)
+    return torch.from_numpy(quants.dequantize(blocks, qtype).reshape(n, k).astype(np.float32))
 
 
-Q4_0, Q4_1, Q8_0 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+def shape_for(shape: tuple[int, int], qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """K-quants come in super-blocks of 256 inputs: K rounded up to one."""
+    n, k = shape
+    return (n, -(-k // 256) * 256) if qtype in (Q4_K, Q6_K) else shape
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
+@pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (64, 1536)])  # (out, in)
 def test_gguf_weights_are_recognized_exactly(shape, qtype):
-    weight = gguf_weight(*shape, qtype)
+    weight = gguf_weight(*shape_for(shape, qtype), qtype)
     groups = exact_quant.find_quant_groups(weight)
     assert groups is not None
-    if qtype != Q8_0:
+    if qtype in FOUR_BIT:
         assert groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15 and groups.m is not None
     else:
-        assert groups.q.dtype == torch.int8 and int(groups.q.abs().max()) <= 127 and groups.m is None
+        top = {Q8_0: 127, Q5_0: 16, Q6_K: 32}[qtype]
+        assert groups.q.dtype == torch.int8 and int(groups.q.abs().max()) <= top and groups.m is None
+    assert groups.group_size == (16 if qtype == Q6_K else 32)
     assert torch.equal(groups.dequantize(), weight)
-    assert torch.equal(groups.d, groups.d.half().float())  # float16 scales: d * q is exact
+    if qtype in (Q4_K, Q6_K):  # float16 times a 6- or 8-bit sub-block scale
+        assert group_recovery.significant_bits_at_most(groups.d, 20 if qtype == Q4_K else 18).all()
+    else:
+        assert torch.equal(groups.d, groups.d.half().float())  # float16 scales: d * q is exact
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
+def test_a_projection_fused_from_parts_in_different_formats_is_recognized():
+    """Gemma 3's qkv_proj: Q5_0 q and k, a Q8_0 v (8 bits per group, whichever format each group came from)."""
+    weight = torch.cat([gguf_weight(128, 640, Q5_0), gguf_weight(32, 640, Q5_0, 1), gguf_weight(32, 640, Q8_0)])
+    groups = exact_quant.find_quant_groups(weight)
+    assert groups is not None and groups.q.dtype == torch.int8 and torch.equal(groups.dequantize(), weight)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
 def test_row_permutations_and_constant_groups_are_still_recognized(qtype):
-    weight = gguf_weight(96, 64, qtype)
+    weight = gguf_weight(*shape_for((96, 64), qtype), qtype)
     weight[5, 32:] = 0.0  # a constant group
-    permuted = weight.view(3, 16, 2, 64).transpose(1, 2).reshape(96, 64)  # like the Llama Q/K permutation
+    permuted = weight.view(3, 16, 2, -1).transpose(1, 2).reshape(96, -1)  # like the Llama Q/K permutation
     for w in (weight, permuted):
         groups = exact_quant.find_quant_groups(w)
         assert groups is not None and torch.equal(groups.dequantize(), w)
@@ -61,31 +99,32 @@ def test_row_permutations_and_constant_groups_are_still_recognized(qtype):
     "weight",
     [
         torch.randn(64, 64),  # plain float32
-        gguf_weight(64, 64, GGMLQuantizationType.Q5_0),  # 5-bit: neither format
+        gguf_weight(64, 64, GGMLQuantizationType.Q5_1),  # 5-bit with an offset: neither format
         gguf_weight(64, 64, Q4_1)[:, :40],  # K % 32 != 0
         gguf_weight(64, 64, Q4_1).double(),
     ],
-    ids=["float32", "q5_0", "k-not-multiple-of-32", "float64"],
+    ids=["float32", "q5_1", "k-not-multiple-of-32", "float64"],
 )
 def test_other_weights_are_left_alone(weight):
     assert exact_quant.find_quant_groups(weight) is None
 
 
-@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
+@pytest.mark.parametrize("qtype", FORMATS)
 def test_one_off_value_rejects_the_whole_weight(qtype):
-    weight = gguf_weight(128, 64, qtype)
+    weight = gguf_weight(*shape_for((128, 64), qtype), qtype)
     weight[100, 7] = torch.nextafter(weight[100, 7], torch.tensor(1.0))
     assert exact_quant.find_quant_groups(weight) is None
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
+@pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (576, 1536)])
 def test_decode_gemm_on_low_bits_is_bit_identical_to_float32(shape, qtype):
-    n, k = shape
+    n, k = shape_for(shape, qtype)
     weight = gguf_weight(n, k, qtype, seed=n)
     packed = exact_quant.pack_decode_weight_quantized(exact_quant.find_quant_groups(weight))
-    dtype, group_bytes = (torch.uint8, 768) if qtype != Q8_0 else (torch.int8, 1152)  # 0.75 / 1.125 bytes a weight
+    dtype = torch.uint8 if qtype in FOUR_BIT else torch.int8  # 0.75 / 1.125 / 1.25 bytes a weight
+    group_bytes = GROUP_BYTES[4 if qtype in FOUR_BIT else 6 if qtype == Q6_K else 8]
     assert packed.dtype == dtype and packed.shape == (-(-n // 32), k // 32, group_bytes)
     reference = cpu_ops.pack_decode_weight(weight)
     bias = torch.randn(n)
@@ -120,6 +159,25 @@ def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
 
 
 @needs_kernels
+def test_linear_runs_a_q6_k_weight_from_8_bits_at_decode_sizes():
+    """Scales per 16 inputs: decode_gemm only (no split kernel), bit for bit the float32 path; MKL above."""
+    layer = Linear(512, 96, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(gguf_weight(96, 512, Q6_K))
+    weight = layer.weight.detach().clone()
+    layer.prepare_for_cpu(pack=True)
+    assert layer.decode_weight.dtype == torch.int8 and layer.decode_weight.shape[-1] == GROUP_BYTES[6]
+    assert layer.split_weight is None
+    reference = cpu_ops.pack_decode_weight(weight)
+    with torch.inference_mode():
+        for rows in (1, 17, DECODE_MAX_ROWS):
+            x = torch.randn(rows, 512)
+            assert torch.equal(layer(x), cpu_ops.decode_gemm(x, reference, 96, None))
+        x = torch.randn(DECODE_MAX_ROWS + 1, 512)
+        assert torch.equal(layer(x), F.linear(x, weight))
+
+
+@needs_kernels
 def test_the_default_model_decodes_from_4_bit_weights(smol_llm):
     """SmolLM2's GGUF is Q4_1 in every projection and Q8_0 in the tied embedding / LM head."""
     model = smol_llm.engine.runner.model
@@ -135,7 +193,7 @@ def test_the_default_model_decodes_from_4_bit_weights(smol_llm):
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", [Q4_1, Q4_0, Q8_0])
+@pytest.mark.parametrize("qtype", SPLIT_FORMATS)
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (576, 1536)])
 def test_amx_gemm_is_as_accurate_as_a_float32_gemm(shape, qtype):
     """q on the tiles is exact, x is three exact bf16 pieces, d and m apply per group in float32: the RMS error
@@ -143,10 +201,10 @@ def test_amx_gemm_is_as_accurate_as_a_float32_gemm(shape, qtype):
     4-bit 0.6-0.7x at K >= 576 and ~1x at K = 64-96), at row and column counts that leave partial
     16-row / 32-column blocks, in decode-sized and chunked (> 256-row) batches. Losing the smallest x piece
     would make it ~100x."""
-    n, k = shape
+    n, k = shape_for(shape, qtype)
     weight = gguf_weight(n, k, qtype, seed=n)
     packed = exact_quant.pack_amx_weight(exact_quant.find_quant_groups(weight))
-    dtype, group_bytes = (torch.uint8, 384) if qtype != Q8_0 else (torch.int8, 576)
+    dtype, group_bytes = (torch.uint8, 384) if qtype in FOUR_BIT else (torch.int8, 576)
     assert packed.dtype == dtype and packed.shape == (-(-n // 32) * 2, k // 32, group_bytes)
     sizes = [1, 13, 31, 65, 300]
     x = torch.randn(sum(sizes), k)
@@ -189,6 +247,7 @@ def test_amx_gemm_keeps_every_bit_of_x():
     assert torch.equal(cpu_ops.amx_gemm(x, exact_quant.pack_amx_weight(groups), n, None), x[:, perm])
 
 
-def test_amx_packing_declines_a_k_over_the_kernels_limit():
+def test_amx_packing_declines_a_k_over_the_kernels_limit_and_scales_per_16():
     wide = exact_quant.QuantGroups(torch.zeros(32, 16416, dtype=torch.uint8), torch.ones(32, 513), torch.zeros(32, 513))
     assert exact_quant.pack_amx_weight(wide) is None
+    assert exact_quant.pack_amx_weight(exact_quant.find_quant_groups(gguf_weight(32, 256, Q6_K))) is None

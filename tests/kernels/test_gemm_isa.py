@@ -3,7 +3,8 @@ of the test models (Llama, Qwen2 and Mistral test configs, SmolLM2):
 
 - ``decode_gemm`` built for AVX-512 (where the CPU has it), for AVX2/FMA only and for scalar code only (both
   built on any x86-64 CPU, so CI covers the path a CPU without AVX-512 runs): each output one FMA chain over
-  k in order, equal to ``F.linear``'s reference chain and to each other bit for bit;
+  k in order, equal to ``F.linear``'s reference chain and to each other bit for bit, from 4-bit groups,
+  8-bit groups and 8-bit groups with a scale per 16 inputs (Q6_K);
 - ``bf16_gemm`` (AVX512-BF16, where present): bit for bit ``exact_quant.split_gemm_reference``, and as
   accurate as a float32 GEMM;
 - ``amx_gemm`` (AMX, where present): its tiles round inside a dot product as the hardware does (no
@@ -32,8 +33,11 @@ ROWS = [1, 5, 8, 13, 64]  # the AVX2 build's row blocks: 6 x 16 columns, then 2 
 
 
 def random_groups(n: int, k: int, bits: int, seed: int) -> exact_quant.QuantGroups:
+    """``bits`` 4 or 8: scales per 32 inputs; 6: Q6_K's int8 -32..31 with a scale per 16 inputs."""
     g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    d = (torch.rand(n, k // (16 if bits == 6 else 32), generator=g) * 0.02 + 1e-3).half().float()
+    if bits == 6:
+        return exact_quant.QuantGroups(torch.randint(-32, 32, (n, k), generator=g).to(torch.int8), d, None)
     if bits == 4:
         q = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
         return exact_quant.QuantGroups(q, d, (-torch.rand(n, k // 32, generator=g) * 0.2).half().float())
@@ -63,7 +67,7 @@ def fma_chain_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, 6])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_gemm_builds_agree_bit_for_bit(shape, bits):
     n, k = shape
@@ -80,7 +84,7 @@ def test_decode_gemm_builds_agree_bit_for_bit(shape, bits):
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, 6])
 def test_decode_gemm_is_the_fma_chain_reference(bits):
     n, k = 96, 160  # the AVX2 build walks k in chunks of 64: two and a partial one
     groups = random_groups(n, k, bits, seed=bits)

@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 def offline():
     from cb_serve import LLM, SamplingParams
 
-    llm = LLM("gemma-3-270m", max_model_len=256, num_gpu_blocks=64)
+    llm = LLM("gemma-3-270m", max_model_len=256, num_gpu_blocks=6 * 64)  # 6 KV-cache groups of 3 layers
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 

@@ -151,31 +151,42 @@ void chunk_block(const float* x, int64_t ld_x, const float* chunk, int64_t kc, f
 #endif
 
 // Exactly-low-bit weights (cpu_ops/exact_quant.py), per tile and group of 32 inputs: the float32
-// scales d[32] (4-bit: and offsets m[32]) of the tile's 32 columns, then one row per input: 4-bit as 16
-// bytes, byte j holding column j in its low nibble and column j + 16 in its high nibble; 8-bit as 32
-// signed bytes. d * q is exact (d has at most 11 significant bits), so fma(d, q, m) is the float32
-// weight the packing started from and the GEMM is bit for bit the float32 one.
+// scales d[32] of the tile's 32 columns (4-bit: then offsets m[32]; 8-bit with a scale per 16 inputs: then
+// the second half's scales d2[32]), then one row per input: 4-bit as 16 bytes, byte j holding column j in
+// its low nibble and column j + 16 in its high nibble; 8-bit as 32 signed bytes. d * q is exact for 4 bits,
+// so fma(d, q, m) is the float32 weight the packing started from (for 8 bits fma(d, q, 0) is the rounded
+// product the weight was checked against) and the GEMM is bit for bit the float32 one.
 constexpr int64_t kGroup = 32;
+enum Kind { kQ4 = 0, kQ8 = 1, kQ8x2 = 2 };  // 4-bit; 8-bit, one scale per 32 inputs; per 16 (Q6_K)
 constexpr int64_t kQ4GroupBytes = 2 * kCols * 4 + kGroup * kCols / 2;
 constexpr int64_t kQ8GroupBytes = kCols * 4 + kGroup * kCols;
+constexpr int64_t kQ8x2GroupBytes = 2 * kCols * 4 + kGroup * kCols;
+constexpr int64_t group_bytes(Kind kind) {
+  return kind == kQ4 ? kQ4GroupBytes : kind == kQ8 ? kQ8GroupBytes : kQ8x2GroupBytes;
+}
 
 // Dequantizes `groups` groups of a tile, starting at `packed`, into `tile` ([groups * 32, 32] float32, the
 // layout of pack_decode_weight).
-template <bool FourBit>
+template <Kind K>
 void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
-  constexpr int64_t group_bytes = FourBit ? kQ4GroupBytes : kQ8GroupBytes;
+  constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
+  constexpr int64_t bytes = group_bytes(K);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* group = packed + g * group_bytes;
+    const uint8_t* group = packed + g * bytes;
     const float* d = reinterpret_cast<const float*>(group);
-    const float* m = d + kCols;  // 4-bit only
-    const uint8_t* q = group + (FourBit ? 2 : 1) * kCols * 4;
+    const float* m = d + kCols;  // 4-bit: offsets; two scales: the second half's scales
+    const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
     float* rows = tile + g * kGroup * kCols;
 #if defined(__AVX512F__)
-    _mm_prefetch((const char*)(group + 4 * group_bytes), _MM_HINT_T0);
-    const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+    _mm_prefetch((const char*)(group + 4 * bytes), _MM_HINT_T0);
+    __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
     const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
     const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
     for (int64_t k = 0; k < kGroup; ++k) {
+      if (TwoScales && k == kGroup / 2) {
+        d0 = _mm512_loadu_ps(m);
+        d1 = _mm512_loadu_ps(m + 16);
+      }
       __m512 q0, q1;
       if constexpr (FourBit) {
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
@@ -190,14 +201,16 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
       _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    for (int64_t line = 0; line < group_bytes; line += 64)  // every line of the group 4 ahead
-      _mm_prefetch((const char*)(group + 4 * group_bytes + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < bytes; line += 64)  // every line of the group 4 ahead
+      _mm_prefetch((const char*)(group + 4 * bytes + line), _MM_HINT_T0);
     __m256 dv[4], mv[4];  // in registers: stores to `rows` would otherwise force reloads
     for (int c = 0; c < 4; ++c) {
       dv[c] = _mm256_loadu_ps(d + 8 * c);
       mv[c] = FourBit ? _mm256_loadu_ps(m + 8 * c) : _mm256_setzero_ps();
     }
     for (int64_t k = 0; k < kGroup; ++k) {
+      if (TwoScales && k == kGroup / 2)
+        for (int c = 0; c < 4; ++c) dv[c] = _mm256_loadu_ps(m + 8 * c);
       __m256i words[4];  // columns 0-7, 8-15, 16-23, 24-31
       if constexpr (FourBit) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
@@ -214,7 +227,8 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
         _mm256_storeu_ps(rows + k * kCols + 8 * c, _mm256_fmadd_ps(dv[c], _mm256_cvtepi32_ps(words[c]), mv[c]));
     }
 #else
-    for (int64_t k = 0; k < kGroup; ++k)
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const float* dk = TwoScales && k >= kGroup / 2 ? m : d;
       for (int64_t c = 0; c < kCols; ++c) {
         float value;
         if constexpr (FourBit) {
@@ -223,9 +237,18 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
         } else {
           value = static_cast<float>(static_cast<int8_t>(q[k * 32 + c]));
         }
-        rows[k * kCols + c] = std::fma(d[c], value, FourBit ? m[c] : 0.f);
+        rows[k * kCols + c] = std::fma(dk[c], value, FourBit ? m[c] : 0.f);
       }
+    }
 #endif
+  }
+}
+
+void dequantize(Kind kind, const uint8_t* packed, int64_t groups, float* tile) {
+  switch (kind) {
+    case kQ4: return dequantize_groups<kQ4>(packed, groups, tile);
+    case kQ8: return dequantize_groups<kQ8>(packed, groups, tile);
+    case kQ8x2: return dequantize_groups<kQ8x2>(packed, groups, tile);
   }
 }
 
@@ -253,12 +276,11 @@ void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, 
 }
 
 // One tile (float32, or low-bit dequantized into `scratch` first): out[:, n0:n0 + cols] = x @ tile (+ bias).
-void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const uint8_t* quantized, bool q4,
+void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const uint8_t* quantized, Kind kind,
                const float* next, float* scratch, float* /*acc*/, float* out, int64_t ld_out, int64_t cols,
                const float* bias) {
   if (quantized) {
-    q4 ? dequantize_groups<true>(quantized, k_dim / kGroup, scratch)
-       : dequantize_groups<false>(quantized, k_dim / kGroup, scratch);
+    dequantize(kind, quantized, k_dim / kGroup, scratch);
     tile = scratch;
     next = nullptr;
   }
@@ -279,15 +301,14 @@ void chunk_rows(const float* x, int64_t m_dim, int64_t ld_x, const float* chunk,
 
 // One tile, chunk by chunk (low-bit chunks dequantized into `scratch`), every row block over each chunk
 // while it is in L1; acc [M, 32] holds the chains between chunks.
-void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const uint8_t* quantized, bool q4,
+void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const uint8_t* quantized, Kind kind,
                const float* /*next*/, float* scratch, float* acc, float* out, int64_t ld_out, int64_t cols,
                const float* bias) {
   std::fill_n(acc, m_dim * kCols, 0.f);
   for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
     const int64_t kc = std::min(kChunk, k_dim - k0);
     if (quantized) {
-      const uint8_t* groups = quantized + k0 / kGroup * (q4 ? kQ4GroupBytes : kQ8GroupBytes);
-      q4 ? dequantize_groups<true>(groups, kc / kGroup, scratch) : dequantize_groups<false>(groups, kc / kGroup, scratch);
+      dequantize(kind, quantized + k0 / kGroup * group_bytes(kind), kc / kGroup, scratch);
     }
     chunk_rows(x + k0, m_dim, k_dim, quantized ? scratch : tile + k0 * kCols, kc, acc);
   }
@@ -305,14 +326,15 @@ float* aligned(std::vector<float>& buffer, int64_t size) {
 
 // out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight (float32
 // [tiles, K, 32]) or pack_decode_weight_quantized (uint8 [tiles, K / 32, kQ4GroupBytes] or int8
-// [tiles, K / 32, kQ8GroupBytes]); bias [N] or undefined.
+// [tiles, K / 32, kQ8GroupBytes or kQ8x2GroupBytes]); bias [N] or undefined.
 void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [M, K]");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = out.size(1), tiles = packed.size(0);
   const bool q4 = packed.scalar_type() == at::kByte, q8 = packed.scalar_type() == at::kChar;
+  const Kind kind = q4 ? kQ4 : packed.dim() == 3 && packed.size(2) == kQ8x2GroupBytes ? kQ8x2 : kQ8;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
                   (q4 || q8 ? k_dim % kGroup == 0 && packed.size(1) == k_dim / kGroup &&
-                                  packed.size(2) == (q4 ? kQ4GroupBytes : kQ8GroupBytes)
+                                  packed.size(2) == group_bytes(kind)
                             : packed.scalar_type() == at::kFloat && packed.size(1) == k_dim && packed.size(2) == kCols),
               "packed weight does not match x");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == m_dim && (n_dim + kCols - 1) / kCols == tiles, "out: [M, N]");
@@ -334,7 +356,7 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
       const float* tile = quantized ? nullptr : packed.data_ptr<float>() + t * k_dim * kCols;
       const float* next = !quantized && t + 1 < end ? tile + k_dim * kCols : nullptr;
       const uint8_t* low_bit = quantized ? static_cast<const uint8_t*>(packed.data_ptr()) + t * packed.stride(0) : nullptr;
-      gemm_tile(xp, m_dim, k_dim, tile, low_bit, q4, next, scratch, acc, op + n0, n_dim, cols, b ? b + n0 : nullptr);
+      gemm_tile(xp, m_dim, k_dim, tile, low_bit, kind, next, scratch, acc, op + n0, n_dim, cols, b ? b + n0 : nullptr);
     }
   });
 }
