@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from models import STRESS_ENGINE_ARGS, assert_same_greedy
+from models import STRESS_ENGINE_ARGS, assert_same_greedy, stress_engine_args
 
 from cb_serve import LLM, SamplingParams
 from cb_serve.config.speculative import SpeculativeConfig
@@ -185,8 +185,9 @@ def test_greedy_with_drafts_equals_greedy_without(arch, drafts, random_model_dir
     settings: chunked prefill, preemption and prefix hits all happen (checked), drafts are
     accepted and rejected, and every KV block comes back."""
     model = None if arch == "smollm2" else str(random_model_dir(arch))
-    ref_llm = smol_llm if model is None else LLM(model, **STRESS_ENGINE_ARGS)
-    spec_llm = LLM(model, speculative_config=NGRAM if drafts == "adaptive" else FIXED_K, **STRESS_ENGINE_ARGS)
+    stress = stress_engine_args(arch)
+    ref_llm = smol_llm if model is None else LLM(model, **stress)
+    spec_llm = LLM(model, speculative_config=NGRAM if drafts == "adaptive" else FIXED_K, **stress)
     prompts = spec_prompts(tokenizer)
     ref, _ = greedy_runs(ref_llm, prompts)
     if drafts == "oracle":
