@@ -117,16 +117,7 @@ def load_peft_adapter(
     config = read_adapter_config(path)
     alpha, use_rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora"))  # PEFT's default alpha
     base = config.get("base_model_name_or_path")
-    pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in read_adapter_tensors(path).items():
-        m = _KEY.match(key)
-        if m is None or m.group(3) not in FUSED_OF:
-            raise LoRAAdapterError(
-                f"Adapter {name!r} targets {key!r}: cb-serve applies LoRA to the decoder layers' "
-                f"{', '.join(SUPPORTED_TARGETS)} only."
-            )
-        layer, block, sub, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        pairs.setdefault((layer, block, sub), {})[ab] = tensor
+    pairs = _lora_pairs(name, path)
     if not pairs:
         raise LoRAAdapterError(f"Adapter {name!r} at {str(path)!r} has no LoRA weights.")
     parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
@@ -156,18 +147,42 @@ def load_peft_adapter(
         rank = max(rank, r)
         scale = alpha / (math.sqrt(r) if use_rslora else r)
         parts.setdefault(module, []).append((index, a, b * scale))
-    modules = {}
-    for module, subs in parts.items():
-        if len(subs) > 1 and any(index is None for index, _, _ in subs):
-            raise LoRAAdapterError(f"Adapter {name!r} targets {module} both fused and by its parts.")
-        out_sizes = shapes[module].sub_out_features
-        offsets = [0, *itertools.accumulate(out_sizes)]
-        a_cat = torch.cat([a for _, a, _ in subs]).to(dtype).contiguous()
-        b_cat = torch.zeros(a_cat.shape[0], offsets[-1], dtype=dtype)
-        row = 0
-        for index, a, b in subs:  # block-structured: a sub-projection's rank rows feed its own columns
-            columns = slice(None) if index is None else slice(offsets[index], offsets[index + 1])
-            b_cat[row : row + a.shape[0], columns] = b.t()
-            row += a.shape[0]
-        modules[module] = (a_cat, b_cat)
+    modules = {module: _fused_pair(name, module, subs, shapes[module], dtype) for module, subs in parts.items()}
     return LoRAWeights(name, rank, modules)
+
+
+def _lora_pairs(name: str, path: Path) -> dict[tuple[int, str, str], dict[str, torch.Tensor]]:
+    """The adapter's ``lora_A`` / ``lora_B`` tensors by (layer, block, projection)."""
+    pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in read_adapter_tensors(path).items():
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in FUSED_OF:
+            raise LoRAAdapterError(
+                f"Adapter {name!r} targets {key!r}: cb-serve applies LoRA to the decoder layers' "
+                f"{', '.join(SUPPORTED_TARGETS)} only."
+            )
+        layer, block, sub, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        pairs.setdefault((layer, block, sub), {})[ab] = tensor
+    return pairs
+
+
+def _fused_pair(
+    name: str,
+    module: str,
+    subs: list[tuple[int | None, torch.Tensor, torch.Tensor]],
+    shape: ProjectionShape,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused projection's ``(A, B)``: its parts' A rows stacked, B block-structured (a part's
+    rank rows feed its own output columns; ``index`` None: the whole fused projection)."""
+    if len(subs) > 1 and any(index is None for index, _, _ in subs):
+        raise LoRAAdapterError(f"Adapter {name!r} targets {module} both fused and by its parts.")
+    offsets = [0, *itertools.accumulate(shape.sub_out_features)]
+    a_cat = torch.cat([a for _, a, _ in subs]).to(dtype).contiguous()
+    b_cat = torch.zeros(a_cat.shape[0], offsets[-1], dtype=dtype)
+    row = 0
+    for index, a, b in subs:
+        columns = slice(None) if index is None else slice(offsets[index], offsets[index + 1])
+        b_cat[row : row + a.shape[0], columns] = b.t()
+        row += a.shape[0]
+    return a_cat, b_cat
