@@ -75,6 +75,7 @@ OPS = (
     "rotary_embedding",
     "silu_and_mul",
     "apply_token_bitmask",
+    "argmax_rows",
     "pack_decode_weight",
     "decode_gemm",
     "lora_apply",
@@ -307,6 +308,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     torch.ops.cb_serve.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.max(dim=-1).indices`` of a contiguous float32 ``[N, V]``: per row the first maximum's
+    index (the first NaN's where the row has one), int64 ``[N]``; one read of each row."""
+    return torch.ops.cb_serve.argmax_rows(logits)
+
+
 def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[N, K]`` weight as ``decode_gemm`` reads it: tiles of 32 output columns, each
     ``[K, 32]`` and contiguous (zero-padded to a multiple of 32 columns)."""
@@ -347,6 +354,15 @@ def amx_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: tor
     size (``amx_available()`` only)."""
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.cb_serve.amx_gemm(out, x, packed, bias)
+    return out
+
+
+def amx_pair_max(x: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 ``[M, ceil(vocab / 32)]``: per row of ``x`` and pair of column tiles (32 columns, those below
+    ``vocab``), the maximum of ``bf16(x) @ bf16(weight).T`` with float32 sums (each factor within 2^-8 of its
+    value), from an 8-bit ``pack_amx_weight`` (``amx_available()`` only): the greedy head's first pass."""
+    out = x.new_empty(x.shape[0], (vocab + 31) // 32)
+    torch.ops.cb_serve.amx_pair_max(out, x, packed, vocab)
     return out
 
 

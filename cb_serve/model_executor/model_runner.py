@@ -16,7 +16,7 @@ from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models import LlamaForCausalLM
-from cb_serve.model_executor.sampler import Sampler, SamplingBatch
+from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
 from cb_serve.sequence import SchedulerOutput, Sequence
 
 
@@ -278,7 +278,12 @@ class ModelRunner:
         seqs, rows_per_seq = inp.sampling_seqs, inp.rows_per_seq
         out = StepResult(seqs, [[] for _ in seqs], [[] for _ in seqs], time.perf_counter() - start)
         if broadcast is None:
-            logits = self.compute_logits(inp)
+            hidden = self.sampling_hidden(inp)
+            picked = self.greedy_pick(inp, sched, hidden)
+            if picked is not None:
+                out.token_ids, out.logprobs = [[t] for t in picked], [[None] for _ in picked]
+                return out
+            logits = None if hidden is None else self.model.compute_logits(hidden)
         else:
             try:
                 broadcast(inp.batch)
@@ -311,11 +316,24 @@ class ModelRunner:
     def compute_logits(self, inp: ModelInput) -> torch.Tensor | None:
         """The forward pass and the logits of the sampling rows (None when no row samples); what a
         tensor-parallel worker runs for each step, in step with the driver's collectives."""
+        hidden = self.sampling_hidden(inp)
+        return None if hidden is None else self.model.compute_logits(hidden)
+
+    def sampling_hidden(self, inp: ModelInput) -> torch.Tensor | None:
+        """The forward pass; the final hidden states of the sampling rows (None when no row samples)."""
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(inp.input_ids.shape[0], inp.meta):
             hidden = graphs.run(inp.input_ids, inp.positions, inp.meta)
         else:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
-        if inp.batch.num_sampling == 0:
+        return None if inp.batch.num_sampling == 0 else hidden[inp.logits_indices]
+
+    def greedy_pick(self, inp: ModelInput, sched: SchedulerOutput, hidden: torch.Tensor | None) -> list[int] | None:
+        """Each sampling sequence's token from the model's greedy head (the same tokens as the logits'
+        first maxima), where every sampling row takes its raw logits' first maximum; else None."""
+        if hidden is None or sched.grammar_bitmask is not None or any(n != 1 for n in inp.rows_per_seq):
             return None
-        return self.model.compute_logits(hidden[inp.logits_indices])
+        if not takes_raw_argmax(inp.sampling_seqs):
+            return None
+        token_ids = self.model.greedy_token_ids(hidden)
+        return None if token_ids is None else token_ids.tolist()

@@ -60,6 +60,22 @@ def apply_grammar(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         apply_bitmask(logits, bitmask, rows)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (``logits.max(dim=-1).indices``, like argmax and faster on CPU), in
+    one read of the row in C++ for contiguous float32 logits on the CPU."""
+    cpu_float32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if cpu_float32 and logits.dim() == 2 and logits.is_contiguous() and cpu_ops.available():
+        return cpu_ops.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
+def takes_raw_argmax(seqs: list[Sequence]) -> bool:
+    """Each sequence's token is the first maximum of its raw logits: greedy, no logprobs, nothing banned
+    (a grammar, too, changes the logits: the caller checks for one). Then a model may pick without the
+    logits (``greedy_head.py``); a new logits processor must make this False for the sequences it changes."""
+    return all(s.params.greedy and s.params.logprobs is None and not s.banned_token_ids() for s in seqs)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """``logits``: float32 ``[N, vocab]`` (modified in place)."""
@@ -70,7 +86,7 @@ class Sampler:
             logits[row, token_ids] = float("-inf")
         if batch.grammar is not None:  # before temperature and every filter; logprobs are of the raw logits
             apply_grammar(logits, batch.grammar[1], batch.grammar[0])
-        greedy = logits.max(dim=-1).indices  # the first maximum, like argmax, and faster on CPU
+        greedy = greedy_tokens(logits)
         if batch.all_greedy:
             sampled = greedy
         else:

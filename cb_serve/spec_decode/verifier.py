@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cb_serve.model_executor.sampler import Sampler, SamplingBatch
+from cb_serve.model_executor.sampler import Sampler, SamplingBatch, greedy_tokens
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.verify import accept_greedy, rejection_sample
 from cb_serve.structured_outputs.base import apply_bitmask
@@ -27,7 +27,7 @@ def verify_drafts(
         logits = logits.clone()
         apply_bitmask(logits, grammar)
     if seq.params.greedy:
-        emitted = accept_greedy(drafts, logits.max(dim=-1).indices.tolist())  # the first maximum, as sampled
+        emitted = accept_greedy(drafts, greedy_tokens(logits).tolist())  # the first maximum, as sampled
     else:
         probs = Sampler.probabilities(logits, SamplingBatch.from_seqs([seq] * logits.shape[0]))
         emitted = rejection_sample(drafts, probs.cpu(), None, seq.generator)  # CPU: seeded draws on any device

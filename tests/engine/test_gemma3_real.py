@@ -49,3 +49,24 @@ def test_gemma3_270m_matches_hf(gemma, gemma_hf):
 def test_a_chat_request_to_the_base_model_is_refused(gemma):
     with pytest.raises(InvalidRequestError, match="no chat template.*completions"):
         gemma.chat([{"role": "user", "content": "Hello"}])
+
+
+def test_the_greedy_head_picks_what_the_logits_pick(gemma):
+    """Plain greedy batches of 13+ rows on AMX take the LM head's two-pass argmax (``greedy_head.py``);
+    asking for logprobs takes the full logits and the sampler: the same tokens, bit for bit."""
+    import torch
+
+    from cb_serve import SamplingParams
+
+    llm = LLM("gemma-3-270m", max_num_seqs=32, max_model_len=256, num_gpu_blocks=600)
+    with torch.inference_mode():
+        applies = llm.engine.runner.model.greedy_token_ids(torch.zeros(16, 640)) is not None
+    if not applies:
+        pytest.skip("the LM head does not run amx_gemm here (no AMX)")
+    tokens = gemma.get_tokenizer().encode(pathlib.Path(__file__).read_text())
+    prompts = [{"prompt_token_ids": tokens[i * 7 : i * 7 + 20 + i]} for i in range(24)]
+    runs = [
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, logprobs=k), use_tqdm=False)
+        for k in (None, 0)
+    ]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]

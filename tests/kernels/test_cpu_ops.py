@@ -56,11 +56,12 @@ def ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # The AVX-512 kernel takes a KV head's query heads 1-4 at a time at head_dim 64 (groups of 1, 2, 3, 4,
-# and 6 in two passes of 3) and 1-2 at 128 (groups of 1, 2, and 4 in two passes); head_dim 32 takes the
-# generic path.
+# and 6 in two passes of 3) and 1-2 at 128 and 96 (groups of 1, 2, and 4 in two passes); the wide kernel
+# 1, 2 or 4 at 256 and 512 (AVX2 too); head_dim 32 takes the generic path.
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
-    [(9, 3, 64), (8, 8, 64), (8, 4, 64), (8, 2, 64), (12, 2, 64), (4, 4, 32), (8, 2, 128), (4, 2, 128), (2, 2, 128)],
+    [(9, 3, 64), (8, 8, 64), (8, 4, 64), (8, 2, 64), (12, 2, 64), (4, 4, 32), (8, 2, 128), (4, 2, 128), (2, 2, 128)]
+    + [(4, 2, 96), (3, 3, 96), (4, 1, 256), (8, 4, 256), (3, 3, 256), (6, 1, 256), (8, 2, 512), (2, 2, 512)],
 )
 @pytest.mark.parametrize("sliding_window", [None, 7])
 def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_window):
@@ -100,6 +101,7 @@ def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_w
         (torch.float32, torch.float32, 4, 4, 32),  # the generic decode, the PyTorch prefill
         (torch.bfloat16, torch.bfloat16, 9, 3, 64),
         (torch.float32, torch.bfloat16, 9, 3, 64),  # a narrower cache
+        (torch.float32, torch.float32, 4, 1, 256),  # the wide kernel (Gemma 2/3)
     ],
 )
 def test_softcap_and_sinks_match_reference(
@@ -153,7 +155,7 @@ def test_prefill_kernel_takes_the_cases_it_covers(dtype, cache_dtype, head_dim, 
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 32])  # the AVX-512 path and the generic one
+@pytest.mark.parametrize("head_dim", [64, 256, 32])  # the AVX-512 path, the wide one and the generic one
 def test_attention_over_a_narrower_kv_cache(cache_dtype, head_dim):
     """float32 queries over a bf16/fp16 KV cache (``kv_cache_dtype``): the same result as the
     reference computing in float32 from the same rounded cache."""
@@ -258,3 +260,84 @@ def test_apply_token_bitmask_equals_the_pytorch_path(vocab):
     assert torch.equal(wide[:, vocab:], before)
     with pytest.raises(RuntimeError):
         cpu_ops.apply_token_bitmask(logits, bitmask, [7])
+
+
+def argmax_cases(rows: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """``[rows, vocab]`` float32 logits of each kind ``argmax_rows`` must get right."""
+    inf, nan = float("inf"), float("nan")
+
+    def at_random(x: torch.Tensor, value: float, count: int) -> torch.Tensor:
+        for r in range(rows):
+            x[r, torch.randint(0, vocab, (count,), generator=gen)] = value
+        return x
+
+    edges = [0, vocab // 2 - 1, vocab // 2, vocab - 1]  # a row split in two halves: each side of the cut
+    cases = {
+        "random": torch.randn(rows, vocab, generator=gen),
+        "ties": at_random(torch.randn(rows, vocab, generator=gen), 10.0, 4),
+        "few values": torch.randint(-3, 3, (rows, vocab), generator=gen).float(),  # ties everywhere
+        "signed zeros": torch.randint(0, 2, (rows, vocab), generator=gen).float().mul(2).sub(1).mul(0.0),
+        "all -inf": torch.full((rows, vocab), -inf),
+        "-inf and one value": at_random(torch.full((rows, vocab), -inf), -1e30, 1),
+        "+inf": at_random(torch.randn(rows, vocab, generator=gen), inf, 2),
+        "nan": at_random(torch.randn(rows, vocab, generator=gen), nan, 3),
+        "nan and -inf": at_random(at_random(torch.full((rows, vocab), -inf), 5.0, 2), nan, 1),
+        "all nan": torch.full((rows, vocab), nan),
+    }
+    edge_ties, edge_nan = torch.randn(rows, vocab, generator=gen), torch.randn(rows, vocab, generator=gen)
+    edge_ties[:, edges[1:]] = 10.0
+    edge_nan[:, edges[0]], edge_nan[:, edges[2:]] = 10.0, nan
+    mixed = torch.stack([c[r % rows] for r, c in enumerate(cases.values())])[:rows]
+    return {**cases, "ties at the edges": edge_ties, "nan after the max": edge_nan, "mixed rows": mixed}
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 262144), (33, 262144), (3, 100003), (5, 2049), (7, 17), (2, 7), (4, 1)])
+def test_argmax_rows_equals_torch_max(rows, vocab):
+    """``argmax_rows`` (blocked AVX-512 / AVX2 / scalar max, the best block scanned again) equals
+    ``logits.max(dim=-1).indices``: the first maximum, the first NaN where a row has one, 0 for -inf rows."""
+    gen = torch.Generator().manual_seed(rows * 1000 + vocab)
+    for kind, logits in argmax_cases(rows, vocab, gen).items():
+        got = cpu_ops.argmax_rows(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.max(dim=-1).indices), kind
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpu_ops.argmax_rows(torch.randn(4, 9)[:, :8])
+
+
+def test_greedy_sampler_takes_the_kernel_with_torch_picks():
+    """The sampler's greedy pick: ``argmax_rows`` for contiguous float32 CPU logits, ``max`` for the rest."""
+    from cb_serve.model_executor.sampler import greedy_tokens
+
+    logits = torch.randn(6, 5000)
+    logits[:, 7] = logits[:, 4000] = 50.0
+    assert greedy_tokens(logits).tolist() == [7] * 6
+    assert greedy_tokens(logits[:, ::2]).tolist() == logits[:, ::2].max(dim=-1).indices.tolist()
+    assert greedy_tokens(logits.double()).tolist() == [7] * 6
+
+
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_gemma_norm_kernel_matches_hf(tokens):
+    """``GemmaRMSNorm`` with the C++ kernel (float32: Llama's kernel with weight ``1 + w``) against HF's
+    ``Gemma3RMSNorm``: hidden states, strided q heads of a fused projection, the fused residual add, a
+    weight loaded in place after the first call; bfloat16 keeps the PyTorch ops, bit for bit HF's."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from cb_serve.model_executor.layers.norm import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(tokens)
+    tol = dict(atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+    with torch.no_grad():
+        for dim, x in [(96, torch.randn(tokens, 96, generator=gen)), (32, torch.randn(tokens, 7, 32, generator=gen))]:
+            x = x[:, :5] if x.dim() == 3 else x  # heads strided as q's in qkv
+            ours, hf = GemmaRMSNorm(dim, 1e-6, use_cpu_ops=True), Gemma3RMSNorm(dim, eps=1e-6)
+            for _ in range(2):  # the second time with a new weight, copied in as the loader does
+                w = 0.5 * torch.randn(dim, generator=gen)
+                ours.weight.copy_(w), hf.weight.copy_(w)
+                torch.testing.assert_close(ours(x), hf(x), **tol)
+                assert torch.equal(ours.one_plus_weight(), 1.0 + w)
+            if x.dim() == 2:
+                residual = torch.randn(tokens, dim, generator=gen)
+                out, new_residual = ours(x.clone(), residual.clone())
+                assert torch.equal(new_residual, residual + x)
+                torch.testing.assert_close(out, hf(residual + x), **tol)
+            ours, hf = ours.bfloat16(), hf.bfloat16()
+            assert torch.equal(ours(x.bfloat16()), hf(x.bfloat16()))

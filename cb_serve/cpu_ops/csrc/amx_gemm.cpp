@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "split_gemm.h"
 
@@ -239,6 +241,113 @@ void gemm(float* out, int64_t m, int64_t n, const uint16_t* pieces, const float*
   }
 }
 
+// The greedy head's first pass (greedy_head.py): out ~= bf16(x) @ bf16(w)^T for an 8-bit weight, each weight
+// d * q (exact in float32) rounded to bf16 as its group is unpacked, so every group sums on the tiles with no
+// per-group scaling: |w~ - w| <= 2^-8 |w|, |x0 - x| <= 2^-8 |x|, float32 sums. x0: piece 0 of split_rows.
+// One column tile's d * q for one group (16 VNNI rows: value v of a row is column v / 2's) as bf16 into `rows`.
+inline void unpack_scaled(const uint8_t* group, uint16_t* rows) {
+  const __m512 d = _mm512_load_ps((const float*)group);
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512 d_lo = _mm512_permutexvar_ps(pairs, d);
+  const __m512 d_hi = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), d);
+  const int8_t* q = reinterpret_cast<const int8_t*>(group + kScaleBytes);
+  for (int r = 0; r < 16; ++r) {
+    const __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + r * 32)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(words)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
+    _mm512_storeu_si512(rows + r * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d_hi), _mm512_mul_ps(lo, d_lo)));
+  }
+}
+
+// NR row tiles x the pair's two column tiles, every group accumulated on tiles 0..3, stored to c.
+template <int NR>
+inline void approx_tiles(const uint16_t* a, int64_t a_row_tile, const uint16_t* q0, const uint16_t* q1,
+                         int64_t groups, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NR == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(6, q0 + g * kTileElems, 64);
+    _tile_loadd(7, q1 + g * kTileElems, 64);
+    _tile_loadd(4, a + g * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NR == 2) {
+      _tile_loadd(5, a + a_row_tile + g * kTileElems, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + kTileFloats, 64);
+  if constexpr (NR == 2) {
+    _tile_stored(2, c + 2 * kTileFloats, 64);
+    _tile_stored(3, c + 3 * kTileFloats, 64);
+  }
+}
+
+// pair_max[M, pairs] = per row, the maximum over the pair's columns below `vocab` (the rest -inf).
+void gemm_pair_max(float* pair_max, int64_t m, int64_t vocab, const uint16_t* pieces, int64_t groups,
+                   const uint8_t* packed, int64_t group_bytes, float* scratch, int64_t scratch_per_thread) {
+  const int64_t row_tile_count = (m + 15) / 16, a_row_tile = groups * kTileElems, pairs = (vocab + 31) / 32;
+#pragma omp parallel
+  {
+    configure_tiles();
+    float* own = scratch + omp_get_thread_num() * scratch_per_thread;
+    uint16_t* q0 = reinterpret_cast<uint16_t*>(own);  // the pair's weight tiles, [2][groups][512]
+    uint16_t* q1 = q0 + groups * kTileElems;
+    float* c = own + groups * kTileElems;  // 4 tiles
+#pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      const uint8_t* w0 = packed + 2 * pair * groups * group_bytes;
+      const uint8_t* w1 = w0 + groups * group_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        unpack_scaled(w0 + g * group_bytes, q0 + g * kTileElems);
+        unpack_scaled(w1 + g * group_bytes, q1 + g * kTileElems);
+      }
+      const int64_t cols = std::min<int64_t>(32, vocab - 32 * pair);
+      const __mmask16 lo = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+      const __mmask16 hi = cols >= 32 ? (__mmask16)0xFFFF : cols > 16 ? (__mmask16)((1u << (cols - 16)) - 1) : 0;
+      const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t mt = 0; mt < row_tile_count; mt += 2) {
+        const int64_t nr = mt + 1 < row_tile_count ? 2 : 1;
+        (nr == 2 ? &approx_tiles<2> : &approx_tiles<1>)(pieces + mt * a_row_tile, a_row_tile, q0, q1, groups, c);
+        for (int64_t i = 0; i < nr; ++i)
+          for (int64_t r = 0; r < std::min<int64_t>(16, m - (mt + i) * 16); ++r) {
+            const __m512 v0 = _mm512_mask_load_ps(none, lo, c + 2 * i * kTileFloats + 16 * r);
+            const __m512 v1 = _mm512_mask_load_ps(none, hi, c + (2 * i + 1) * kTileFloats + 16 * r);
+            pair_max[((mt + i) * 16 + r) * pairs + pair] = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+          }
+      }
+    }
+    _tile_release();
+  }
+}
+
+// x's pieces and group sums (split_rows), and per thread room for the q tiles and c / acc buffers, in one
+// buffer kept from call to call: a fresh buffer of several MB would pay its page faults on every call.
+struct SplitX {
+  uint16_t* pieces;
+  float* sums;
+  float* scratch;
+  int64_t per_thread;
+};
+
+SplitX split_x(const at::Tensor& x, int64_t groups) {
+  const int64_t m = x.size(0), k = x.size(1), rows = (m + 15) / 16 * 16;
+  const int64_t per_thread = groups * kTileElems + 12 * kTileFloats;
+  const int64_t floats = 3 * rows * k / 2 + (rows * groups + 15) / 16 * 16 + omp_get_max_threads() * per_thread;
+  static thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < floats) buffer = at::empty({floats}, x.options());
+  uint16_t* pieces = reinterpret_cast<uint16_t*>(buffer.data_ptr<float>());
+  float* sums = buffer.data_ptr<float>() + 3 * rows * k / 2;
+  split_rows(x.data_ptr<float>(), m, k, rows, pieces, sums);
+  return {pieces, sums, sums + (rows * groups + 15) / 16 * 16, per_thread};
+}
+
 // out [M, N] = x [M, K] @ w^T (+ bias); packed from exact_quant.pack_amx_weight: uint8 [N / 16, K / 32,
 // 384] (4-bit) or int8 [N / 16, K / 32, 576] (8-bit), N / 16 even.
 void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -247,26 +356,36 @@ void amx_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, co
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), tiles = packed.size(0), groups = packed.size(1);
   TORCH_CHECK(k <= kMaxInputs, "K: at most 16384");
   if (m == 0) return;
-  const int64_t rows = (m + 15) / 16 * 16;
-  // x's pieces (6 bytes per x value) and group sums, then per thread the q tiles and c / acc buffers. Kept
-  // from call to call: a fresh buffer of several MB would pay its page faults on every call.
-  const int64_t per_thread = groups * kTileElems + 12 * kTileFloats;
-  const int64_t floats = 3 * rows * k / 2 + (rows * groups + 15) / 16 * 16 + omp_get_max_threads() * per_thread;
-  static thread_local at::Tensor buffer;
-  if (!buffer.defined() || buffer.numel() < floats) buffer = at::empty({floats}, x.options());
-  uint16_t* pieces = reinterpret_cast<uint16_t*>(buffer.data_ptr<float>());
-  float* sums = buffer.data_ptr<float>() + 3 * rows * k / 2;
-  float* scratch = sums + (rows * groups + 15) / 16 * 16;
-  split_rows(x.data_ptr<float>(), m, k, rows, pieces, sums);
-  (four_bit ? &gemm<true> : &gemm<false>)(out.data_ptr<float>(), m, n, pieces, sums, groups,
+  const SplitX split = split_x(x, groups);
+  (four_bit ? &gemm<true> : &gemm<false>)(out.data_ptr<float>(), m, n, split.pieces, split.sums, groups,
                                           reinterpret_cast<const uint8_t*>(packed.data_ptr()), group_bytes, tiles,
-                                          bias ? bias->data_ptr<float>() : nullptr, scratch, per_thread);
+                                          bias ? bias->data_ptr<float>() : nullptr, split.scratch, split.per_thread);
+}
+
+// pair_max [M, ceil(vocab / 32)]: per row of x [M, K] and pair of column tiles (32 columns below vocab), the
+// maximum of bf16(x) @ bf16(w)^T (gemm_pair_max); packed: an 8-bit pack_amx_weight [N / 16, K / 32, 576].
+void amx_pair_max(at::Tensor& pair_max, const at::Tensor& x, const at::Tensor& packed, int64_t vocab) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kChar &&
+                  packed.size(2) == kScaleBytes + 512 && packed.size(0) % 2 == 0,
+              "packed: int8 [N / 16, K / 32, 576], N / 16 even");
+  const int64_t m = x.size(0), k = x.size(1), groups = packed.size(1);
+  TORCH_CHECK(k == groups * kGroup && k <= kMaxInputs, "packed does not match x's K (at most 16384)");
+  TORCH_CHECK(0 < vocab && vocab <= packed.size(0) * 16, "vocab: 1 to N");
+  TORCH_CHECK(pair_max.scalar_type() == at::kFloat && pair_max.is_contiguous() && pair_max.dim() == 2 &&
+                  pair_max.size(0) == m && pair_max.size(1) == (vocab + 31) / 32,
+              "pair_max: contiguous float32 [M, ceil(vocab / 32)]");
+  if (m == 0) return;
+  const SplitX split = split_x(x, groups);
+  gemm_pair_max(pair_max.data_ptr<float>(), m, vocab, split.pieces, groups,
+                reinterpret_cast<const uint8_t*>(packed.data_ptr()), kScaleBytes + 512, split.scratch, split.per_thread);
 }
 #else
 bool amx_init() { return false; }
 void amx_gemm(at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "built without AMX");
 }
+void amx_pair_max(at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) { TORCH_CHECK(false, "built without AMX"); }
 #endif
 
 }  // namespace
@@ -274,6 +393,10 @@ void amx_gemm(at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::opti
 TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def("amx_init() -> bool", &amx_init);
   m.def("amx_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
+  m.def("amx_pair_max(Tensor(a!) pair_max, Tensor x, Tensor packed, int vocab) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(cb_serve, CPU, m) { m.impl("amx_gemm", &amx_gemm); }
+TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
+  m.impl("amx_gemm", &amx_gemm);
+  m.impl("amx_pair_max", &amx_pair_max);
+}

@@ -3,6 +3,7 @@
 //   fused_add_rms_norm  residual += x; x = rms_norm(residual)
 //   rotary_embedding    in place on q and k heads: x * cos + rotate_half(x) * sin
 //   silu_and_mul        out = silu(x[:, :I]) * x[:, I:]
+//   argmax_rows         per float32 row: the first maximum's index (the first NaN's, if any), as torch.max(-1)
 // Each replaces 4-8 eager ops (and their temporaries) with one pass over the rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -11,10 +12,16 @@
 
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -185,6 +192,107 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
   });
 }
 
+// argmax_rows: a row is read once, in blocks: each block's max (and whether it holds a NaN) in
+// registers; only the first block reaching the running max (strictly greater: ties keep the earlier)
+// is scanned again for the first element equal to it. A NaN ends the row at its first NaN (torch's).
+constexpr int64_t kArgmaxBlock = 1024;
+
+struct RowMax {
+  float value;
+  int64_t index;
+  bool nan;
+};
+
+// The max of x[0, kArgmaxBlock) in *m; true where the block holds a NaN (*m is then meaningless).
+inline bool block_max(const float* x, float* m) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_set1_ps(neg_inf), a1 = a0, a2 = a0, a3 = a0;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < kArgmaxBlock; i += 64) {
+    const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+    const __m512 v2 = _mm512_loadu_ps(x + i + 32), v3 = _mm512_loadu_ps(x + i + 48);
+    nan |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q);  // either NaN
+    a0 = _mm512_max_ps(a0, v0), a1 = _mm512_max_ps(a1, v1), a2 = _mm512_max_ps(a2, v2), a3 = _mm512_max_ps(a3, v3);
+  }
+  *m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
+  return nan != 0;
+#elif defined(__AVX2__)
+  __m256 a0 = _mm256_set1_ps(neg_inf), a1 = a0, a2 = a0, a3 = a0, nan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < kArgmaxBlock; i += 32) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    const __m256 v2 = _mm256_loadu_ps(x + i + 16), v3 = _mm256_loadu_ps(x + i + 24);
+    nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(v0, v1, _CMP_UNORD_Q), _mm256_cmp_ps(v2, v3, _CMP_UNORD_Q)));
+    a0 = _mm256_max_ps(a0, v0), a1 = _mm256_max_ps(a1, v1), a2 = _mm256_max_ps(a2, v2), a3 = _mm256_max_ps(a3, v3);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3)));
+  *m = *std::max_element(lanes, lanes + 8);
+  return _mm256_movemask_ps(nan) != 0;
+#else
+  float best = neg_inf;
+  bool nan = false;
+  for (int64_t i = 0; i < kArgmaxBlock; ++i) {
+    best = x[i] > best ? x[i] : best;
+    nan |= std::isnan(x[i]);
+  }
+  *m = best;
+  return nan;
+#endif
+}
+
+// The first maximum of x[begin, end), or its first NaN.
+RowMax first_max(const float* x, int64_t begin, int64_t end) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_block = -1, i = begin;
+  for (; i + kArgmaxBlock <= end; i += kArgmaxBlock) {
+    float m;
+    if (block_max(x + i, &m)) {
+      while (!std::isnan(x[i])) ++i;
+      return {x[i], i, true};
+    }
+    if (m > best) best = m, best_block = i;
+  }
+  int64_t index = begin;  // every element so far -inf: the first
+  if (best_block >= 0)
+    for (index = best_block; x[index] != best; ++index) {
+    }
+  for (; i < end; ++i) {
+    if (std::isnan(x[i])) return {x[i], i, true};
+    if (x[i] > best) best = x[i], index = i;
+  }
+  return {best, index, false};
+}
+
+// logits: contiguous float32 [N, V]; int64 [N]. Rows fewer than threads are split into segments.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "logits must be contiguous float32 [N, V]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab > 0, "argmax_rows of an empty row");
+  const int64_t segments = std::clamp<int64_t>(
+      std::min<int64_t>(at::get_num_threads() / std::max<int64_t>(rows, 1), vocab / kGrainElements), 1, 64);
+  std::vector<RowMax> parts(rows * segments);
+  const float* x = logits.data_ptr<float>();
+  at::parallel_for(0, rows * segments, grain(vocab / segments), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r = t / segments, s = t % segments;
+      parts[t] = first_max(x + r * vocab, vocab * s / segments, vocab * (s + 1) / segments);
+    }
+  });
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    RowMax best = parts[r * segments];
+    for (int64_t s = 1; s < segments && !best.nan; ++s) {
+      const RowMax& p = parts[r * segments + s];
+      if (p.nan || p.value > best.value) best = p;
+    }
+    o[r] = best.index;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
@@ -193,6 +301,7 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def("rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
@@ -201,4 +310,5 @@ TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -118,6 +118,22 @@ inline __m512 softmax_numerators(float* scores, int64_t span, float max, float e
   return _mm512_set1_ps(1.f / (_mm512_reduce_add_ps(vsum) + extra));
 }
 
+struct Simd {  // the vector operations decode_sequence_wide needs, 16 lanes
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  template <typename T>
+  static V load(const T* x) { return load16(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static void store(float* x, V v) { _mm512_storeu_ps(x, v); }
+  static V inv_sum(float* scores, int64_t span, float max, float extra) {
+    return softmax_numerators(scores, span, max, extra);
+  }
+};
+
 // float32 queries, head_dim = 16 * NV, a float32 or bf16 cache. The query heads of a KV head are
 // taken G at a time (G divides the group size), their queries and accumulators in registers: one
 // pass over the KV head's K rows and one over its V rows per G heads, every row loaded once for
@@ -208,6 +224,22 @@ inline float softmax_numerators(float* scores, int64_t span, float max, float ex
   return 1.f / (reduce_add256(vsum) + extra);
 }
 
+struct Simd {  // the vector operations decode_sequence_wide needs, 8 lanes
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  template <typename T>
+  static V load(const T* x) { return load8(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static float sum(V v) { return reduce_add256(v); }
+  static void store(float* x, V v) { _mm256_storeu_ps(x, v); }
+  static V inv_sum(float* scores, int64_t span, float max, float extra) {
+    return _mm256_set1_ps(softmax_numerators(scores, span, max, extra));
+  }
+};
+
 // float32 queries, head_dim = 8 * NV, a float32 or bf16 cache. Scores token by token (each cached row
 // read once, whole: every KV head's K vectors loaded once for its group's query heads, the queries read
 // from L1); then per query head, one pass over its KV head's V rows with the head's output accumulators in
@@ -269,6 +301,103 @@ void decode_sequence_avx2(const DecodeProblem<float, cache_t>& p, int64_t n) {
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv_sum));
   }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// float32 queries, a head too wide for its queries to live in registers (head_dim = lanes * NV: 256 for
+// Gemma 2/3, 512 for Gemma 4's global layers). The query heads of a KV head are taken G at a time, their
+// scaled queries in L1. Scores token by token: KC vectors of the key row in registers at a time, each
+// loaded once for all G heads (two FMA chains per head). Then the output in slices of C vectors: one
+// pass over the V rows per slice, G heads' accumulators in registers; each pass reads its own cache
+// lines of every row, so each V line comes from memory once.
+template <int NV, int G, typename cache_t>
+void decode_sequence_wide(const DecodeProblem<float, cache_t>& p, int64_t n) {
+  using V = Simd::V;
+  constexpr int64_t L = Simd::kLanes, D = L * NV;
+  constexpr int KC = std::min(NV, L == 16 ? 16 : 4);  // key vectors held at once (32 or 16 registers)
+  constexpr int C = (L == 16 ? 16 : 8) / G;  // output vectors per pass over V
+  static_assert(NV % KC == 0 && KC % 2 == 0 && NV % C == 0, "head_dim and group do not tile");
+  const std::vector<int64_t> rows = p.row_offsets(n);
+  const int64_t span = static_cast<int64_t>(rows.size());
+  std::vector<float> scores(G * span);
+  alignas(64) float q[G * D];
+  for (int64_t first = 0; first < p.num_heads; first += G) {
+    const int64_t head = (first / p.group()) * D;  // the KV head's columns in a cached row
+    float m[G];
+    for (int g = 0; g < G; ++g) {
+      const float* src = p.q + n * p.q_stride_n + (first + g) * p.q_stride_h;
+      for (int j = 0; j < NV; ++j) Simd::store(q + g * D + L * j, Simd::mul(Simd::load(src + L * j), Simd::set1(p.scale)));
+      m[g] = -std::numeric_limits<float>::infinity();
+    }
+    for (int64_t i = 0; i < span; ++i) {
+      if (i + kPrefetch < span)
+        for (int64_t line = 0; line < D * (int64_t)sizeof(cache_t); line += 64)
+          _mm_prefetch((const char*)(p.k_cache + rows[i + kPrefetch] + head) + line, _MM_HINT_T0);
+      const cache_t* key = p.k_cache + rows[i] + head;
+      V even[G], odd[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) even[g] = odd[g] = Simd::zero();
+      for (int c = 0; c < NV; c += KC) {
+        V kv[KC];
+#pragma GCC unroll 16
+        for (int j = 0; j < KC; ++j) kv[j] = Simd::load(key + L * (c + j));
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const float* qg = q + g * D + L * c;
+#pragma GCC unroll 16
+          for (int j = 0; j < KC; j += 2) {
+            even[g] = Simd::fmadd(Simd::load(qg + L * j), kv[j], even[g]);
+            odd[g] = Simd::fmadd(Simd::load(qg + L * (j + 1)), kv[j + 1], odd[g]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const float s = Simd::sum(even[g]) + Simd::sum(odd[g]);
+        scores[g * span + i] = s;
+        m[g] = std::max(m[g], s);
+      }
+    }
+    V inv_sum[G];
+    for (int g = 0; g < G; ++g) {
+      const auto [max, sink] = p.softmax_max(scores.data() + g * span, span, m[g], first + g);
+      inv_sum[g] = Simd::inv_sum(scores.data() + g * span, span, max, sink);
+    }
+    for (int c = 0; c < NV; c += C) {
+      V acc[G][C];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+        for (int j = 0; j < C; ++j) acc[g][j] = Simd::zero();
+      for (int64_t i = 0; i < span; ++i) {
+        if (i + kPrefetch < span)
+          for (int64_t line = 0; line < C * L * (int64_t)sizeof(cache_t); line += 64)
+            _mm_prefetch((const char*)(p.v_cache + rows[i + kPrefetch] + head + L * c) + line, _MM_HINT_T0);
+        const cache_t* value = p.v_cache + rows[i] + head + L * c;
+        V vv[C];
+#pragma GCC unroll 16
+        for (int j = 0; j < C; ++j) vv[j] = Simd::load(value + L * j);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const V w = Simd::set1(scores[g * span + i]);
+#pragma GCC unroll 16
+          for (int j = 0; j < C; ++j) acc[g][j] = Simd::fmadd(w, vv[j], acc[g][j]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        float* o = p.out + (n * p.num_heads + first + g) * D + L * c;
+        for (int j = 0; j < C; ++j) Simd::store(o + L * j, Simd::mul(acc[g][j], inv_sum[g]));
+      }
+    }
+  }
+}
+
+// The wide kernel for head_dim = lanes * NV, G query heads at a time: 4, 2 or 1 as the group divides.
+template <int NV, typename cache_t>
+auto pick_wide(int64_t group) {
+  if (group % 4 == 0) return decode_sequence_wide<NV, 4, cache_t>;
+  if (group % 2 == 0) return decode_sequence_wide<NV, 2, cache_t>;
+  return decode_sequence_wide<NV, 1, cache_t>;
 }
 #endif
 
@@ -341,9 +470,15 @@ struct AvxKernelPicker {
     }
     if (head_dim == 128)
       return group % 2 == 0 ? decode_sequence_avx512<8, 2, cache_t> : decode_sequence_avx512<8, 1, cache_t>;
+    if (head_dim == 96)  // Phi-3
+      return group % 2 == 0 ? decode_sequence_avx512<6, 2, cache_t> : decode_sequence_avx512<6, 1, cache_t>;
+    if (head_dim == 256) return pick_wide<16, cache_t>(group);
+    if (head_dim == 512) return pick_wide<32, cache_t>(group);
 #elif defined(__AVX2__) && defined(__FMA__)
     if (head_dim == 64) return decode_sequence_avx2<8, cache_t>;
     if (head_dim == 128) return decode_sequence_avx2<16, cache_t>;
+    if (head_dim == 256) return pick_wide<32, cache_t>(group);
+    if (head_dim == 512) return pick_wide<64, cache_t>(group);
 #endif
     return decode_sequence<float, cache_t>;
   }

@@ -84,8 +84,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, sum(self.qkv_sizes), bias=spec.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_bias and shard.is_driver)  # added once
         eps, own_kv = config.rms_norm_eps, not spec.kv_shared
-        self.q_norm = spec.qk_norm(self.head_dim, eps) if spec.qk_norm else None
-        self.k_norm = spec.qk_norm(self.head_dim, eps) if spec.qk_norm and own_kv else None
+        fused = self.use_cpu_ops  # Gemma 3's q/k norms take the C++ kernel (RMSNorm's: 2-D inputs only)
+        self.q_norm = spec.qk_norm(self.head_dim, eps, fused) if spec.qk_norm else None
+        self.k_norm = spec.qk_norm(self.head_dim, eps, fused) if spec.qk_norm and own_kv else None
         self.v_norm = spec.v_norm(self.head_dim, eps) if spec.v_norm and own_kv else None
         self.full_width_qk_norm = spec.full_width_qk_norm
         if spec.full_width_qk_norm:

@@ -20,9 +20,10 @@ class RMSNorm(nn.Module):
         self.use_cpu_ops = use_cpu_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        kernel = self.use_cpu_ops and x.dim() == 2
         if residual is None:
-            return cpu_ops.rms_norm(x, self.weight, self.eps) if self.use_cpu_ops else self._norm(x)
-        if self.use_cpu_ops:
+            return cpu_ops.rms_norm(x, self.weight, self.eps) if kernel else self._norm(x)
+        if kernel:
             cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         residual = residual + x
@@ -37,10 +38,41 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as an offset from one and applied in float32 before
-    the cast back (``(x * (1 + w)).to(dtype)``; Llama casts first). PyTorch ops only."""
+    the cast back (``(x * (1 + w)).to(dtype)``; Llama casts first). With ``use_cpu_ops``, float32 on
+    the CPU runs Llama's C++ kernel with the weight ``1 + w``: the same float32 products, in the other
+    order (they commute); hidden states ``[T, hidden]`` and q/k heads ``[T, heads, head_dim]`` alike.
+    Other dtypes take the PyTorch ops (HF applies the weight before the cast, the kernel after)."""
 
     def __init__(self, hidden_size: int, eps: float, use_cpu_ops: bool = False) -> None:
-        super().__init__(hidden_size, eps, use_cpu_ops=False)
+        super().__init__(hidden_size, eps, use_cpu_ops)
+        self._one_plus_weight: torch.Tensor | None = None
+        self._one_plus_key: tuple[int, int, int] | None = None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not (self.use_cpu_ops and x.dtype == torch.float32 and x.device.type == "cpu"):
+            if residual is None:
+                return self._norm(x)
+            residual = residual + x
+            return self._norm(residual), residual
+        weight = self.one_plus_weight()
+        if residual is None:  # q/k heads as rows of head_dim (a copy where the heads are strided)
+            return cpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.eps).view(x.shape)
+        if x.dim() != 2:
+            residual = residual + x
+            return self.forward(residual), residual
+        cpu_ops.fused_add_rms_norm(x, residual, weight, self.eps)
+        return x, residual
+
+    def one_plus_weight(self) -> torch.Tensor:
+        """``1 + w`` in float32, as HF computes it; made again whenever the weight changes (the loader
+        copies the checkpoint into it in place after construction)."""
+        w = self.weight
+        key = None if w.is_inference() else (id(w), w.data_ptr(), w._version)  # no version counter
+        if self._one_plus_weight is None or key is None or key != self._one_plus_key:
+            with torch.no_grad():
+                self._one_plus_weight = (1.0 + w.float()).contiguous()
+            self._one_plus_key = key
+        return self._one_plus_weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()

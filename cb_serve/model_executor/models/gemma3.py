@@ -24,13 +24,13 @@ class Gemma3DecoderLayer(nn.Module):
 
     def __init__(self, config, attention: Attention, mlp: GatedMLP) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        hidden, eps, fused = config.hidden_size, config.rms_norm_eps, attention.use_cpu_ops
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, fused)
         self.self_attn = attention
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, fused)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, fused)
         self.mlp = mlp
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, fused)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta):
         h = x if residual is None else residual + x

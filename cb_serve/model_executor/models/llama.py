@@ -18,6 +18,7 @@ from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard, single_shard
 from cb_serve.model_executor.checkpoint import LazyTensor, materialize
+from cb_serve.model_executor.greedy_head import GreedyHead
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
 from cb_serve.model_executor.layers.embedding import VocabParallelEmbedding
 from cb_serve.model_executor.layers.mlp import GatedMLP
@@ -78,6 +79,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, len(shard.vocab), bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
+        self._greedy_head: GreedyHead | bool | None = None  # built at first use, once the weights are packed
         # [tables, max_positions, rotary dim]: one table per kind of layer (``rope_layer_types``)
         self.register_buffer("rope_cos", rope_cos, persistent=False)
         self.register_buffer("rope_sin", rope_sin, persistent=False)
@@ -126,6 +128,18 @@ class LlamaForCausalLM(nn.Module):
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits[:, : self.config.vocab_size].float()
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The first maximum of each row of ``compute_logits(hidden)``, bit for bit, from the LM head's
+        two-pass argmax (``greedy_head.py``); None where that does not apply. It needs the logits to be the
+        LM head's plain output on one rank (no soft-cap, no scaling: no override of ``compute_logits``)."""
+        if self._greedy_head is None:
+            plain = type(self).compute_logits is LlamaForCausalLM.compute_logits and not self.final_logit_softcapping
+            head = GreedyHead.for_head(self.lm_head, self.config.vocab_size) if plain and self.tp.size == 1 else None
+            self._greedy_head = head or False
+        if not self._greedy_head or not self._greedy_head.applies(hidden):
+            return None
+        return self._greedy_head(self.norm(hidden))
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor | LazyTensor]) -> None:
