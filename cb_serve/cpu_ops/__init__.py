@@ -74,6 +74,7 @@ OPS = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "apply_token_bitmask",
     "argmax_rows",
     "pack_decode_weight",
@@ -300,6 +301,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :I]) * x[:, I:]``."""
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     torch.ops.cb_serve.silu_and_mul(out, x)
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x[:, :I], approximate="tanh") * x[:, I:]``."""
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    torch.ops.cb_serve.gelu_tanh_and_mul(out, x)
     return out
 
 

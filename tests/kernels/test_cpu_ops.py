@@ -215,6 +215,8 @@ def test_layer_ops_match_eager(dtype, tokens):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # exp over- and underflow
     gate, up = gate_up.split(hidden, dim=-1)
     torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, **tol)
+    gelu = F.gelu(gate, approximate="tanh") * up  # Gemma's activation
+    torch.testing.assert_close(cpu_ops.gelu_tanh_and_mul(gate_up), gelu, **tol)
 
 
 def test_kernels_reject_bad_layouts():

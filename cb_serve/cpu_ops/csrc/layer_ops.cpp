@@ -3,6 +3,7 @@
 //   fused_add_rms_norm  residual += x; x = rms_norm(residual)
 //   rotary_embedding    in place on q and k heads: x * cos + rotate_half(x) * sin
 //   silu_and_mul        out = silu(x[:, :I]) * x[:, I:]
+//   gelu_tanh_and_mul   out = gelu_tanh(x[:, :I]) * x[:, I:]
 //   argmax_rows         per float32 row: the first maximum's index (the first NaN's, if any), as torch.max(-1)
 // Each replaces 4-8 eager ops (and their temporaries) with one pass over the rows.
 #include <ATen/ATen.h>
@@ -112,13 +113,46 @@ void rotary_embedding(at::Tensor qk, const at::Tensor& positions, const at::Tens
   });
 }
 
-void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+// The gated MLP's activations: SiLU, and GELU with the tanh approximation (torch's approximate="tanh":
+// 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))), in float math.
+enum class Act { kSilu, kGeluTanh };
+constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f;
+
+template <Act A>
+inline float act_scalar(float g) {
+  if constexpr (A == Act::kSilu) return g / (1.f + std::exp(-g));
+  return 0.5f * g * (1.f + std::tanh(kGeluBeta * (g + kGeluKappa * g * g * g)));
+}
+
+#if defined(__AVX512F__)
+template <Act A>
+inline __m512 act512(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  if constexpr (A == Act::kSilu) return _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(kGeluBeta), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGeluKappa), cube)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh512(inner)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+template <Act A>
+inline __m256 act256(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  if constexpr (A == Act::kSilu) return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), cube)));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(one, tanh256(inner)));
+}
+#endif
+
+// out = act(x[:, :I]) * x[:, I:].
+template <Act A>
+void act_and_mul(at::Tensor out, const at::Tensor& x) {
   check_rows(out, "out");
   check_rows(x, "x");
   TORCH_CHECK(x.size(0) == out.size(0) && x.size(1) == 2 * out.size(1) && x.scalar_type() == out.scalar_type(),
               "x must be [T, 2I] and out [T, I] of one dtype");
   const int64_t n = out.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "act_and_mul", [&] {
     at::parallel_for(0, x.size(0), grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = x.data_ptr<scalar_t>() + r * x.stride(0);
@@ -127,34 +161,30 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
         int64_t i = 0;
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<scalar_t, float>) {
-          for (; i + 16 <= n; i += 16) {
-            const __m512 g = _mm512_loadu_ps(gate + i);
-            const __m512 one = _mm512_set1_ps(1.f);
-            const __m512 act = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(act, _mm512_loadu_ps(up + i)));
-          }
+          for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(act512<A>(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
         }
 #elif defined(__AVX2__) && defined(__FMA__)
         if constexpr (std::is_same_v<scalar_t, float>) {
           for (; i + 8 <= n; i += 8) {
             // (reinterpret_cast: this branch is compiled, though never run, for every dispatched type)
             const __m256 g = _mm256_loadu_ps(reinterpret_cast<const float*>(gate + i));
-            const __m256 one = _mm256_set1_ps(1.f);
-            const __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
             _mm256_storeu_ps(reinterpret_cast<float*>(o + i),
-                             _mm256_mul_ps(act, _mm256_loadu_ps(reinterpret_cast<const float*>(up + i))));
+                             _mm256_mul_ps(act256<A>(g), _mm256_loadu_ps(reinterpret_cast<const float*>(up + i))));
           }
         }
 #endif
         for (; i < n; ++i) {
-          const float g = gate[i];
-          const float act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+          const float act = static_cast<scalar_t>(act_scalar<A>(gate[i]));
           o[i] = static_cast<scalar_t>(act * static_cast<float>(up[i]));
         }
       }
     });
   });
 }
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<Act::kSilu>(out, x); }
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<Act::kGeluTanh>(out, x); }
 
 // Grammar bitmask (llguidance/xgrammar layout: bit j of int32 word k allows token 32k + j): the
 // blocked tokens of logits row rows[i] become -inf, per the bitmask's row i; other rows untouched.
@@ -300,6 +330,7 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
 }
@@ -309,6 +340,7 @@ TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("argmax_rows", &argmax_rows);
 }

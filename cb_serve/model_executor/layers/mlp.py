@@ -12,6 +12,7 @@ from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.linear import Linear
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+FUSED = {"silu": cpu_ops.silu_and_mul, "gelu_pytorch_tanh": cpu_ops.gelu_tanh_and_mul}  # act(gate) * up in C++
 
 
 def activation_name(config) -> str:
@@ -27,8 +28,7 @@ class GatedMLP(nn.Module):
         name = activation_name(config)
         if name not in ACTIVATIONS:
             raise ValueError(f"Unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)}).")
-        self.act = ACTIVATIONS[name]
-        self.use_cpu_ops = use_cpu_ops and name == "silu"  # the C++ kernel is SiLU-and-mul
+        self.act, self.fused = ACTIVATIONS[name], FUSED[name] if use_cpu_ops else None
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = len(shard.intermediate)
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
@@ -37,7 +37,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.gate_up_proj(x)
-        if self.use_cpu_ops:
-            return self.tp.all_reduce(self.down_proj(cpu_ops.silu_and_mul(x)))
+        if self.fused is not None:
+            return self.tp.all_reduce(self.down_proj(self.fused(x)))
         gate, up = x.split(self.intermediate_size, dim=-1)
         return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
