@@ -57,7 +57,7 @@ def ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # The AVX-512 kernel takes a KV head's query heads 1-4 at a time at head_dim 64 (groups of 1, 2, 3, 4,
 # and 6 in two passes of 3) and 1-2 at 128 and 96 (groups of 1, 2, and 4 in two passes); the wide kernel
-# 1, 2 or 4 at 256 and 512 (AVX2 too); head_dim 32 takes the generic path.
+# 1, 2 or 4 at 256 and 512 (AVX2 too, and 96 there); head_dim 32 takes the generic path.
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim",
     [(9, 3, 64), (8, 8, 64), (8, 4, 64), (8, 2, 64), (12, 2, 64), (4, 4, 32), (8, 2, 128), (4, 2, 128), (2, 2, 128)]

@@ -1,4 +1,5 @@
-// paged_decode_attention's kernel for heads too wide for registers (head_dim 256 and 512), on AVX-512 or AVX2.
+// paged_decode_attention's kernel for heads too wide for registers (head_dim 256 and 512; 96 on AVX2), on
+// AVX-512 or AVX2.
 #pragma once
 
 #include "decode_simd.h"
@@ -17,7 +18,7 @@ void decode_sequence_wide(const DecodeProblem<float, cache_t>& p, int64_t n) {
   using V = Simd::V;
   constexpr int64_t L = Simd::kLanes, D = L * NV;
   constexpr int KC = std::min(NV, L == 16 ? 16 : 4);  // key vectors held at once (32 or 16 registers)
-  constexpr int C = (L == 16 ? 16 : 8) / G;  // output vectors per pass over V
+  constexpr int C = L == 16 ? 16 / G : (G == 4 ? 2 : 4);  // output vectors per pass over V (16 or 32 registers)
   static_assert(NV % KC == 0 && KC % 2 == 0 && NV % C == 0, "head_dim and group do not tile");
   const std::vector<int64_t> rows = p.row_offsets(n);
   const int64_t span = static_cast<int64_t>(rows.size());

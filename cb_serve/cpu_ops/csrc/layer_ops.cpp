@@ -294,32 +294,19 @@ RowMax first_max(const float* x, int64_t begin, int64_t end) {
   return {best, index, false};
 }
 
-// logits: contiguous float32 [N, V]; int64 [N]. Rows fewer than threads are split into segments.
+// logits: contiguous float32 [N, V]; int64 [N]. Rows in parallel; a row is never split across threads (a
+// one-row call would wait on a second core that another process holds).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
               "logits must be contiguous float32 [N, V]");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(vocab > 0, "argmax_rows of an empty row");
-  const int64_t segments = std::clamp<int64_t>(
-      std::min<int64_t>(at::get_num_threads() / std::max<int64_t>(rows, 1), vocab / kGrainElements), 1, 64);
-  std::vector<RowMax> parts(rows * segments);
-  const float* x = logits.data_ptr<float>();
-  at::parallel_for(0, rows * segments, grain(vocab / segments), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = t / segments, s = t % segments;
-      parts[t] = first_max(x + r * vocab, vocab * s / segments, vocab * (s + 1) / segments);
-    }
-  });
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    RowMax best = parts[r * segments];
-    for (int64_t s = 1; s < segments && !best.nan; ++s) {
-      const RowMax& p = parts[r * segments + s];
-      if (p.nan || p.value > best.value) best = p;
-    }
-    o[r] = best.index;
-  }
+  const float* x = logits.data_ptr<float>();
+  at::parallel_for(0, rows, grain(vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = first_max(x + r * vocab, 0, vocab).index;
+  });
   return out;
 }
 

@@ -48,6 +48,7 @@ struct AvxKernelPicker {
 #elif defined(__AVX2__) && defined(__FMA__)
     if (head_dim == 64) return decode_sequence_avx2<8, cache_t>;
     if (head_dim == 128) return decode_sequence_avx2<16, cache_t>;
+    if (head_dim == 96) return pick_wide<12, cache_t>(group);  // Phi-3
     if (head_dim == 256) return pick_wide<32, cache_t>(group);
     if (head_dim == 512) return pick_wide<64, cache_t>(group);
 #endif
