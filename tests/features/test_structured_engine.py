@@ -6,6 +6,7 @@ alone with a 400-type error; n > 1, preemption and max_tokens."""
 from __future__ import annotations
 
 import json
+import os
 
 import jsonschema
 import numpy as np
@@ -28,6 +29,7 @@ PERSON = {
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
+SCHEMA_STRIDE = int(os.environ.get("CB_SERVE_SCHEMA_STRIDE", "2"))  # the suite test's schemas: every n-th
 PROMPTS = [[1, 5, 9, 23, 42, 7], [3, 3, 3, 8], [11, 12, 13, 14, 15, 16, 17]]
 CONSTRAINTS = [
     StructuredOutputsParams(json=PERSON),
@@ -155,11 +157,14 @@ def test_preemption_keeps_each_sequences_grammar_state(llama):
 
 
 def test_every_suite_schema_completed_by_smollm2_validates(smol_llm):
-    """The 41 schemas of ``cb_serve/benchmarks/json_schemas.py`` in one batch on the real
-    SmolLM2 (greedy, chat template): every output the grammar completed validates against its
-    schema, formats included. The 135M model loops inside some long strings until max_tokens:
-    the floor is well under what completes, leaving room for other CPUs' kernels."""
-    from cb_serve.benchmarks.json_schemas import SCHEMAS
+    """The schemas of ``cb_serve/benchmarks/json_schemas.py`` in one batch on the real SmolLM2
+    (greedy, chat template): every output the grammar completed validates against its schema, formats
+    included. By default every ``SCHEMA_STRIDE``-th schema (CI time); ``CB_SERVE_SCHEMA_STRIDE=1`` runs
+    all 41. The 135M model loops inside some long strings until max_tokens: the floor (15 of 41) is
+    well under what completes, leaving room for other CPUs' kernels."""
+    from cb_serve.benchmarks.json_schemas import SCHEMAS as ALL_SCHEMAS
+
+    SCHEMAS = ALL_SCHEMAS[::SCHEMA_STRIDE]
 
     messages = [
         [
@@ -179,4 +184,5 @@ def test_every_suite_schema_completed_by_smollm2_validates(smol_llm):
         if c.finish_reason == "stop":
             jsonschema.validate(json.loads(c.text), schema, format_checker=jsonschema.FormatChecker())
             completed += 1
-    assert completed >= 15, completed
+    print(f"\n{completed} of {len(SCHEMAS)} schemas completed")
+    assert completed >= 15 * len(SCHEMAS) // len(ALL_SCHEMAS), (completed, len(SCHEMAS))
