@@ -24,6 +24,7 @@ import torch
 
 from cb_serve import cpu_ops
 from cb_serve.model_executor.linear import Linear
+from cb_serve.model_executor.sampler import greedy_tokens
 
 BF16_ROUNDING = 2.0**-8  # relative: round to nearest with 8 significant bits
 NORM_SLACK = 1.0 + 2.0**-10  # float32 norms' own rounding
@@ -72,4 +73,4 @@ class GreedyHead:
         exact = cpu_ops.amx_gemm(x, subset, subset.shape[0] * 16, None)
         columns = (pairs[:, None] * 32 + torch.arange(32)).flatten()
         exact[:, columns >= self.vocab] = float("-inf")
-        return columns[exact.max(dim=-1).indices]
+        return columns[greedy_tokens(exact)]  # the sampler's own pick over the candidates
