@@ -22,6 +22,7 @@ from cb_serve.llm import LLM
 from cb_serve.lora_request import LoRARequest
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
+from cb_serve.reasoning import ReasoningParser, ReasoningSplitter, reasoning_parser
 from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from cb_serve.stats import EngineStats, StepPhases, StepStats
 from cb_serve.structured_outputs_params import ConstraintLimits, StructuredOutputsParams
@@ -42,6 +43,9 @@ __all__ = [
     "tool_call_constraint",
     "ToolCallParser",
     "ParsedToolCall",
+    "ReasoningParser",
+    "ReasoningSplitter",
+    "reasoning_parser",
     "PromptType",
     "TextPrompt",
     "TokensPrompt",

@@ -35,10 +35,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs all prompts to completion, in input order. A prompt is a string, a list of token
         ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (vLLM's TextPrompt / TokensPrompt).
-        ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt."""
+        ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt.
+        ``priority``: one per prompt (``scheduling_policy="priority"``: lower values first)."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -54,8 +56,13 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"Got {len(prompts)} prompts but {len(loras)} LoRA requests.")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"Got {len(prompts)} prompts but {len(priorities)} priorities.")
         # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
         processed = [self.engine.processor.process(p, sp) for p, sp in zip(prompts, params_list)]
+        for req, p in zip(processed, priorities):
+            req.priority = self.engine.checked_priority(p)
         read = {}
         for req, lora in zip(processed, loras):  # each adapter read (and checked) once
             if lora is not None:

@@ -53,3 +53,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     error: EngineError | None = None  # set when the request failed (its completions end with "error")
     lora_request: LoRARequest | None = None  # the adapter it ran with (vLLM's field)
+    # ``prompt_logprobs``: per prompt token, None for the first, else its top-k and its own logprob
+    # (vLLM's shape); in the request's first output (every CUMULATIVE / FINAL_ONLY one)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from cb_serve.errors import InvalidRequestError
 from cb_serve.structured_outputs_params import StructuredOutputsParams
@@ -13,6 +14,12 @@ from cb_serve.structured_outputs_params import StructuredOutputsParams
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 # Below this temperature sampling is greedy (as in vLLM): dividing logits by it overflows.
 MIN_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI, vLLM)
+MAX_LOGIT_BIAS = 100.0  # each bias is clamped to [-100, 100] (OpenAI, vLLM)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary
+MAX_BAD_WORDS = 128  # token sequences after tokenization (vLLM's VLLM_MAX_NUM_BAD_WORDS)
+MAX_BAD_WORDS_TOKENS = 1024  # their tokens together (vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)
 
 
 class RequestOutputKind(enum.Enum):
@@ -28,6 +35,12 @@ class SamplingParams:
     ``temperature == 0`` (or below 1e-5) means greedy. ``top_k`` of 0 or -1 (or at least the
     vocabulary size) and ``top_p == 1`` disable those filters. ``logprobs=k`` returns the top-k log-probabilities
     (of the raw model distribution) for each generated token, plus the sampled one.
+
+    Logits processors (vLLM's, applied in its order before temperature: ``model_executor.logits_processors``):
+    ``allowed_token_ids`` keeps only those tokens; ``bad_words`` bans the last token of a word whose other tokens
+    end the output; ``logit_bias`` adds a bias (clamped to [-100, 100]) per token id; ``repetition_penalty``
+    divides positive (multiplies other) logits of every token seen in the prompt or the output, then
+    ``frequency_penalty`` times its count and ``presence_penalty`` are subtracted for each output token.
     """
 
     n: int = 1
@@ -46,17 +59,34 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (JSON schema, regex, ...)
-    # Filled in by the engine from the tokenizer; not a user knob.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # top-k log-probabilities of each prompt token
+    # Filled in by the engine from the tokenizer; not user knobs.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    # The logits processors' per-request tensors, built on first use (``logits_processors.RequestTensors``).
+    _processor_tensors: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM drops repeats
         self._validate()
+        self._validate_processors()
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
+        if self.logit_bias is not None:
+            self.logit_bias = {
+                t: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b))) for t, b in self.logit_bias.items()
+            }
 
     def _validate(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -94,10 +124,69 @@ class SamplingParams:
         check(ids_ok, "stop_token_ids", "stop_token_ids must be non-negative integers.")
         so_ok = self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams)
         check(so_ok, "structured_outputs", "structured_outputs must be a StructuredOutputsParams.")
+        prompt_ok = self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0)
+        check(
+            prompt_ok, "prompt_logprobs", f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs}."
+        )
+
+    def _validate_processors(self) -> None:
+        """The logits processors' parameters (token ids against the vocabulary: ``InputProcessor``)."""
+
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(message, param)
+
+        def is_real(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        def is_id(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            ok = is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY
+            check(ok, name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}.")
+        rep = self.repetition_penalty
+        check(
+            is_real(rep) and rep > 0, "repetition_penalty", f"repetition_penalty must be a positive number, got {rep}."
+        )
+        bias = self.logit_bias
+        if bias is not None:
+            check(isinstance(bias, dict), "logit_bias", "logit_bias must map token ids to biases.")
+            check(
+                len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+                "logit_bias",
+                f"logit_bias has at most {MAX_LOGIT_BIAS_ENTRIES} entries.",
+            )
+            check(all(is_id(t) for t in bias), "logit_bias", "logit_bias keys must be non-negative integer token ids.")
+            check(all(is_real(b) for b in bias.values()), "logit_bias", "logit_bias values must be finite numbers.")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            check(isinstance(allowed, list) and len(allowed) > 0, "allowed_token_ids", "allowed_token_ids is empty.")
+            check(len(allowed) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids", "allowed_token_ids is too long.")
+            check(
+                all(is_id(t) for t in allowed), "allowed_token_ids", "allowed_token_ids must be non-negative integers."
+            )
+        words = self.bad_words
+        if words is not None:
+            check(all(isinstance(w, str) and w for w in words), "bad_words", "bad_words must be non-empty strings.")
+            check(len(words) <= MAX_BAD_WORDS, "bad_words", f"At most {MAX_BAD_WORDS} bad_words are allowed.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """A logits processor may change this request's logits (so its greedy pick too)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words_token_ids
+        )
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of parallel sample ``index`` of an ``n > 1`` request."""
@@ -105,3 +194,29 @@ class SamplingParams:
         if seed is not None and seed > SEED_MAX:
             seed -= 1 << 64  # torch maps a negative seed s to 2**64 - 1 + s
         return replace(self, n=1, seed=seed)
+
+
+def tokenize_bad_words(tokenizer, bad_words: list[str], vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """The token sequences ``bad_words`` ban, as vLLM's ``SamplingParams.update_from_tokenizer``: each word
+    (left-stripped) encoded without special tokens, and again after a space where that gives another first
+    token and as many tokens (the word inside a sentence)."""
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words need the model's tokenizer.", "bad_words")
+    sequences: list[tuple[int, ...]] = []
+    for word in bad_words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise InvalidRequestError(f"bad word {word!r} has no tokens.", "bad_words")
+        sequences.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORDS or sum(map(len, sequences)) > MAX_BAD_WORDS_TOKENS:
+        raise InvalidRequestError(
+            f"bad_words tokenize to {len(sequences)} sequences of {sum(map(len, sequences))} tokens; at most "
+            f"{MAX_BAD_WORDS} sequences of {MAX_BAD_WORDS_TOKENS} tokens in all are allowed.",
+            "bad_words",
+        )
+    if any(not 0 <= t < vocab_size for seq in sequences for t in seq):
+        raise InvalidRequestError(f"bad_words tokenize to ids outside the vocabulary (size {vocab_size}).", "bad_words")
+    return tuple(sequences)

@@ -69,6 +69,7 @@ class Sequence:
         arrival_time: float | None = None,
         min_tokens_banned: Iterable[int] = (),
         lora: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         assert prompt_token_ids, "empty prompts are rejected before a Sequence is made"
         self.seq_id = seq_id
@@ -91,6 +92,9 @@ class Sequence:
         self.spec_token_ids: list[int] = []  # drafts the next step verifies (speculative decoding)
         self.spec_state: Any = None  # speculative decoding's own (``spec_decode.speculator.SeqSpecState``)
         self.lora = lora  # its adapter (None: the base model)
+        self.priority = priority  # scheduling_policy "priority": lower first (vLLM's convention)
+        # prompt_logprobs: entry i is prompt token i's (None for the first), filled as its prefill chunks run
+        self.prompt_logprobs: list[dict[int, Logprob] | None] = []
         self.lora_wait_steps = 0  # admissions it was passed over for lack of a slot (``lora.admission``'s fairness)
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
@@ -131,6 +135,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and some are still to compute (the first of ``n`` samples computes
+        them for the request); meanwhile the prefix cache is not read for it."""
+        wanted = self.params.prompt_logprobs is not None and self.index == 0 and self.num_prompt_tokens > 1
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def banned_token_ids(self) -> list[int]:
         """Token ids the sampler must not pick yet: stop tokens and EOS before ``min_tokens`` (a

@@ -45,6 +45,7 @@ ALLOWED = {
     "cpu_ops": set(),
     "attention": {"cpu_ops"},
     "structured_outputs": set(),  # constraint backends and their manager: below the model runner
+    "reasoning": set(),  # reasoning parsers (think tags in text and tokens): the engine and the HTTP layer read them
     "distributed": set(),  # tensor-parallel shards and communicator: below the model
     "lora": {"cpu_ops"},  # adapters' loading, slots and batched apply: below the model runner
     "model_executor": {"attention", "cpu_ops", "distributed", "lora", "structured_outputs"},
@@ -54,6 +55,7 @@ ALLOWED = {
     "engine": {
         *("attention", "cpu_ops", "distributed", "executor", "lora", "model_executor", "spec_decode"),
         "structured_outputs",
+        "reasoning",
     },
     "llm": {"engine"},
     "cli": {"engine", "root", "llm", "benchmarks"},

@@ -14,6 +14,8 @@ from cb_serve.fault_injection import FaultInjector
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
+SCHEDULING_POLICIES = ["fcfs", "priority"]
+REASONING_PARSERS = ["deepseek_r1", "qwen3"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 
 
@@ -77,6 +79,18 @@ class EngineConfig:
     max_num_seqs: int = _arg(256, "Most sequences running at once.")
     max_waiting_requests: int | None = _arg(
         None, "Reject new requests once this many would wait for a free running slot (None: unbounded)."
+    )
+    scheduling_policy: str = _arg(
+        "fcfs",
+        "fcfs: waiting requests start in arrival order; priority: by each request's priority (lower first, "
+        "then arrival), and a step short of KV blocks preempts the lowest priority first (as vLLM).",
+        choices=SCHEDULING_POLICIES,
+    )
+    reasoning_parser: str | None = _arg(
+        None,
+        "Models that think in <think>...</think>: deepseek_r1 or qwen3 (vLLM's names). The HTTP API returns the "
+        "thinking as `reasoning`, and structured outputs and tool calls apply after it ends.",
+        choices=REASONING_PARSERS,
     )
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
@@ -173,6 +187,10 @@ class EngineConfig:
                 raise ValueError(f"Unknown {name} {getattr(self, name)!r}.")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"Unknown distributed_executor_backend {self.distributed_executor_backend!r}.")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r} (one of {SCHEDULING_POLICIES}).")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"Unknown reasoning_parser {self.reasoning_parser!r} (one of {REASONING_PARSERS}).")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
 

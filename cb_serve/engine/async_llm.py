@@ -91,13 +91,20 @@ class AsyncLLM:
 
     # ---- caller side ----------------------------------------------------------------
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """``lora_request``: the adapter to run with; one the engine does not hold yet is read and
-        checked on a worker thread first (a bad one raises ``InvalidRequestError``)."""
+        checked on a worker thread first (a bad one raises ``InvalidRequestError``). ``priority``:
+        under ``scheduling_policy="priority"``, lower values are scheduled first."""
         with self._inbox.lock:
             self._inbox.check_open()
         processed = self.processor.process(prompt, params)
+        processed.priority = self._engine.checked_priority(priority)
         if lora_request is not None:
             processed.lora_weights = await asyncio.to_thread(self._engine.read_lora, lora_request)
             processed.lora_request = lora_request

@@ -154,7 +154,8 @@ class BlockManager:
         the last one must be computed to get logits): full groups need each of its blocks, sliding
         groups the blocks of the window before its end."""
         bs = self.block_size
-        n = num_hit_blocks(seq.num_tokens, bs) if self.enable_prefix_caching else 0
+        # A sequence still computing prompt logprobs recomputes its prompt (``prompt_logprobs.py``).
+        n = num_hit_blocks(seq.num_tokens, bs) if self.enable_prefix_caching and not seq.needs_prompt_logprobs else 0
         hashes = self._hashes(seq, n)[:n] if n else []
         found: list[list[int | None]] = []  # per group, the cached block (or None) of each block index
         for g, window in enumerate(self.group_windows):

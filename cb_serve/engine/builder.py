@@ -31,6 +31,7 @@ from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.model_executor.warm_up import warm_up
+from cb_serve.reasoning import reasoning_parser
 from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
 from cb_serve.structured_outputs.manager import StructuredOutputManager
@@ -91,7 +92,8 @@ def build(config: EngineConfig) -> EngineParts:
     if spec is not None and spec.method == "draft_model":
         draft = DraftModel.for_target(config, setup, spec.model, tokenizer)
     vocab_size = setup.hf_config.vocab_size
-    structured = StructuredOutputManager(tokenizer, vocab_size, config.enable_jump_forward)
+    reasoning = reasoning_parser(config.reasoning_parser, tokenizer) if config.reasoning_parser else None
+    structured = StructuredOutputManager(tokenizer, vocab_size, config.enable_jump_forward, reasoning=reasoning)
     with device_context(setup.device):  # load, KV sizing and graph capture on the engine's device
         executor, lora, speculator = _make_executor(config, setup, draft, spec, structured)
     num_blocks = executor.runner.num_blocks
@@ -107,6 +109,7 @@ def build(config: EngineConfig) -> EngineParts:
         config.enable_chunked_prefill,
         LoRAAdmission(config.max_loras) if config.enable_lora else None,
         on_release=release,
+        policy=config.scheduling_policy,
     )
     inspector = None
     if config.inspector_steps:

@@ -14,6 +14,7 @@ from cb_serve.engine.processor import ProcessedRequest
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.stats_recorder import StepListener
 from cb_serve.engine.trace import trace_events
+from cb_serve.errors import InvalidRequestError
 from cb_serve.inputs import PromptType
 from cb_serve.lora.manager import AdapterKey, adapter_ids, checked
 from cb_serve.lora.peft_adapter import LoRAWeights
@@ -23,6 +24,8 @@ from cb_serve.sampling_params import SamplingParams
 from cb_serve.stats import EngineStats
 
 __all__ = ["LLMEngine", "StepListener"]
+
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1  # a request's priority: a signed 64-bit int
 
 
 class LLMEngine(EngineCore):
@@ -89,11 +92,14 @@ class LLMEngine(EngineCore):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
-        """Validates (raising ValueError before anything is scheduled) and queues a request."""
+        """Validates (raising ValueError before anything is scheduled) and queues a request.
+        ``priority``: under ``scheduling_policy="priority"``, lower values are scheduled first."""
         if request_id in self.requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         processed = self.processor.process(prompt, params or SamplingParams())
+        processed.priority = self.checked_priority(priority)
         processed.lora_request = lora_request
         self.add_processed_request(request_id, processed, arrival_time)
 
@@ -109,6 +115,18 @@ class LLMEngine(EngineCore):
             faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
         state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic(), faults)
         self.add_state(state)
+
+    def checked_priority(self, priority: int) -> int:
+        """``priority`` if this engine can honour it, else ``InvalidRequestError`` (param ``priority``):
+        an int (not a bool) in the signed 64-bit range, and non-zero only under priority scheduling
+        (as vLLM). Safe from any thread."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an int, got {type(priority).__name__}.", "priority")
+        if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise InvalidRequestError(f"priority {priority} is out of the signed 64-bit range.", "priority")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+        return int(priority)
 
     # ---- LoRA adapters --------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest, weights: LoRAWeights | None = None) -> None:

@@ -47,6 +47,12 @@ class OutputProcessor:
         now = time.monotonic()
         changed: dict[str, set[int]] = {}
         failed: dict[str, BaseException] = {}
+        for seq, entries in result.prompt_logprobs:  # before the tokens: the output that has them carries them
+            if not seq.is_finished and seq.request_id in self.requests:
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs.append(None)  # the first prompt token has none
+                state = self.requests[seq.request_id]
+                seq.prompt_logprobs.extend(state.with_token_text(e) for e in entries)
         for seq, emitted, logprobs in zip(result.sampling_seqs, result.token_ids, result.logprobs):
             if seq.request_id in failed:
                 continue

@@ -43,6 +43,7 @@ class RequestState:
                 arrival_time,
                 self.stop_checker.stop_ids,
                 req.lora_request,
+                req.priority,
             )
             for i in range(n)
         ]
@@ -55,6 +56,7 @@ class RequestState:
         self.sent_text = [0] * n  # for DELTA outputs: how much text/tokens each client has
         self.sent_tokens = [0] * n
         self.prompt_tokens_counted = False  # counted once per request (vLLM), whatever n
+        self.prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
@@ -102,7 +104,20 @@ class RequestState:
             metrics,
             first.num_cached_tokens,
             lora_request=first.lora,
+            prompt_logprobs=self._prompt_logprobs(kind),
         )
+
+    def _prompt_logprobs(self, kind: RequestOutputKind) -> list | None:
+        """The prompt logprobs once computed (they are, once a token was sampled): in every output, or
+        only the first for DELTA outputs (as vLLM)."""
+        first = self.seqs[0]
+        if self.params.prompt_logprobs is None or first.needs_prompt_logprobs or first.num_output_tokens == 0:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            if self.prompt_logprobs_sent:
+                return None
+            self.prompt_logprobs_sent = True
+        return first.prompt_logprobs or [None]
 
     def _completion(self, i: int, delta: bool) -> CompletionOutput | None:
         """Completion ``i`` so far (or, with ``delta``, what is new since the last one): O(new

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.request_queue import make_waiting_queue
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -46,10 +46,18 @@ class Scheduler:
     Every sequence has ``num_computed_tokens``; a step gives each scheduled sequence up to
     ``num_tokens - num_computed_tokens`` tokens. Running sequences go first, in admission
     order (a decode needs one token, a partly prefilled prompt gets its next chunk), then
-    waiting ones in FCFS order while budget, ``max_num_seqs`` and KV blocks last. When a
-    running sequence needs a block and none is free, the newest running sequence is
-    preempted: its blocks are freed and it is recomputed later (its computed full blocks
-    usually come back as prefix-cache hits). Preempted sequences go to the front of the queue.
+    waiting ones in queue order while budget, ``max_num_seqs`` and KV blocks last. When a
+    running sequence needs a block and none is free, a running sequence is preempted: its
+    blocks are freed and it is recomputed later (its computed full blocks usually come back
+    as prefix-cache hits).
+
+    ``policy`` (as vLLM v1): ``fcfs`` admits in arrival order, preempts the newest running
+    sequence and puts it back at the front of the queue; ``priority`` admits in (priority,
+    arrival) order, lower values first, and preempts the running sequence with the largest
+    (priority, arrival), which goes back into that order (``request_queue``); a victim already
+    scheduled this step leaves the step. One difference from vLLM: a sequence that preempts
+    itself does not end the step, the (more urgent) running sequences behind it still get their
+    tokens (under fcfs none is behind it).
     """
 
     def __init__(
@@ -61,9 +69,11 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         admission: AdmissionGate | None = None,
         on_release: Callable[[Sequence], None] | None = None,
+        policy: str = "fcfs",
     ) -> None:
-        """``admission``: which waiting sequences may start (default: all, in FCFS order);
-        ``on_release(seq)``: a sequence's blocks went back (it finished or was preempted)."""
+        """``admission``: which waiting sequences may start (default: all, in queue order);
+        ``on_release(seq)``: a sequence's blocks went back (it finished or was preempted);
+        ``policy``: "fcfs" or "priority"."""
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"Without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
@@ -74,14 +84,15 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.admission = admission or AdmitAll()
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.waiting = make_waiting_queue(policy)
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.on_release = on_release
 
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -99,10 +110,9 @@ class Scheduler:
                     num_new -= len(seq.spec_token_ids)
                     seq.spec_token_ids = []
                     continue
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
+                victim, i, returned = self._evict(i, out)
+                budget += returned
+                if victim is seq:  # now ``running[i]`` is the next one (fcfs: there is none)
                     break
             else:
                 self.counters.num_partial_prefills += num_new < seq.num_uncomputed_tokens
@@ -110,8 +120,6 @@ class Scheduler:
                 out.num_scheduled_tokens.append(num_new)
                 budget -= num_new
                 i += 1
-                continue
-            break  # ``seq`` preempted itself: everything behind it is gone too
 
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -151,7 +159,7 @@ class Scheduler:
                 num_new = budget
                 self.counters.num_partial_prefills += 1
             if not bm.allocate(seq, num_new, hit):
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue (either policy, as vLLM)
             del self.waiting[i]
             self.admission.admitted(seq)
             self.counters.prefix_cache_queries += seq.num_tokens
@@ -166,6 +174,28 @@ class Scheduler:
             out.num_admitted += 1
             budget -= num_new
 
+    def _evict(self, i: int, out: SchedulerOutput) -> tuple[Sequence, int, int]:
+        """Preempts a running sequence for ``self.running[i]``: the newest (fcfs) or the one with the
+        largest (priority, arrival), newest among equals (priority). One already scheduled this step
+        (before ``i``) leaves the step's output, as in vLLM. Returns the victim, the index of
+        ``self.running[i]`` now, and the budget its scheduled tokens gave back."""
+        if self.policy == "fcfs":
+            v = len(self.running) - 1
+        else:
+            running = self.running
+            v = max(range(len(running)), key=lambda k: (running[k].priority, running[k].times.arrival, k))
+        victim = self.running.pop(v)
+        returned = 0
+        if v < i:  # scheduled this step: out.seqs holds running[:i] in order
+            assert out.seqs[v] is victim
+            del out.seqs[v]
+            returned = out.num_scheduled_tokens.pop(v)
+            self.counters.num_partial_prefills -= returned < victim.num_uncomputed_tokens
+            i -= 1
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return victim, i, returned
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         if self.on_release is not None:
@@ -175,7 +205,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.counters.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.prepend(seq)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` of what the step computed: a speculating sequence's drafts

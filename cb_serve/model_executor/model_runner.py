@@ -14,6 +14,7 @@ from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
 from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
+from cb_serve.model_executor import prompt_logprobs
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.models import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
@@ -42,6 +43,8 @@ class StepBatch:
     query_lens: list[int]
     seq_lens: list[int]
     arrays: dict[str, np.ndarray]  # INT64_FIELDS and INT32_FIELDS
+    prompt_rows: np.ndarray | None = None  # prompt logprobs: [2, R] token index, prompt token (``prompt_logprobs``)
+    prompt_top_k: int = 0
 
     @property
     def num_sampling(self) -> int:
@@ -60,6 +63,8 @@ class ModelInput:
     seqs: list[Sequence] = field(default_factory=list)  # in batch order: single-token (decode) rows first
     sampling_seqs: list[Sequence] = field(default_factory=list)
     rows_per_seq: list[int] = field(default_factory=list)  # logits rows of each sampling sequence: 1 + its drafts
+    prompt_rows: torch.Tensor | None = None  # StepBatch.prompt_rows on the device
+    prompt_plan: prompt_logprobs.PromptLogprobRows | None = None
 
 
 @dataclass
@@ -72,6 +77,7 @@ class StepResult:
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict | None]] = field(default_factory=list)
     prepare_s: float = 0.0
+    prompt_logprobs: list[tuple[Sequence, list[dict]]] = field(default_factory=list)  # new entries per sequence
 
 
 class HostStaging:
@@ -239,11 +245,15 @@ class ModelRunner:
             "seqused_k": np.asarray(seq_lens),
             "block_tables": block_tables,
         }
+        plan = prompt_logprobs.plan(seqs, starts, seq_lens, cu_q)
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
+        if plan is not None:
+            batch.prompt_rows, batch.prompt_top_k = plan.rows, plan.top_k
         if self.lora is not None:  # each token's adapter slot, grouped
             self.lora.set_active_loras([s.lora for s in seqs], row_of_token, self.device)
         inp = self.to_device(batch, seqs, [seqs[i] for i in sampling])
         inp.rows_per_seq = rows_of
+        inp.prompt_plan = plan
         return inp
 
     def to_device(
@@ -266,7 +276,10 @@ class ModelRunner:
             layer_groups=self.kv_layout.layer_groups if len(self.kv_layout.groups) > 1 else (),
         )
         ids, positions, logits_indices = t["input_ids"], t["positions"], t["logits_indices"]
-        return ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])
+        inp = ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])
+        if batch.prompt_rows is not None:
+            inp.prompt_rows = torch.from_numpy(batch.prompt_rows).to(self.device)
+        return inp
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, broadcast: Callable[[StepBatch], None] | None = None) -> StepResult:
@@ -278,7 +291,8 @@ class ModelRunner:
         seqs, rows_per_seq = inp.sampling_seqs, inp.rows_per_seq
         out = StepResult(seqs, [[] for _ in seqs], [[] for _ in seqs], time.perf_counter() - start)
         if broadcast is None:
-            hidden = self.sampling_hidden(inp)
+            hidden, prompt_hidden = self.sampling_hidden(inp)
+            self.prompt_logprobs(inp, prompt_hidden, out)
             picked = self.greedy_pick(inp, sched, hidden)
             if picked is not None:
                 out.token_ids, out.logprobs = [[t] for t in picked], [[None] for _ in picked]
@@ -287,7 +301,7 @@ class ModelRunner:
         else:
             try:
                 broadcast(inp.batch)
-                logits = self.compute_logits(inp)
+                logits = self.compute_logits(inp, out)
             except Exception as e:  # a rank failed mid-step: the group cannot get back in step
                 raise EngineFatalError(f"a tensor-parallel step failed: {e}") from e
         if logits is None:
@@ -313,20 +327,35 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def compute_logits(self, inp: ModelInput) -> torch.Tensor | None:
-        """The forward pass and the logits of the sampling rows (None when no row samples); what a
-        tensor-parallel worker runs for each step, in step with the driver's collectives."""
-        hidden = self.sampling_hidden(inp)
+    def compute_logits(self, inp: ModelInput, out: StepResult | None = None) -> torch.Tensor | None:
+        """The forward pass, the prompt logprobs (into ``out``) and the logits of the sampling rows
+        (None when no row samples); what a tensor-parallel worker runs for each step, in step with the
+        driver's collectives."""
+        hidden, prompt_hidden = self.sampling_hidden(inp)
+        self.prompt_logprobs(inp, prompt_hidden, out)
         return None if hidden is None else self.model.compute_logits(hidden)
 
-    def sampling_hidden(self, inp: ModelInput) -> torch.Tensor | None:
-        """The forward pass; the final hidden states of the sampling rows (None when no row samples)."""
+    def sampling_hidden(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The forward pass; the final hidden states of the sampling rows (None when no row samples)
+        and of the prompt-logprob rows (None when there are none)."""
         graphs = self.graph_runner
         if graphs is not None and graphs.can_run(inp.input_ids.shape[0], inp.meta):
             hidden = graphs.run(inp.input_ids, inp.positions, inp.meta)
         else:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
-        return None if inp.batch.num_sampling == 0 else hidden[inp.logits_indices]
+        prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows[0]]
+        return (None if inp.batch.num_sampling == 0 else hidden[inp.logits_indices]), prompt
+
+    def prompt_logprobs(self, inp: ModelInput, hidden: torch.Tensor | None, out: StepResult | None) -> None:
+        """The prompt-logprob rows' logprobs (every rank computes them: the LM head's collectives);
+        the driver's ``out`` gets each sequence's new entries."""
+        if hidden is None:
+            return
+        computed = prompt_logprobs.compute(
+            self.model.compute_logits, hidden, inp.prompt_rows[1], inp.batch.prompt_top_k
+        )
+        if out is not None and inp.prompt_plan is not None:
+            out.prompt_logprobs = prompt_logprobs.entries(inp.prompt_plan, computed)
 
     def greedy_pick(self, inp: ModelInput, sched: SchedulerOutput, hidden: torch.Tensor | None) -> list[int] | None:
         """Each sampling sequence's token from the model's greedy head (the same tokens as the logits'

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Batched sampling: logits processors (``logits_processors``), greedy, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cb_serve import cpu_ops
+from cb_serve.model_executor.logits_processors import LogitsProcessors
 from cb_serve.outputs import Logprob
 from cb_serve.sequence import Sequence
 from cb_serve.structured_outputs.base import apply_bitmask
@@ -25,6 +27,7 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]]  # (row, token ids that may not be sampled yet: min_tokens)
     all_greedy: bool
     grammar: tuple[list[int], torch.Tensor] | None = None  # (rows, bitmask) of the constrained rows
+    processors: LogitsProcessors | None = None  # penalties, logit_bias, allowed_token_ids, bad_words (None: no row)
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence]) -> SamplingBatch:
@@ -43,6 +46,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             banned=banned,
             all_greedy=all(p.greedy for p in params),
+            processors=LogitsProcessors.from_seqs(seqs),
         )
 
 
@@ -70,10 +74,17 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def takes_raw_argmax(seqs: list[Sequence]) -> bool:
-    """Each sequence's token is the first maximum of its raw logits: greedy, no logprobs, nothing banned
-    (a grammar, too, changes the logits: the caller checks for one). Then a model may pick without the
-    logits (``greedy_head.py``); a new logits processor must make this False for the sequences it changes."""
-    return all(s.params.greedy and s.params.logprobs is None and not s.banned_token_ids() for s in seqs)
+    """Each sequence's token is the first maximum of its raw logits: greedy, no logprobs, nothing banned, no
+    logits processor (a grammar, too, changes the logits: the caller checks for one). Then a model may pick
+    without the logits (``greedy_head.py``); a new logits processor must make this False for the sequences it
+    changes (``SamplingParams.has_logits_processors``)."""
+    return all(
+        s.params.greedy
+        and s.params.logprobs is None
+        and not s.banned_token_ids()
+        and not s.params.has_logits_processors
+        for s in seqs
+    )
 
 
 class Sampler:
@@ -86,6 +97,8 @@ class Sampler:
             logits[row, token_ids] = float("-inf")
         if batch.grammar is not None:  # before temperature and every filter; logprobs are of the raw logits
             apply_grammar(logits, batch.grammar[1], batch.grammar[0])
+        if batch.processors is not None:  # after the masks, as in vLLM (the min_tokens ban commutes with them)
+            batch.processors.apply(logits)
         greedy = greedy_tokens(logits)
         if batch.all_greedy:
             sampled = greedy

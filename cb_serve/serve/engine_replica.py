@@ -44,6 +44,16 @@ def token_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | Non
     ]
 
 
+def prompt_logprobs_chunk(out: RequestOutput) -> dict[str, Any]:
+    """A request's prompt logprobs as plain data: per prompt token None (the first) or
+    ``{token_id: (logprob, rank, text)}``."""
+    if out.prompt_logprobs is None:
+        return {}
+    raw = [None if e is None else {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()}
+           for e in out.prompt_logprobs]  # fmt: skip
+    return {"prompt_logprobs": raw}
+
+
 def log_finished(out: RequestOutput, num_output_tokens: int) -> None:
     """One line per finished request, under its id (the client's x-request-id), as vLLM logs requests."""
     t = out.metrics
@@ -99,7 +109,9 @@ class EngineReplica:
         self.reporter.arrived(request)
         num_output_tokens = 0  # the engine's outputs are deltas
         try:
-            outputs = self.engine.generate(request.prompt_token_ids, request.params, request_id, request.lora_request)
+            outputs = self.engine.generate(
+                request.prompt_token_ids, request.params, request_id, request.lora_request, priority=request.priority
+            )
             async for out in outputs:
                 num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
                 timeline = None
@@ -120,6 +132,7 @@ class EngineReplica:
                         "expected_cached_tokens": expected,
                         "replica": self.replica_id,
                         **({"timeline": timeline} if timeline else {}),
+                        **prompt_logprobs_chunk(out),
                     }
                     for c in out.outputs
                 ]

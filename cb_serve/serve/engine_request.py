@@ -32,6 +32,7 @@ class EngineRequest:
     router_pick: tuple[str, int] | None = None
     return_timeline: bool = False  # the final chunk carries the request's timeline
     lora_request: LoRARequest | None = None  # the adapter named by the ``model`` field (None: the base model)
+    priority: int = 0  # the engine's scheduling_policy "priority" orders by it (lower first)
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) % 32 == 0 and (self.block_size > 0 or not self.block_hashes)

@@ -46,9 +46,10 @@ class LoRARegistry:
     def remove(self, name: str) -> LoRARequest | None:
         return self.adapters.pop(name, None)
 
-    def model_cards(self, base: str) -> list[dict[str, Any]]:
-        """``/v1/models`` entries: the base model, then each adapter with its ``parent`` (as vLLM lists them)."""
-        card = {"object": "model", "created": 0, "owned_by": "cb-serve"}
+    def model_cards(self, base: str, max_model_len: int | None = None) -> list[dict[str, Any]]:
+        """``/v1/models`` entries: the base model, then each adapter with its ``parent`` (as vLLM lists
+        them), each with the context length (vLLM's ``max_model_len``)."""
+        card = {"object": "model", "created": 0, "owned_by": "cb-serve", "max_model_len": max_model_len}
         adapters = [
             {**card, "id": name, "root": r.lora_path, "parent": base} for name, r in sorted(self.adapters.items())
         ]

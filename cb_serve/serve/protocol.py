@@ -13,7 +13,6 @@ fields they do not use (a client may send back a response message whole).
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,51 +20,32 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cb_serve import (
     SEED_MAX,
     SEED_MIN,
-    ConstraintLimits,
     InvalidRequestError,
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
-    tool_call_constraint,
+)
+from cb_serve.serve.request_parts import (
+    MAX_TOOLS,
+    ChatMessage,
+    NamedToolChoice,
+    Strict,
+    StructuredOutputs,
+    ToolDefinition,
+    tool_choice_constraint,
 )
 
 MAX_N = 16
-MAX_TOOLS = 128  # OpenAI's limit
-TOOL_LIMITS = ConstraintLimits()  # each tool's parameters schema, and all of them together
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 MAX_LOGPROBS = 20
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-
-
-class Strict(BaseModel):
-    """JSON types as OpenAI takes them, and no field it does not know."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class StructuredOutputs(Strict):
-    """vLLM's ``structured_outputs`` extra: exactly one constraint."""
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    def to_params(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(
-            json=self.json_,
-            regex=self.regex,
-            choice=self.choice,
-            grammar=self.grammar,
-            json_object=bool(self.json_object),
-        )
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 def _set(value: Any) -> bool:
@@ -73,11 +53,33 @@ def _set(value: Any) -> bool:
     return value is not None and value != [] and value != {} and value is not False and value != ""
 
 
+# vLLM extras that would change the output and are not implemented: declared to refuse them by name.
+UNSUPPORTED_EXTRAS = {
+    "use_beam_search": "beam search",
+    "length_penalty": "beam search",
+    "early_stopping": "beam search",
+    "guided_json": "guided_json (use structured_outputs or response_format)",
+    "guided_regex": "guided_regex (use structured_outputs)",
+    "guided_choice": "guided_choice (use structured_outputs)",
+    "guided_grammar": "guided_grammar (use structured_outputs)",
+    "guided_decoding_backend": "guided_decoding_backend",
+    "guided_whitespace_pattern": "guided_whitespace_pattern",
+    "structural_tag": "structural tags",
+    "logits_processors": "custom logits processors",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "cache_salt": "cache_salt",
+    "kv_transfer_params": "KV transfer (disaggregated serving)",
+    "vllm_xargs": "vllm_xargs",
+    "mm_processor_kwargs": "multimodal inputs",
+    "prompt_embeds": "prompt embeddings",
+}
+
+
 class _SamplingRequest(Strict):
     """Fields shared by completions and chat completions, plus vLLM's extras."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: completions with echo only
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -87,32 +89,57 @@ class _SamplingRequest(Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     user: str | None = None
     # vLLM-style extras
     top_k: Annotated[int, Field(ge=-1)] = -1  # at least the vocabulary size: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
+    priority: Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)] = 0
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # keep the last k (-1: max_model_len)
     ignore_eos: bool = False
     return_timeline: bool = False  # cb-serve: the response carries the request's timeline (batch inspector)
     structured_outputs: StructuredOutputs | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    request_id: str | None = None  # vLLM's; the x-request-id header names requests here
     # Declared only to refuse them (see unsupported()).
-    repetition_penalty: float | None = None
     use_beam_search: bool = False
+    length_penalty: Any = None
+    early_stopping: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    prompt_logprobs: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    prompt_embeds: Any = None
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v: str | list[str] | None) -> str | list[str] | None:
         if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
             raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and not all(k.isdigit() for k in v):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers, as strings)")
         return v
 
     @model_validator(mode="after")
@@ -123,18 +150,9 @@ class _SamplingRequest(Strict):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for each field that asks for something not implemented."""
-        out = []
-        if self.presence_penalty or self.frequency_penalty:
-            out.append(("presence_penalty" if self.presence_penalty else "frequency_penalty", "penalties"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias"))
-        if self.repetition_penalty not in (None, 1.0):
-            out.append(("repetition_penalty", "repetition_penalty"))
-        for name in ("use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if _set(getattr(self, name)):
-                out.append((name, "beam search and guided decoding"))
-        if self.prompt_logprobs is not None:
-            out.append(("prompt_logprobs", "prompt logprobs"))
+        out = [(name, why) for name, why in UNSUPPORTED_EXTRAS.items() if _set(getattr(self, name))]
+        if not self.spaces_between_special_tokens:
+            out.append(("spaces_between_special_tokens", "spaces_between_special_tokens: false"))
         return out
 
     def requested_max_tokens(self) -> int | None:
@@ -143,16 +161,25 @@ class _SamplingRequest(Strict):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def constraint(self) -> StructuredOutputsParams | None:
         return self.structured_outputs.to_params() if self.structured_outputs is not None else None
 
     def to_sampling_params(self, default_max_tokens: int | None, max_tokens_cap: int | None) -> SamplingParams:
         """Raises ``InvalidRequestError`` (a ValueError naming the parameter) when out of range."""
-        max_tokens = self.requested_max_tokens() or default_max_tokens
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = default_max_tokens
         if max_tokens_cap is not None and max_tokens is not None and max_tokens > max_tokens_cap:
             raise InvalidRequestError(
                 f"max_tokens ({max_tokens}) exceeds this server's limit of {max_tokens_cap}.", "max_tokens"
             )
+        if max_tokens == 0:
+            raise InvalidRequestError("max_tokens must be at least 1 (0 only with echo, on /v1/completions).",
+                                      "max_tokens")  # fmt: skip
+        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         return SamplingParams(
             n=self.n,
             temperature=self.temperature,
@@ -166,6 +193,13 @@ class _SamplingRequest(Strict):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,
@@ -173,8 +207,13 @@ class _SamplingRequest(Strict):
         )
 
 
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[Annotated[int, Field(ge=0)]]
+    """``prompt``: a string, a list of token ids, or a list of either (one choice set per prompt)."""
+
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -183,7 +222,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v: Any) -> Any:
-        if len(v) == 0:
+        if len(v) == 0 or any(isinstance(p, (str, list)) and len(p) == 0 for p in v if not isinstance(v, str)):
             raise ValueError("prompt must not be empty")
         return v
 
@@ -191,127 +230,42 @@ class CompletionRequest(_SamplingRequest):
     def _best_of_at_least_n(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError("best_of must be at least n")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (the prompt alone, with its logprobs)")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, as a list (a single string or token list is one prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt alone (one token is generated and dropped, as vLLM)."""
+        return self.echo and self.max_tokens == 0
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo"))
         if self.suffix:
             out.append(("suffix", "suffix (insertion)"))
         if self.best_of is not None and self.best_of > self.n:
             out.append(("best_of", "best_of greater than n"))
         return out
 
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    type: str
-    text: str | None = None
-
-    @model_validator(mode="after")
-    def _text_parts_have_text(self) -> ContentPart:
-        if self.type == "text" and self.text is None:
-            raise ValueError("a text content part needs text")
-        return self
-
-
-class FunctionDefinition(Strict):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the arguments always fit the schema when a call is enforced
-
-
-class ToolDefinition(Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(Strict):
-    name: str
-
-
-class NamedToolChoice(Strict):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    name: str
-    arguments: str  # a JSON object, as text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        try:
-            ok = isinstance(json.loads(v), dict)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError("function.arguments must be a JSON object, as text")
-        return v
-
-    def parsed(self) -> dict[str, Any]:
-        return json.loads(self.arguments)
-
-
-class ToolCall(BaseModel):
-    """A call in an assistant message of the history (as a response gave it)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-    def to_template(self) -> dict[str, Any]:
-        function = {"name": self.function.name, "arguments": self.function.parsed()}
-        return {"id": self.id, "type": "function", "function": function}
-
-
-class ChatMessage(BaseModel):
-    """OpenAI's message schema: ``content`` is required except for an assistant message that
-    carries ``tool_calls``."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    function_call: Any = None
-
-    @model_validator(mode="after")
-    def _content_required(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
-            raise ValueError(f"content is required in a {self.role} message")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return self
-
-    def unsupported(self) -> str | None:
-        if self.role == "function" or self.function_call:
-            return "function calling (the deprecated form: use tools)"
-        if isinstance(self.content, list) and any(p.type != "text" for p in self.content):
-            return "content parts other than text"
-        return None
-
-    def to_template(self) -> dict[str, Any]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or [])
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        if self.tool_calls:  # arguments as objects: what chat templates render
-            message["tool_calls"] = [c.to_template() for c in self.tool_calls]
-        if self.role == "tool":
-            message["tool_call_id"] = self.tool_call_id
-        return message
+    def requested_prompt_logprobs(self) -> int | None:
+        """With echo and logprobs, the prompt's tokens get logprobs too (vLLM: ``prompt_logprobs = logprobs``)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -330,8 +284,17 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: str | None = None  # refused when set: cb-serve's models do not reason
+    # The chat template's thinking switch (``thinking_kwargs``); a 400 for a template without one.
+    reasoning_effort: Annotated[str, Field(max_length=32)] | None = None
     verbosity: str | None = None
+    # vLLM's chat extras
+    chat_template: str | None = None  # only where the server trusts request templates (RouterSettings)
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    include_reasoning: bool = True  # False: the reasoning is dropped from the response
+    add_special_tokens: bool = False  # declared to refuse true: the template places special tokens
+    echo: bool = False  # declared to refuse true
+    documents: Any = None  # declared to refuse them
     # Accepted and ignored: they change nothing in the output.
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -343,6 +306,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be an assistant message")
         return self
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -353,7 +320,15 @@ class ChatCompletionRequest(_SamplingRequest):
             out.append(("functions", "function calling"))
         if self.modalities is not None and self.modalities != ["text"]:
             out.append(("modalities", "output modalities other than text"))
-        for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+        for name in (
+            "audio",
+            "prediction",
+            "web_search_options",
+            "verbosity",
+            "add_special_tokens",
+            "echo",
+            "documents",
+        ):
             if _set(getattr(self, name)):
                 out.append((name, name.replace("_", " ")))
         for i, message in enumerate(self.messages):
@@ -383,30 +358,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def tool_constraint(self) -> StructuredOutputsParams | None:
         """For ``required`` and named choices, the grammar of the calls; None otherwise."""
-        mode = self.tool_mode
-        if mode == "none" and self.tool_choice not in (None, "none"):
-            raise InvalidRequestError(f"tool_choice {self._choice_name()} needs tools.", "tool_choice")
-        names = [t.function.name for t in self.tools or ()]
-        if len(set(names)) != len(names):
-            raise InvalidRequestError("tools: function names must be unique.", "tools")
-        for tool in self.tools or ():
-            _check_tool_schema(tool.function.parameters)
-        if mode not in ("required", "named"):
-            return None
-        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-        chosen = [t for t in self.tools or () if named is None or t.function.name == named]
-        if not chosen:
-            raise InvalidRequestError(f"tool_choice names {self._choice_name()}, which is not in tools.", "tool_choice")
-        tools = [t.model_dump(exclude_none=True) for t in chosen]
-        constraint = tool_call_constraint(tools, parallel=mode == "required" and self.parallel_tool_calls is not False)
-        cap = TOOL_LIMITS.max_grammar_chars
-        if len(constraint.grammar or "") > cap:
-            raise InvalidRequestError(f"tools: the chosen tools' schemas together exceed {cap} characters.", "tools")
-        return constraint
-
-    def _choice_name(self) -> str:
-        choice = self.tool_choice
-        return repr(choice.function.name if isinstance(choice, NamedToolChoice) else choice)[:80]
+        return tool_choice_constraint(self.tools or [], self.tool_choice, self.tool_mode, self.parallel_tool_calls)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM), not both; a required or
@@ -428,19 +380,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise InvalidRequestError("response_format.json_schema must be an object with a schema.", "response_format")
         return StructuredOutputsParams(json=spec.get("schema", {}))
-
-
-def _check_tool_schema(parameters: dict[str, Any] | None) -> None:
-    """A tool's ``parameters`` within the constraint caps (400 naming ``tools`` if not)."""
-    if parameters is None:
-        return
-    if parameters.get("type", "object") != "object":
-        raise InvalidRequestError("tools: a function's parameters must be an object schema.", "tools")
-    try:
-        StructuredOutputsParams(json=parameters).check(TOOL_LIMITS)
-    except InvalidRequestError as e:
-        message = str(e).replace("structured_outputs: the schema", "tools: a parameters schema")
-        raise InvalidRequestError(message, "tools") from None
 
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:

@@ -6,8 +6,9 @@ runner at construction, turns a speculating sequence's ``1 + k`` logits rows int
 emits (``verifier``: greedy acceptance, or rejection sampling for sampled requests) and counts
 them. The step's size and time (``observe_step``) feed the adaptive policy.
 
-Which sequences speculate: those past ``min_tokens`` that have caught up (one token to compute);
-a sequence with a grammar keeps the drafts its grammar admits (``draft_filter``, the structured
+Which sequences speculate: those past ``min_tokens`` that have caught up (one token to compute) and
+have no logits processor (``SamplingParams.has_logits_processors``: the verifier does not run them); a
+sequence with a grammar keeps the drafts its grammar admits (``draft_filter``, the structured
 outputs manager's ``valid_drafts``), and each of its ``1 + k`` positions is verified under the
 grammar's mask there. ``k`` is capped so a step never emits more than ``max_tokens`` allows and
 never places a draft at ``max_model_len`` or beyond; with ``adaptive`` (the default) the policy of
@@ -104,7 +105,7 @@ class Speculator:
     def num_drafts_for(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may draft this step (0: it decodes one token)."""
         params = seq.params
-        if seq.num_output_tokens < params.min_tokens:
+        if seq.num_output_tokens < params.min_tokens or params.has_logits_processors:
             return 0
         if seq.num_tokens - seq.num_computed_tokens != 1:
             return 0  # still prefilling, or a jump-forward chunk pending

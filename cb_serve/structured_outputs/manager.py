@@ -10,6 +10,14 @@ It joins the step at these named places, and nowhere else:
   positions included, filled on the filler thread while the forward pass runs;
 - ``accept_token`` and ``forced_tokens`` (jump-forward): the output processor's, per emitted token.
 
+With a reasoning parser, a sequence's grammar waits for its reasoning to end (vLLM's
+``should_fill_bitmask``/``should_advance``): until then its matcher is held here, not on the
+sequence (``seq.matcher`` is None), so the step treats it as unconstrained (no mask, no
+jump-forward, drafts kept up to a ``</think>``, min_tokens bans as usual). The reasoning ends where
+``ReasoningParser.reasoning_ended`` says: at admission when the prompt's last think tag is
+``</think>``, else at the first ``</think>`` of the output. That token is not fed to the grammar
+(vLLM: the grammar starts after it); the next one is the grammar's first. Checked once per token.
+
 ``fill_rows`` is the only code that asks a matcher for its mask: sampling, draft verification and
 jump-forward all read masks it produced.
 """
@@ -20,8 +28,11 @@ import concurrent.futures
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Iterator
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -87,6 +98,14 @@ def _llguidance_backend(tokenizer, vocab_size: int):
     return LLGuidanceBackend(tokenizer, vocab_size)
 
 
+class ReasoningEnd(Protocol):
+    """What the manager needs of a reasoning parser (``cb_serve.reasoning.ReasoningParser``)."""
+
+    think_end_id: int
+
+    def starts_in_reasoning(self, prompt_token_ids: Tokens[int]) -> bool: ...
+
+
 @dataclass
 class _Waiting:
     seqs: list[Sequence]
@@ -97,9 +116,18 @@ class _Waiting:
 
 class StructuredOutputManager:
     def __init__(
-        self, tokenizer, vocab_size: int, enable_jump_forward: bool = False, limits: ConstraintLimits | None = None
+        self,
+        tokenizer,
+        vocab_size: int,
+        enable_jump_forward: bool = False,
+        limits: ConstraintLimits | None = None,
+        reasoning: ReasoningEnd | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.reasoning = reasoning  # grammars apply after the reasoning ends (None: from the first token)
+        self._end_id = reasoning.think_end_id if reasoning is not None else None
+        # sequences still reasoning -> their matcher, not yet applied (weak: a finished sequence just goes)
+        self._reasoning_seqs: weakref.WeakKeyDictionary[Sequence, GrammarMatcher] = weakref.WeakKeyDictionary()
         self.enable_jump_forward = enable_jump_forward
         self.limits = limits or ConstraintLimits()
         self._make_backend = functools.partial(_llguidance_backend, tokenizer, vocab_size)
@@ -161,10 +189,21 @@ class StructuredOutputManager:
                 continue
             compiled = w.future.result()
             for seq in w.seqs:
-                seq.matcher = compiled.matcher()
+                self._start_grammar(seq, compiled.matcher())
                 ready.append(seq)
         self._refused.update(request_id for request_id, _ in refused)
         return ready, refused
+
+    def _start_grammar(self, seq: Sequence, matcher: GrammarMatcher) -> None:
+        """Gives ``seq`` its matcher now, or holds it while the output starts inside the reasoning."""
+        if self.reasoning is not None and self.reasoning.starts_in_reasoning(seq.prompt_token_ids):
+            self._reasoning_seqs[seq] = matcher
+        else:
+            seq.matcher = matcher
+
+    def is_reasoning(self, seq: Sequence) -> bool:
+        """``seq`` has a grammar that waits for the end of its reasoning."""
+        return seq in self._reasoning_seqs
 
     def _overdue(self, key: str, added: float, now: float) -> Exception | None:
         """A 400 when the request's own compile ran over ``compile_timeout_s``; a 503 (retry) when
@@ -190,9 +229,15 @@ class StructuredOutputManager:
     # ---- the step -------------------------------------------------------------------
     def valid_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """The drafts ``seq``'s grammar admits, up to the first it refuses or the one that would
-        end it (the grammar's end is the target's to emit); the matcher is rolled back."""
+        end it (the grammar's end is the target's to emit); the matcher is rolled back. While its
+        reasoning goes on: the drafts before a ``</think>`` (the target emits that token itself, as
+        the step's last: the token after it is the grammar's, sampled under its mask next step)."""
         matcher = seq.matcher
-        if matcher is None or not drafts:
+        if matcher is None:
+            if self._end_id in drafts and seq in self._reasoning_seqs:
+                return drafts[: drafts.index(self._end_id)]
+            return drafts
+        if not drafts:
             return drafts
         consumed = 0
         for token in drafts[: matcher.valid_prefix(drafts)]:  # each admitted, so accepting it is safe
@@ -221,9 +266,12 @@ class StructuredOutputManager:
 
     def accept_token(self, seq: Sequence, token_id: int) -> bool:
         """Advances ``seq``'s grammar past an emitted token: whether the grammar is now complete
-        (the sequence stops). Raises when the grammar refuses a token its mask allowed."""
+        (the sequence stops). Raises when the grammar refuses a token its mask allowed. The token
+        that ends a sequence's reasoning starts its grammar, from the next token on."""
         matcher = seq.matcher
         if matcher is None:
+            if token_id == self._end_id:  # a reasoning sequence's grammar starts after this token
+                seq.matcher = self._reasoning_seqs.pop(seq, None)
             return False
         if not matcher.accept_token(token_id):
             raise RuntimeError(f"the grammar refused token {token_id}, which its mask allowed")

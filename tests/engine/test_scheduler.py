@@ -23,6 +23,7 @@ from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.request_queue import PriorityQueue
 from cb_serve.engine.scheduler import Scheduler
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
@@ -47,6 +48,7 @@ class Request:
     arrival_step: int
     prompt: list[int]
     max_tokens: int
+    priority: int = 0  # scheduling_policy "priority": lower first
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Workload:
     aborts: list[tuple[int, int]] = field(default_factory=list)  # (step, which unfinished seq)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    policy: str = "fcfs"
 
     @property
     def max_len(self) -> int:
@@ -75,7 +78,7 @@ class Simulation:
         self.w = w
         self.bm = BlockManager(w.num_blocks, w.block_size, w.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.bm, w.max_num_batched_tokens, w.max_num_seqs, w.max_len, w.enable_chunked_prefill
+            self.bm, w.max_num_batched_tokens, w.max_num_seqs, w.max_len, w.enable_chunked_prefill, policy=w.policy
         )
         self.kv: list[list[int | None]] = [[None] * w.block_size for _ in range(w.num_blocks)]
         self.seqs: list[Sequence] = []
@@ -88,7 +91,10 @@ class Simulation:
     def add(self, index: int, request: Request) -> Sequence:
         seq_id = f"r{index}"
         params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens)
-        seq = Sequence(seq_id, seq_id, 0, request.prompt, params, request.max_tokens)
+        arrival = float(len(self.seqs))  # arrival order, without ties
+        seq = Sequence(
+            seq_id, seq_id, 0, request.prompt, params, request.max_tokens, arrival, priority=request.priority
+        )
         self.seqs.append(seq)
         self.scheduler.add(seq)
         return seq
@@ -164,6 +170,8 @@ class Simulation:
                 assert self.kv[seq.block_table[pos // bs]][pos % bs] == seq.token_ids[pos], (seq, pos)
         for seq in out.preempted:
             assert seq.status == SequenceStatus.WAITING and seq.block_table == [] and seq.num_computed_tokens == 0
+        if s.policy == "priority":
+            check_priority_order(s, out)
         if out.preempted:
             event("preemption")
         elif out.total_tokens < s.max_num_batched_tokens:
@@ -186,6 +194,9 @@ class Simulation:
         assert set(in_queues) == {id(seq) for seq in self.unfinished()}, "a live sequence lost, or a finished one kept"
         for seq in s.waiting:
             assert seq.block_table == [] and seq.num_computed_tokens == 0
+        if s.policy == "priority":
+            keys = [key(seq) for seq in s.waiting]
+            assert keys == sorted(keys), "the waiting queue is out of (priority, arrival) order"
         for seq in self.seqs:
             if seq.is_finished:
                 assert seq.block_table == []
@@ -210,6 +221,23 @@ class Simulation:
         assert self.bm.block_hashes == {} and self.bm.num_registered == {}, "per-sequence state leaked"
 
 
+def key(seq: Sequence) -> tuple[int, float]:
+    """Priority scheduling's order: lower first (every simulated arrival time is distinct)."""
+    return seq.priority, seq.times.arrival
+
+
+def check_priority_order(s: Scheduler, out: SchedulerOutput) -> None:
+    """Under priority scheduling the step admitted a head of the (priority, arrival) order, and
+    every victim of a preemption came after every sequence still running, in that order."""
+    admitted = [key(seq) for seq in out.seqs[len(out.seqs) - out.num_admitted :]]
+    assert admitted == sorted(admitted), "admitted out of (priority, arrival) order"
+    if admitted and s.waiting:
+        assert admitted[-1] < min(key(seq) for seq in s.waiting), "a waiting sequence was overtaken"
+    if out.preempted and s.running:
+        assert min(map(key, out.preempted)) > max(map(key, s.running)), "preempted ahead of a lower priority"
+        event("priority preemption")
+
+
 def check_block_ownership(bm: BlockManager, seqs: Iterable[Sequence]) -> None:
     """No block in two tables unless it is a cached (hashed) block whose ref count is its
     number of owners; never twice in one table."""
@@ -230,13 +258,16 @@ token_lists = st.lists(st.integers(0, ALPHABET - 1), max_size=20)
 
 
 @st.composite
-def workloads(draw: st.DrawFn, chunked: bool = True) -> Workload:
+def workloads(draw: st.DrawFn, chunked: bool = True, policy: str = "fcfs") -> Workload:
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8]))
     prefixes = draw(st.lists(token_lists, min_size=1, max_size=3))
     requests = []
     for _ in range(draw(st.integers(1, 12))):
         prompt = draw(st.sampled_from(prefixes)) + draw(token_lists)
-        requests.append(Request(draw(st.integers(0, 15)), prompt or [0], draw(st.integers(1, 12))))
+        request = Request(draw(st.integers(0, 15)), prompt or [0], draw(st.integers(1, 12)))
+        if policy == "priority":
+            request.priority = draw(st.integers(-2, 2))
+        requests.append(request)
     max_len = max(len(r.prompt) + r.max_tokens for r in requests)
     if chunked:
         budget = draw(st.integers(1, 48))
@@ -251,6 +282,7 @@ def workloads(draw: st.DrawFn, chunked: bool = True) -> Workload:
         aborts=draw(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 100)), max_size=3)),
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()) if chunked else True,
+        policy=policy,
     )
 
 
@@ -258,11 +290,12 @@ def workloads(draw: st.DrawFn, chunked: bool = True) -> Workload:
 MIN_REACHED = {"preemption": 0.1, "prefix-cache hit": 0.1, "chunked prefill": 0.3, "eviction": 0.05, "abort": 0.1}
 
 
-def test_random_workload_invariants_and_liveness() -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workload_invariants_and_liveness(policy: str) -> None:
     reached: Counter[str] = Counter()
 
     @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
-    @given(workloads())
+    @given(workloads(policy=policy))
     def run(w: Workload) -> None:
         sim = Simulation(w)
         sim.run()
@@ -289,10 +322,14 @@ def test_random_workload_invariants_and_liveness() -> None:
         assert shares[name] >= least, f"only {shares[name]:.0%} of the examples reached {name} (want >= {least:.0%})"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads(chunked=False))
-def test_random_workload_without_chunked_prefill(w: Workload) -> None:
-    Simulation(w).run()
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workload_without_chunked_prefill(policy: str) -> None:
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(workloads(chunked=False, policy=policy))
+    def run(w: Workload) -> None:
+        Simulation(w).run()
+
+    run()
 
 
 # ---- deterministic examples ---------------------------------------------------------------
@@ -454,3 +491,105 @@ def test_without_chunked_prefill_a_starving_config_is_rejected(name: str) -> Non
     assert w.max_num_batched_tokens < w.max_len
     with pytest.raises(ValueError, match="Without chunked prefill, max_num_batched_tokens"):
         Simulation(w)  # rejected up front: such a configuration could starve
+
+
+# ---- scheduling_policy "priority" ------------------------------------------------------------
+def admission_order(sim: Simulation) -> list[str]:
+    """Request ids in the order the steps admitted them (a re-admission after preemption too)."""
+    return [seq.request_id for out in sim.outputs for seq in out.seqs[len(out.seqs) - out.num_admitted :]]
+
+
+@pytest.mark.parametrize("policy, order", [("fcfs", ["r0", "r1", "r2", "r3"]), ("priority", ["r1", "r3", "r2", "r0"])])
+def test_admission_order_by_priority_then_arrival(policy: str, order: list[str]) -> None:
+    # one running slot: the four run one after another, in the policy's order (fcfs ignores priorities)
+    w = Workload(block_size=2, max_num_batched_tokens=16, max_num_seqs=1, extra_blocks=8, requests=[], policy=policy)
+    w.requests = [Request(0, [0, 1], 2, priority=p) for p in (2, 0, 1, 0)]
+    sim = Simulation(w)
+    sim.run()
+    assert admission_order(sim) == order
+    assert sim.scheduler.counters.num_preemptions == 0
+
+
+def shortage(policy: str) -> Simulation:
+    """r0 (the lowest priority) runs from step 0, r1 and r2 join at step 1, and at step 2 the cache
+    is one block short of their next decodes; r3 (priority 0) arrives just before step 2."""
+    w = Workload(block_size=1, max_num_batched_tokens=16, max_num_seqs=4, extra_blocks=0, requests=[], policy=policy)
+    w.requests = [
+        Request(0, [0, 1, 2, 0], 7, priority=1),
+        Request(1, [2, 2, 1], 7),
+        Request(1, [1, 0], 7),
+        Request(2, [2, 0, 0], 1),
+    ]
+    assert w.num_blocks == 11  # 5 + 3 + 2 blocks after step 1, and each needs one more at step 2
+    sim = Simulation(w)
+    for _ in range(3):
+        sim.arrive_and_abort()
+        sim.step()
+    return sim
+
+
+def test_kv_shortage_preempts_the_lowest_priority_even_if_already_scheduled() -> None:
+    sim = shortage("priority")
+    r0, r1, r2, r3 = sim.seqs
+    out = sim.outputs[2]
+    # r1's block was missing: r0 (lowest priority), already scheduled this step, is preempted (not the
+    # newest, r2) and leaves the step's output
+    assert out.preempted == [r0] and out.seqs == [r1, r2] and out.num_scheduled_tokens == [1, 1]
+    assert sim.scheduler.running == [r1, r2]
+    # back into (priority, arrival) order: r3 arrived later but has the higher priority
+    assert list(sim.scheduler.waiting) == [r3, r0]
+    sim.run()
+    # later r1 and r2 (both priority 0) outgrow the cache: the newer, r2, is preempted; it goes back
+    # ahead of r0 (priority 1), which waits until the priority-0 sequences are done
+    assert admission_order(sim) == ["r0", "r1", "r2", "r3", "r2", "r0"]
+    assert r1.num_preemptions == r3.num_preemptions == 0 and r0.num_preemptions == r2.num_preemptions == 1
+
+
+def test_kv_shortage_under_fcfs_preempts_the_newest_and_requeues_it_first() -> None:
+    sim = shortage("fcfs")
+    r0, r1, r2, r3 = sim.seqs
+    out = sim.outputs[2]
+    assert out.preempted == [r2] and out.seqs == [r0, r1], "the newest is preempted; priorities are ignored"
+    assert list(sim.scheduler.waiting) == [r2, r3], "the preempted sequence goes to the front"
+    sim.run()
+    assert r0.num_preemptions == 0, "the oldest runs through, whatever its priority"
+
+
+def test_equal_priorities_preempt_the_newest() -> None:
+    # test_preemption_recomputes_and_everyone_finishes under priority, all at priority 5: the same victim
+    w = Workload(
+        block_size=2,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        extra_blocks=2,
+        requests=[Request(0, [0, 1, 2, 0], 12, priority=5), Request(0, [2, 2, 1, 0, 1], 11, priority=5)],
+        policy="priority",
+    )
+    sim = Simulation(w)
+    sim.run()
+    assert sim.seqs[0].num_preemptions == 0 and sim.seqs[1].num_preemptions > 0
+    # with the newer one more urgent, the older one is the victim
+    w.requests[1].priority = 4
+    sim = Simulation(w)
+    sim.run()
+    assert sim.seqs[0].num_preemptions > 0 and sim.seqs[1].num_preemptions == 0
+
+
+def test_priority_queue_order_and_removal() -> None:
+    q = PriorityQueue()
+    params = SamplingParams(max_tokens=1)
+    seqs = [Sequence(i, f"r{i}", 0, [0], params, 1, float(a), priority=p) for i, (p, a) in enumerate(
+        [(1, 0), (0, 3), (0, 1), (-1, 5), (0, 1)]
+    )]  # fmt: skip
+    for seq in seqs:
+        q.add(seq)
+    assert [s.seq_id for s in q] == [3, 2, 4, 1, 0], "(priority, arrival), then insertion"
+    assert q[0] is seqs[3] and len(q) == 5
+    del q[0]
+    q.remove(seqs[4])
+    q.prepend(seqs[4])  # a preempted sequence: back into the order, not to the front
+    assert [s.seq_id for s in q] == [2, 4, 1, 0]
+    with pytest.raises(ValueError):
+        q.remove(seqs[3])
+    with pytest.raises(ValueError, match="Unknown scheduling policy"):
+        Scheduler(BlockManager(4, 4), 8, 2, 16, policy="lifo")

@@ -72,6 +72,7 @@ def test_pair_maxima_are_the_bf16_products_maxima():
 class _Params:
     def __init__(self, greedy: bool, logprobs: int | None) -> None:
         self.greedy, self.logprobs = greedy, logprobs
+        self.has_logits_processors = False
 
 
 class _Seq:

@@ -174,7 +174,24 @@ HOSTILE = [
         "structured_outputs",
         {},
     ),
-    ("logit_bias", C, body(prompt="hi", logit_bias={"50": 10}), 400, "unsupported", "logit_bias", {}),
+    (
+        "logit_bias out of vocabulary",
+        C,
+        body(prompt="hi", logit_bias={"99999999": 10}),
+        400,
+        "invalid_request_error",
+        "logit_bias",
+        {},
+    ),  # fmt: skip
+    (
+        "logit_bias key not a token id",
+        C,
+        body(prompt="hi", logit_bias={"a": 1}),
+        400,
+        "invalid_request_error",
+        "logit_bias",
+        {},
+    ),  # fmt: skip
     ("best_of above n", C, body(prompt="hi", best_of=3), 400, "unsupported", "best_of", {}),
     ("suffix", C, body(prompt="hi", suffix="end"), 400, "unsupported", "suffix", {}),
     ("chunked body over the limit", C, "chunked:" + "x", 413, "invalid_request_error", None, {}),
@@ -316,8 +333,17 @@ HOSTILE = [
         "structured_outputs",
         {},
     ),
-    ("presence_penalty", C, body(prompt="x", presence_penalty=0.5), 400, "unsupported", "presence_penalty", {}),
-    ("echo", C, body(prompt="x", echo=True), 400, "unsupported", "echo", {}),
+    (
+        "presence_penalty above 2",
+        C,
+        body(prompt="x", presence_penalty=2.5),
+        400,
+        "invalid_request_error",
+        "presence_penalty",
+        {},
+    ),  # fmt: skip
+    ("beam search", C, body(prompt="x", use_beam_search=True), 400, "unsupported", "use_beam_search", {}),
+    ("max_tokens 0 without echo", C, body(prompt="x", max_tokens=0), 400, "invalid_request_error", None, {}),
     ("unknown model", C, body(prompt="x", model="no-such-model"), 404, "not_found_error", "model", {}),
     # x-request-id: it becomes the engine's request id and goes into logs.
     ("x-request-id of 129 characters", C, body(prompt="x"), 400, "invalid_request_error", "x-request-id", XRID_LONG),
