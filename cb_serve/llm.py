@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -83,17 +84,34 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation (with ``tools``: OpenAI tool
-        objects, rendered by the template or the built-in tool prompt), then generates."""
+        """Applies the model's chat template (or ``chat_template``, with ``chat_template_kwargs``) to
+        each conversation (with ``tools``: OpenAI tool objects, rendered by the template or the built-in
+        tool prompt), then generates, as vLLM's ``LLM.chat``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        options = dict(
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message,
+        )
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, **options) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority=priority)
 
     def apply_chat_template(
-        self, messages: ChatMessages, add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **options: Any,
     ) -> list[int]:
-        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, tools)
+        """``options``: ``chat_template``, ``chat_template_kwargs``, ``continue_final_message``,
+        ``reasoning_effort`` (``processor.apply_chat_template``)."""
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, tools, **options)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

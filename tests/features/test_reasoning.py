@@ -165,6 +165,8 @@ def test_the_scripted_model_says_its_script(scripted, thinking_llm):
     assert out.token_ids == script_ids and out.text == SCRIPT
     off = apply_chat_template(thinking_llm.engine.tokenizer, USER, chat_template_kwargs={"enable_thinking": False})
     assert thinking_llm.generate([off], greedy(), use_tqdm=False)[0].outputs[0].text == CONTENT
+    chat = thinking_llm.chat(USER, greedy(), use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert chat[0].outputs[0].text == CONTENT  # LLM.chat takes vLLM's template options
 
 
 def split(llm: LLM, prompt: list[int], text: str) -> tuple[str | None, str | None]:

@@ -239,6 +239,7 @@ def test_lm_eval_local_completions_equals_hf(server, model, tmp_path, tokenizer,
     )  # fmt: skip
     ours, stderr = accuracy(served)
     theirs, _ = accuracy(HFLM(pretrained=smol_hf, tokenizer=tokenizer, batch_size=4))
+    print(f"lm-eval capitals_local: local-completions acc {ours:.4f} ± {stderr:.4f}, hf acc {theirs:.4f}")
     assert abs(ours - theirs) <= stderr, (ours, theirs, stderr)
     assert ours > 0.5  # the task is easy for the model: a broken scorer would be near chance (0.25)
 
@@ -308,6 +309,9 @@ def test_unknown_fields_and_unimplemented_vllm_extras(server, model):
     assert beam.json()["error"]["type"] == "unsupported"
     fcfs = post(server, "/v1/completions", model=model, prompt="x", priority=3, max_tokens=1)
     assert fcfs.status_code == 400 and fcfs.json()["error"]["param"] == "priority"
+    cut = post(server, "/v1/completions", model=model, prompt="one two three four five", truncate_prompt_tokens=2,
+               max_tokens=1)  # fmt: skip
+    assert cut.json()["usage"]["prompt_tokens"] == 2
     usage = post(server, "/v1/completions", model=model, prompt="Hi", max_tokens=3, stream=True,
                  stream_options={"include_usage": True, "continuous_usage_stats": True})  # fmt: skip
     events = [json.loads(x[6:]) for x in usage.text.splitlines() if x.startswith("data: {")]

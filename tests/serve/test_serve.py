@@ -225,7 +225,8 @@ HOSTILE = [
     # Fields out of range.
     ("prompt is a number", C, body(prompt=123), 400, "invalid_request_error", "prompt", {}),
     ("empty prompt", C, body(prompt=""), 400, "invalid_request_error", "prompt", {}),
-    ("prompt of strings", C, body(prompt=["a", "b"]), 400, "invalid_request_error", None, {}),
+    ("prompt of mixed strings and ids", C, body(prompt=["a", 1]), 400, "invalid_request_error", "prompt", {}),
+    ("an empty prompt in a list", C, body(prompt=["a", ""]), 400, "invalid_request_error", "prompt", {}),
     ("negative prompt token id", C, body(prompt=[1, -1]), 400, "invalid_request_error", "prompt", {}),
     ("prompt token id beyond the vocabulary", C, body(prompt=[10**9]), 400, "invalid_request_error", "prompt", {}),
     ("prompt over the context length", C, LONG_PROMPT, 400, "invalid_request_error", "prompt", {}),
@@ -303,10 +304,10 @@ HOSTILE = [
     (
         "an unknown field",
         C,
-        body(prompt="x", guided_decoding_backend="xgrammar"),
+        body(prompt="x", made_up_backend="xgrammar"),
         400,
         "invalid_request_error",
-        "guided_decoding_backend",
+        "made_up_backend",
         {},
     ),
     (
