@@ -16,6 +16,7 @@ import torch
 from cb_serve.attention.base import AttentionBackend
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor import gguf_cache
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.checkpoint import LazyCheckpoint, safetensors_files
 from cb_serve.model_executor.layers.rotary import longrope_switch
@@ -104,8 +105,12 @@ def memoized_per_gguf(load: Callable[..., Any]) -> Callable[..., Any]:
 def load_config(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
+    def parse():
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **source.hf_kwargs())
+
     try:
-        config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **source.hf_kwargs())
+        save = lambda c, d: c.save_pretrained(d)  # noqa: E731
+        config = gguf_cache.cached(gguf_stamp(source), "config", parse, save, AutoConfig.from_pretrained)
     except (OSError, ValueError) as e:
         raise ValueError(f"Could not load model {source.path!r}: {e}") from e
     model_class(config)  # raises for an architecture no model serves
@@ -123,8 +128,13 @@ def _load_tokenizer(source: ModelSource, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     path, kwargs = source.path, source.hf_kwargs()
-    try:
+
+    def parse():
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+
+    try:
+        return gguf_cache.cached(gguf_stamp(source), "tokenizer", parse, lambda t, d: t.save_pretrained(d),
+                                 AutoTokenizer.from_pretrained)  # fmt: skip
     except (OSError, ValueError) as e:
         raise ValueError(f"Could not load the tokenizer from {path!r}: {e}") from e
 

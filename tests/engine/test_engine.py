@@ -303,3 +303,33 @@ def test_a_sharded_checkpoint_loads(random_model_dir, tiny_llm, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
     assert ours == [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+
+
+def test_a_gguf_files_config_and_tokenizer_are_cached_on_disk_as_parsed(tmp_path, monkeypatch):
+    """Other processes read the config and tokenizer from the disk cache (``gguf_cache``): they equal
+    what transformers parses out of the file; a damaged entry is parsed again and replaced."""
+    from cb_serve.model_executor import gguf_cache, loader
+
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path / "cache"))
+    source = loader.default_model_source()
+
+    def load() -> tuple:
+        loader.load_config.cache_clear()
+        loader._load_tokenizer.cache_clear()
+        return loader.load_config(source), loader.load_tokenizer(source)
+
+    (parsed_config, parsed), (config, tokenizer) = load(), load()
+    entry = gguf_cache.entry_dir(loader.gguf_stamp(source), "config")
+    assert (entry / gguf_cache.COMPLETE).is_file() and config._name_or_path == str(entry)
+    ignore = {"_name_or_path"}
+    assert {k: v for k, v in config.to_dict().items() if k not in ignore} == {
+        k: v for k, v in parsed_config.to_dict().items() if k not in ignore
+    }
+    assert tokenizer.get_vocab() == parsed.get_vocab() and tokenizer.chat_template == parsed.chat_template
+    assert tokenizer.special_tokens_map == parsed.special_tokens_map
+    for text in ["Hello world", "  spaces\n\ttabs", "<|im_start|>user\nHi<|im_end|>", "é😀中文"]:
+        assert tokenizer.encode(text) == parsed.encode(text)
+        assert tokenizer.decode(tokenizer.encode(text)) == parsed.decode(parsed.encode(text))
+    (entry / "config.json").write_text("{not json")
+    assert load()[0].num_hidden_layers == parsed_config.num_hidden_layers  # parsed again, and cached again
+    assert (entry / gguf_cache.COMPLETE).is_file() and (entry / "config.json").read_text().startswith("{\n")
