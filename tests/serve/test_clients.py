@@ -228,19 +228,24 @@ def test_lm_eval_local_completions_equals_hf(server, model, tmp_path, tokenizer,
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     tasks = TaskManager(include_path=str(tmp_path))
 
-    def accuracy(lm) -> tuple[float, float]:
-        out = lm_eval.simple_evaluate(model=lm, tasks=["capitals_local"], task_manager=tasks)
+    def accuracy(lm) -> tuple[float, float, list[float]]:
+        out = lm_eval.simple_evaluate(model=lm, tasks=["capitals_local"], task_manager=tasks, log_samples=True)
         metrics = out["results"]["capitals_local"]
-        return metrics["acc,none"], metrics["acc_stderr,none"]
+        samples = sorted(out["samples"]["capitals_local"], key=lambda d: d["doc_id"])
+        lls = [float(r[0]) for d in samples for r in d["filtered_resps"]]  # each choice's log-likelihood
+        return metrics["acc,none"], metrics["acc_stderr,none"], lls
 
     served = lm_eval.api.registry.get_model("local-completions")(
         model=model, base_url=f"{server}/v1/completions", tokenizer=str(tmp_path / "tokenizer"),
         tokenizer_backend="huggingface", num_concurrent=2, max_retries=1, timeout=120,
     )  # fmt: skip
-    ours, stderr = accuracy(served)
-    theirs, _ = accuracy(HFLM(pretrained=smol_hf, tokenizer=tokenizer, batch_size=4))
-    print(f"lm-eval capitals_local: local-completions acc {ours:.4f} ± {stderr:.4f}, hf acc {theirs:.4f}")
+    ours, stderr, served_lls = accuracy(served)
+    theirs, _, hf_lls = accuracy(HFLM(pretrained=smol_hf, tokenizer=tokenizer, batch_size=4))
+    gap = max(abs(a - b) for a, b in zip(served_lls, hf_lls))
+    print(f"lm-eval capitals_local: local-completions acc {ours:.4f} ± {stderr:.4f}, hf acc {theirs:.4f}, "
+          f"{len(hf_lls)} log-likelihoods differ by at most {gap:.2e}")  # fmt: skip
     assert abs(ours - theirs) <= stderr, (ours, theirs, stderr)
+    assert len(served_lls) == len(hf_lls) == 4 * len(CAPITALS) and gap < 1e-3  # each choice's score, not just the pick
     assert ours > 0.5  # the task is easy for the model: a broken scorer would be near chance (0.25)
 
 

@@ -440,7 +440,8 @@ def test_redeploy_drains_old_replicas_and_ends_open_streams_with_an_error_event(
                 asyncio.create_task(s.run(client, "/v1/completions", long_body(i, 256))) for i, s in enumerate(longs)
             ]
             tasks += [
-                asyncio.create_task(s.run(client, "/v1/completions", long_body(10 + i, 12)))
+                # 4 slow steps: done well inside the old replicas' graceful window, even on a loaded machine
+                asyncio.create_task(s.run(client, "/v1/completions", long_body(10 + i, 4)))
                 for i, s in enumerate(shorts)
             ]
             await asyncio.wait_for(asyncio.gather(*(s.first_chunk.wait() for s in longs + shorts)), 60)
