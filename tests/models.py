@@ -83,6 +83,35 @@ ARCHS: dict[str, tuple[str, dict]] = {
         "GraniteConfig",
         {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 4.0},
     ),
+    # mixtures of experts (8 experts, top 2, each expert narrower than the dense MLP where the config has both)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16}),
+    # a dense layer between two sparse ones (``mlp_only_layers``), the top 2 renormalized
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
+        },
+    ),
+    # full-width q/k norms and a clip (|q|, |k|, |v| reach ~6 on these weights), the top 2 not renormalized
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 3.0}),
+    # sinks, a sliding layer then a global one, YaRN (its default: factor 32 from 4096), biased experts with
+    # the clamped SwiGLU, a router with a bias taking the top 2 logits
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "head_dim": 16,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 40,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
     # fused qkv / gate_up weights, partial rotary (8 of 16 dims) and LongRoPE: the harness's sequences
     # (at most 324 tokens) stay within the original 330 positions, where HF and the engine both use
     # the short factors (and LongRoPE's attention factor, from 1024 / 330); tests/features/test_phi3.py

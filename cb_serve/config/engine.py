@@ -53,6 +53,11 @@ class EngineConfig:
         "Shard the model over this many devices (Megatron-style: heads, MLP columns and vocabulary split; "
         "one worker process or Ray actor per extra rank; gloo on CPU, NCCL on CUDA).",
     )
+    enable_expert_parallel: bool = _arg(
+        False,
+        "Mixture-of-experts models under tensor_parallel_size > 1: each rank holds whole experts (a share of them) "
+        "instead of a slice of every expert; the ranks' expert outputs are summed (vLLM's flag).",
+    )
     distributed_executor_backend: str = _arg(
         "auto",
         "How tensor-parallel workers start: mp (worker processes), ray (actors in the current placement "

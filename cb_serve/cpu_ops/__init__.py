@@ -79,6 +79,7 @@ OPS = (
     "argmax_rows",
     "pack_decode_weight",
     "decode_gemm",
+    "grouped_gemm",
     "lora_apply",
 )
 
@@ -326,6 +327,17 @@ def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[N, K]`` weight as ``decode_gemm`` reads it: tiles of 32 output columns, each
     ``[K, 32]`` and contiguous (zero-padded to a multiple of 32 columns)."""
     return torch.ops.cb_serve.pack_decode_weight(weight)
+
+
+def grouped_gemm(
+    x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Rows ``offsets[g]:offsets[g + 1]`` of ``x`` (float32 ``[P, K]``) times group ``g``'s weight, for every
+    group at once (a mixture-of-experts layer's experts): ``packed`` ``[G, tiles, K, 32]`` stacks each group's
+    ``pack_decode_weight``; ``offsets`` int64 ``[G + 1]``; ``bias`` ``[G, out_features]`` or None."""
+    out = x.new_empty(x.shape[0], out_features)
+    torch.ops.cb_serve.grouped_gemm(out, x, offsets, packed, bias)
+    return out
 
 
 def decode_gemm(

@@ -2,6 +2,8 @@
 
 - q/k/v and gate/up are split by output columns, o and down by input rows (their partial
   outputs are summed across ranks); the embedding and LM head are split over the vocabulary.
+- Mixture-of-experts layers split each expert's intermediate columns like the MLP's, or, with expert
+  parallelism (``expert_parallel``), give each rank whole experts (``experts``) and every column.
 - Attention splits by KV head: each rank takes a contiguous run of KV heads and the query heads
   that read them, so grouped-query attention stays within a rank. Counts need not divide evenly
   (SmolLM2's 3 KV heads over 2 ranks: 2 and 1). With more ranks than KV heads, each KV head is
@@ -33,16 +35,28 @@ class TensorParallelShard:
     kv_heads: range
     intermediate: range
     vocab: range  # rows of the vocabulary padded to a multiple of ``size`` (equal shards for all-gather)
+    expert_parallel: bool = False  # MoE layers: whole experts per rank (vLLM's ``enable_expert_parallel``)
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    def experts(self, num_experts: int) -> range:
+        """The experts this rank holds: a contiguous run under expert parallelism, else all of them."""
+        return balanced_range(num_experts, self.size, self.rank) if self.expert_parallel else range(num_experts)
 
-def shard_for(config, rank: int, size: int) -> TensorParallelShard:
+    def expert_columns(self, intermediate_size: int) -> range:
+        """The intermediate columns of each held expert: all under expert parallelism, else this rank's run."""
+        if self.expert_parallel:
+            return range(intermediate_size)
+        return balanced_range(intermediate_size, self.size, self.rank)
+
+
+def shard_for(config, rank: int, size: int, expert_parallel: bool = False) -> TensorParallelShard:
     """Rank ``rank``'s shard of an HF Llama-family ``config``; raises ValueError when ``size``
-    ranks cannot split its heads. Layers of different KV heads or head sizes (Gemma 4) are not split:
-    one rank holds them all (its layers take their own heads, ``kv_heads`` here is layer 0's)."""
+    ranks cannot split its heads (or, under ``expert_parallel``, its experts). Layers of different KV heads
+    or head sizes (Gemma 4) are not split: one rank holds them all (its layers take their own heads,
+    ``kv_heads`` here is layer 0's)."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside tensor_parallel_size={size}.")
     if getattr(config, "is_heterogeneous", False):
@@ -70,6 +84,11 @@ def shard_for(config, rank: int, size: int) -> TensorParallelShard:
             f"tensor_parallel_size={size} cannot split {num_heads} query / {num_kv} KV heads: it must be at most "
             f"the KV head count, or a multiple of it no larger than the query head count."
         )
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if expert_parallel and size > num_experts:
+        raise ValueError(
+            f"enable_expert_parallel over {size} ranks needs at least as many experts; the model has {num_experts}."
+        )
     padded_vocab = -(-config.vocab_size // size) * size
     per_rank = padded_vocab // size
     return TensorParallelShard(
@@ -79,6 +98,7 @@ def shard_for(config, rank: int, size: int) -> TensorParallelShard:
         kv_heads=kv,
         intermediate=balanced_range(config.intermediate_size, size, rank),
         vocab=range(rank * per_rank, (rank + 1) * per_rank),
+        expert_parallel=expert_parallel,
     )
 
 

@@ -136,11 +136,11 @@ def _make_executor(
     sizes the KV cache with the memory the weights left, and captures CUDA graphs."""
     size = config.tensor_parallel_size
     workers = None
+    shard = shard_for(setup.hf_config, 0, size, config.enable_expert_parallel)  # raises before any worker starts
     if size > 1:
-        shard_for(setup.hf_config, 0, size)  # raises before any worker starts if the heads cannot split
         workers = WorkerPool(config, setup.device)
     try:
-        model = setup.load_model(shard_for(setup.hf_config, 0, size), workers.group if workers else None)
+        model = setup.load_model(shard, workers.group if workers else None)
         lora = None  # its slots are allocated before the KV cache is sized
         if config.enable_lora:
             lora = LoRAManager(

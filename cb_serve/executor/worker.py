@@ -55,7 +55,8 @@ def worker_main(spec: WorkerSpec) -> None:
         timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
         store = dist.TCPStore(spec.host, spec.store_port, spec.size, False, timeout=timeout)
         tp = TensorParallelGroup.connect(store, spec.rank, spec.size, device)
-        model = setup.load_model(shard_for(setup.hf_config, spec.rank, spec.size), tp)
+        shard = shard_for(setup.hf_config, spec.rank, spec.size, spec.config.enable_expert_parallel)
+        model = setup.load_model(shard, tp)
         num_blocks = conn.recv()
         runner = ModelRunner(
             model, num_blocks, setup.block_size, setup.kv_cache_dtype, device, kv_layout=setup.kv_layout

@@ -41,6 +41,8 @@ def wrap_projections(model: torch.nn.Module, batch: LoRABatch, config: LoRAConfi
         for fused, subs in FUSED_PROJECTIONS.items():
             block, attr = fused.split(".")
             parent = getattr(layer, block)
+            if not hasattr(parent, attr):  # a mixture-of-experts layer: adapters serve its attention only
+                continue
             module = LoRALinear(getattr(parent, attr), batch, config.max_loras, len(subs) * config.max_lora_rank)
             setattr(parent, attr, module)
             wrapped[f"layers.{i}.{fused}"] = module
@@ -55,9 +57,10 @@ def projection_shapes(model: torch.nn.Module) -> dict[str, ProjectionShape]:
         per_layer = {
             "self_attn.qkv_proj": ProjectionShape(hidden, attn.qkv_sizes),
             "self_attn.o_proj": ProjectionShape(attn.q_size, (hidden,)),
-            "mlp.gate_up_proj": ProjectionShape(hidden, (inter, inter)),
-            "mlp.down_proj": ProjectionShape(inter, (hidden,)),
         }
+        if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP (not a mixture of experts)
+            per_layer["mlp.gate_up_proj"] = ProjectionShape(hidden, (inter, inter))
+            per_layer["mlp.down_proj"] = ProjectionShape(inter, (hidden,))
         shapes.update({f"layers.{i}.{k}": v for k, v in per_layer.items()})
     return shapes
 

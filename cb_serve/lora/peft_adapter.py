@@ -73,6 +73,12 @@ def read_adapter_config(path: Path) -> dict:
         raise LoRAAdapterError(f"Cannot read {config_file}: {e}") from e
     if not isinstance(config, dict):
         raise LoRAAdapterError(f"{config_file} is not a JSON object.")
+    if config.get("target_parameters"):  # PEFT's LoRA on parameters: a mixture of experts' fused expert weights
+        raise LoRAAdapterError(
+            f"Adapter at {str(path)!r} has target_parameters={config['target_parameters']!r}: the experts of a "
+            f"mixture-of-experts layer, which cb-serve does not serve adapters on; adapters on such models may "
+            f"target the attention projections and dense MLPs."
+        )
     refused = {
         "peft_type": config.get("peft_type", "LORA") != "LORA",
         "use_dora": bool(config.get("use_dora")),
@@ -156,6 +162,11 @@ def _lora_pairs(name: str, path: Path) -> dict[tuple[int, str, str], dict[str, t
     pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in read_adapter_tensors(path).items():
         m = _KEY.match(key)
+        if m is None and (".experts." in key or ".block_sparse_moe." in key):
+            raise LoRAAdapterError(
+                f"Adapter {name!r} targets the experts of a mixture-of-experts layer ({key!r}), which cb-serve does "
+                f"not serve adapters on; adapters on such models may target the attention projections and dense MLPs."
+            )
         if m is None or m.group(3) not in FUSED_OF:
             raise LoRAAdapterError(
                 f"Adapter {name!r} targets {key!r}: cb-serve applies LoRA to the decoder layers' "

@@ -154,6 +154,8 @@ def rope_tables(rotary: torch.nn.Module, max_positions: int, config) -> tuple[to
         short = longrope_switch(config, t)
         if short and short < max_positions:  # HF's rotary took the long factors for all of them
             cos[:short], sin[:short] = (y[0].float() for y in rotary(x, positions[:, :short], *args))
+        if model_class(config).rope_half_tables:  # one angle per pair of dims (i, i + d/2): rotate-half's tables
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         tables.append((cos, sin))
     width = max(cos.shape[-1] for cos, _ in tables)  # Gemma 4: global heads are wider; narrower tables zero-padded
 

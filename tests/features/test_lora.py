@@ -83,7 +83,20 @@ def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS, loras=None, logprobs=N
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3_text", "gemma2", "olmo2", "granite", "phi3", "gemma4_text"]
+    "arch",
+    [
+        "llama",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "gemma3_text",
+        "gemma2",
+        "olmo2",
+        "granite",
+        "phi3",
+        "gemma4_text",
+        "qwen3_moe",
+    ],
 )
 def test_greedy_with_adapters_equals_hf_peft(arch, adapters):
     """Under chunked prefill and preemption; two adapters at ranks 8 and 16 on attention and MLP."""
@@ -101,6 +114,19 @@ def test_greedy_with_adapters_equals_hf_peft(arch, adapters):
     stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0
     assert stats.kv_blocks_used == 0
+
+
+def test_adapters_on_a_mixture_of_experts_serve_its_attention(adapters):
+    """Qwen3-MoE: an adapter on the attention projections equals PEFT; one on the experts (PEFT's
+    ``target_parameters``) is refused, naming them."""
+    model_dir, paths = adapters("qwen3_moe")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=16, **stress_engine_args("qwen3_moe"))
+    ours = run(llm, loras=lora(paths[2], 2))
+    for j, ((tokens, _), (ref_tokens, ref_logits)) in enumerate(zip(ours, peft_greedy(model_dir, paths[2]))):
+        assert_greedy_match(tokens, ref_tokens, ref_logits, f"qwen3_moe attention adapter, prompt {j}")
+    with pytest.raises(InvalidRequestError, match="target_parameters"):
+        run(llm, PROMPTS[:1], [4], [lora(paths[0], 0)])
+    assert llm.engine.get_stats().kv_blocks_used == 0
 
 
 def test_mixed_batch_of_four_adapters_and_the_base_equals_each_alone(adapters):
@@ -187,6 +213,15 @@ def test_bad_adapters_are_refused_before_anything_runs(adapters, random_model_di
         half / "adapter_model.safetensors",
     )
     cases["lacks lora_B"] = LoRARequest("half", 1, str(half))
+    experts = tmp_path / "experts"  # PEFT's names for an adapter on a mixture-of-experts layer's experts
+    experts.mkdir()
+    (experts / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    prefix = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_file(
+        {f"{prefix}.lora_A.weight": torch.ones(4, 64), f"{prefix}.lora_B.weight": torch.ones(32, 4)},
+        experts / "adapter_model.safetensors",
+    )
+    cases["the experts of a mixture-of-experts layer"] = LoRARequest("e", 1, str(experts))
     for expected, request in cases.items():
         with pytest.raises(InvalidRequestError, match="(?i)" + re.escape(expected)) as info:
             run(llm, PROMPTS[:1], [4], [request])

@@ -82,6 +82,10 @@ def test_shards_split_by_kv_head_and_replicate_past_them():
         EngineConfig(tensor_parallel_size=0)
 
 
+def assert_no_blocks_held(llm: LLM) -> None:
+    assert llm.engine.get_stats().kv_blocks_used == 0, "blocks leaked"
+
+
 def generate(llm: LLM, params: SamplingParams = GREEDY):
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
@@ -126,6 +130,37 @@ def test_two_ranks_equal_one_on_random_models(tmp_path, tokenizer, arch, overrid
         assert_same_greedy(generate(tp), ref, f"{arch} {overrides}")
     finally:
         tp.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "arch, expert_parallel",
+    [
+        ("mixtral", False),
+        ("qwen3_moe", False),
+        ("olmoe", False),
+        ("gpt_oss", False),
+        ("qwen3_moe", True),
+        ("gpt_oss", True),
+    ],
+    ids=["mixtral", "qwen3-moe", "olmoe", "gpt-oss", "qwen3-moe-ep", "gpt-oss-ep"],
+)
+def test_mixtures_of_experts_over_two_ranks_equal_one(tmp_path, tokenizer, arch, expert_parallel):
+    """Each expert's columns split over the ranks, or (expert parallelism) 4 whole experts per rank; the
+    ranks read their slices from the checkpoint's per-expert (Qwen3-MoE, Mixtral, OLMoE) or fused
+    interleaved (gpt-oss) tensors."""
+    model = str(make_random_model(tmp_path, arch, tokenizer))
+    ref = generate(LLM(model, **STRESS_ENGINE_ARGS))
+    tp = LLM(model, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **STRESS_ENGINE_ARGS)
+    try:
+        assert_same_greedy(generate(tp), ref, f"{arch} expert_parallel={expert_parallel}")
+        assert_no_blocks_held(tp)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_expert_parallelism_needs_an_expert_per_rank(random_model_dir):
+    with pytest.raises(ValueError, match="at least as many experts"):
+        shard_for(SimpleNamespace(**vars(heads(4, 4)), num_experts=2), 0, 4, expert_parallel=True)
 
 
 def test_smollm2_on_two_ranks_equals_one(smol_llm):

@@ -361,6 +361,53 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   });
 }
 
+// The experts of a mixture-of-experts layer at once: rows offsets[g]:offsets[g + 1] of x times group g's
+// weight. out [P, N], x [P, K] contiguous float32; offsets [G + 1] int64; packed [G, tiles, K, 32] (each
+// group's weight as pack_decode_weight lays it out); bias [G, N] or undefined. One parallel loop over
+// (non-empty group, tile): each tile is streamed once for all of its group's rows, and each output is the
+// same FMA chain over k as decode_gemm's.
+void grouped_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [P, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
+                  packed.size(2) == x.size(1) && packed.size(3) == kCols,
+              "packed: float32 [G, tiles, K, 32]");
+  const int64_t groups = packed.size(0), tiles = packed.size(1), k_dim = x.size(1), n_dim = out.size(1);
+  TORCH_CHECK(offsets.dim() == 1 && offsets.is_contiguous() && offsets.scalar_type() == at::kLong &&
+                  offsets.size(0) == groups + 1,
+              "offsets: int64 [G + 1]");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == x.size(0) && (n_dim + kCols - 1) / kCols == tiles, "out: [P, N]");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[groups] <= x.size(0), "offsets outside x");
+  std::vector<int64_t> active;
+  int64_t max_rows = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(off[g + 1] >= off[g], "offsets must not decrease");
+    if (off[g + 1] > off[g]) active.push_back(g);
+    max_rows = std::max(max_rows, off[g + 1] - off[g]);
+  }
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == groups * n_dim, "bias: [G, N]");
+    b = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t items = static_cast<int64_t>(active.size()) * tiles, tile_size = k_dim * kCols;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> acc_buffer;
+    float* acc = aligned(acc_buffer, kScratchInputs ? max_rows * kCols : 0);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = active[i / tiles], t = i % tiles, n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
+      const float* tile = wp + (g * tiles + t) * tile_size;
+      const float* next = i + 1 < end && t + 1 < tiles ? tile + tile_size : nullptr;
+      gemm_tile(xp + off[g] * k_dim, off[g + 1] - off[g], k_dim, tile, nullptr, kQ4, next, nullptr, acc,
+                op + off[g] * n_dim + n0, n_dim, cols, b ? b + g * n_dim + n0 : nullptr);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
@@ -369,6 +416,7 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
 #endif
   m.def(CB_SERVE_OP("decode_gemm_isa") "() -> str", [] { return std::string(isa()); });
   m.def(CB_SERVE_OP("decode_gemm") "(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
+  m.def(CB_SERVE_OP("grouped_gemm") "(Tensor(a!) out, Tensor x, Tensor offsets, Tensor packed, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
@@ -376,4 +424,5 @@ TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
   m.impl("pack_decode_weight", &pack_decode_weight);
 #endif
   m.impl(CB_SERVE_OP("decode_gemm"), &decode_gemm);
+  m.impl(CB_SERVE_OP("grouped_gemm"), &grouped_gemm);
 }

@@ -36,11 +36,13 @@ class AttentionSpec:
     kv_shared: bool = False
     k_eq_v: bool = False  # no v projection: V is the K projection's output, before k's norm and RoPE
     v_norm: type[RMSNorm] | None = None  # a norm over each V head (Gemma 4's, without a weight)
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip after the projection and full-width norms (OLMoE)
 
     def __post_init__(self) -> None:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
         assert self.scale is None or self.scale > 0, self.scale
         assert self.softcap is None or self.softcap > 0, self.softcap
+        assert self.clip_qkv is None or self.clip_qkv > 0, self.clip_qkv
 
 
 def head_dim(config) -> int:
@@ -92,7 +94,7 @@ class Attention(nn.Module):
         if spec.full_width_qk_norm:
             self.q_norm, self.k_norm = full_width_qk_norms(config, shard, tp, self.head_dim)
         self.tp = tp
-        self.softcap = spec.softcap
+        self.softcap, self.clip_qkv = spec.softcap, spec.clip_qkv
         if spec.sinks and not backend.supports_sinks:
             raise ValueError(f"The {backend.name} attention backend has no attention sinks: use triton, cpu or torch.")
         # this rank's heads' sink logits (checkpoint ``self_attn.sinks``, sliced like the heads)
@@ -104,6 +106,8 @@ class Attention(nn.Module):
         if self.full_width_qk_norm:  # over the projections' whole width, before the split into heads
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
         if self.kv_shared:  # q alone: the KV is the source layer's, already in the cache
             q = qkv.view(-1, self.num_heads, self.head_dim)
             q = rope.apply(self.q_norm(q) if self.q_norm is not None else q)

@@ -103,3 +103,22 @@ class Gemma4UnscaledRMSNorm(Gemma4RMSNorm):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
         return (y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).type_as(x)
+
+
+class Float32WeightRMSNorm(RMSNorm):
+    """The weight applied in float32 before the cast back (gpt-oss: ``(w * norm(x.float())).to(dtype)``;
+    Llama casts first). In float32 the two orders are the same products, so float32 keeps Llama's path
+    (the C++ kernel where it runs); other dtypes take PyTorch ops in gpt-oss's order."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * y).to(x.dtype)

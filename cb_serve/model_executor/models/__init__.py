@@ -6,8 +6,10 @@ from __future__ import annotations
 from cb_serve.model_executor.models.gemma2 import Gemma2ForCausalLM
 from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from cb_serve.model_executor.models.gemma4 import Gemma4ForCausalLM
+from cb_serve.model_executor.models.gpt_oss import GptOssForCausalLM
 from cb_serve.model_executor.models.granite import GraniteForCausalLM
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.models.moe_models import MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 from cb_serve.model_executor.models.olmo2 import Olmo2ForCausalLM
 from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -24,6 +26,10 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "olmo2": Olmo2ForCausalLM,
     "granite": GraniteForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "olmoe": OlmoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

@@ -22,6 +22,7 @@ from cb_serve.model_executor.greedy_head import GreedyHead
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
 from cb_serve.model_executor.layers.embedding import VocabParallelEmbedding
 from cb_serve.model_executor.layers.mlp import GatedMLP
+from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
 from cb_serve.model_executor.linear import Linear
@@ -31,12 +32,14 @@ class DecoderLayer(nn.Module):
     """Takes and returns ``(x, residual)``: the hidden state is ``residual + x``, and the add
     happens inside the next norm (HF: ``h = h + attn(norm(h)); h = h + mlp(norm(h))``)."""
 
-    def __init__(self, config, attention: Attention, mlp: GatedMLP) -> None:
+    norm: type[RMSNorm] = RMSNorm
+
+    def __init__(self, config, attention: Attention, mlp: nn.Module) -> None:
         super().__init__()
         fused = attention.use_cpu_ops
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.input_layernorm = self.norm(config.hidden_size, config.rms_norm_eps, fused)
         self.self_attn = attention
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = self.norm(config.hidden_size, config.rms_norm_eps, fused)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta):
@@ -86,6 +89,8 @@ class LlamaForCausalLM(nn.Module):
 
     decoder_layer: type[nn.Module] = DecoderLayer
     norm_class: type[RMSNorm] = RMSNorm
+    # HF's rotary module returns cos/sin for half the rotary dims, each applied to both halves (gpt-oss)
+    rope_half_tables: bool = False
 
     @classmethod
     def rope_layer_types(cls, config) -> list[str] | None:
@@ -102,7 +107,11 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer ``index`` with attention ``spec`` (a model whose layers differ overrides it)."""
         config, shard, tp = self.config, self.shard, self.tp
         attention = Attention(config, backend, spec, shard, tp)
-        return self.decoder_layer(config, attention, GatedMLP(config, shard, tp, self.use_cpu_ops))
+        return self.decoder_layer(config, attention, self.make_mlp(index))
+
+    def make_mlp(self, index: int) -> nn.Module:
+        """Layer ``index``'s feed-forward block: the gated MLP, or (in a mixture-of-experts model) ``FusedMoE``."""
+        return GatedMLP(self.config, self.shard, self.tp, self.use_cpu_ops)
 
     @classmethod
     def attention_specs(cls, config) -> list[AttentionSpec]:
@@ -172,9 +181,6 @@ class LlamaForCausalLM(nn.Module):
             qkv = (w(attn + "q_proj.weight")[q], w(attn + "k_proj.weight")[kv], w(attn + "v_proj.weight")[kv])
             put(dst + "self_attn.qkv_proj.weight", *qkv)
             put(dst + "self_attn.o_proj.weight", w(attn + "o_proj.weight")[:, q])
-            gate_up = w(src + "mlp.gate_proj.weight")[mlp], w(src + "mlp.up_proj.weight")[mlp]
-            put(dst + "mlp.gate_up_proj.weight", *gate_up)
-            put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight")[:, mlp])
             if layer.self_attn.qkv_proj.bias is not None:
                 qkv = (w(attn + "q_proj.bias")[q], w(attn + "k_proj.bias")[kv], w(attn + "v_proj.bias")[kv])
                 put(dst + "self_attn.qkv_proj.bias", *qkv)
@@ -182,6 +188,12 @@ class LlamaForCausalLM(nn.Module):
                 put(dst + "self_attn.o_proj.bias", w(attn + "o_proj.bias"))
             if layer.self_attn.sinks is not None:  # one logit per query head: this rank's heads
                 put(dst + "self_attn.sinks", w(attn + "sinks")[shard.q_heads.start : shard.q_heads.stop])
+            if isinstance(layer.mlp, FusedMoE):
+                layer.mlp.load_hf_weights(state, src)
+                continue
+            gate_up = w(src + "mlp.gate_proj.weight")[mlp], w(src + "mlp.up_proj.weight")[mlp]
+            put(dst + "mlp.gate_up_proj.weight", *gate_up)
+            put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight")[:, mlp])
             if layer.mlp.gate_up_proj.bias is not None:
                 put(dst + "mlp.gate_up_proj.bias", w(src + "mlp.gate_proj.bias")[mlp], w(src + "mlp.up_proj.bias")[mlp])
             if layer.mlp.down_proj.bias is not None:
@@ -192,7 +204,10 @@ class LlamaForCausalLM(nn.Module):
         and, with the C++ kernels, copies packed for ``decode_gemm`` at decode sizes (see ``Linear``)."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            dense = () if isinstance(mlp, FusedMoE) else (mlp.gate_up_proj, mlp.down_proj)
+            for linear in (attn.qkv_proj, attn.o_proj, *dense):
                 linear.prepare_for_cpu(pack=self.use_cpu_ops)
+            if isinstance(mlp, FusedMoE):
+                mlp.prepare_for_cpu(pack=self.use_cpu_ops)
         tied = self.lm_head.weight is self.embed_tokens.weight
         self.lm_head.prepare_for_cpu(pack=self.use_cpu_ops, transpose=not tied)

@@ -60,14 +60,19 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor | LazyTensor]) -> None:
         """Llama's loading, with the q/k norm weights cut to this rank's heads."""
-        head_dim, shard = self.layers[0].self_attn.head_dim, self.shard
-        rows = {
-            "q_norm": (shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim),
-            "k_norm": (shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim),
-        }
-        extra = {}
-        for i in range(len(self.layers)):
-            for norm, (start, stop) in rows.items():
-                name = f"model.layers.{i}.self_attn.{norm}.weight"
-                extra[name] = Rows(state[name], start, stop)
-        super().load_hf_state_dict(StateView(state, extra))
+        super().load_hf_state_dict(full_width_norm_rows(self, state))
+
+
+def full_width_norm_rows(model: LlamaForCausalLM, state: Mapping[str, torch.Tensor | LazyTensor]) -> StateView:
+    """``state`` with each layer's full-width q/k norm weights cut to ``model``'s rank's heads."""
+    head_dim, shard = model.layers[0].self_attn.head_dim, model.shard
+    rows = {
+        "q_norm": (shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim),
+        "k_norm": (shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim),
+    }
+    extra = {}
+    for i in range(len(model.layers)):
+        for norm, (start, stop) in rows.items():
+            name = f"model.layers.{i}.self_attn.{norm}.weight"
+            extra[name] = Rows(state[name], start, stop)
+    return StateView(state, extra)

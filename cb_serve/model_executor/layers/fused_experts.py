@@ -1,0 +1,146 @@
+"""The experts of a mixture-of-experts layer over one step's tokens, batched by expert.
+
+HF transformers loops over the hit experts in Python, gathering each one's tokens. Here the step's
+(token, expert) pairs are sorted by expert once (``route_pairs``), so each expert's tokens are one
+contiguous run of rows, and a grouped GEMM (``ExpertGemm``: a backend per device) reads each active
+expert's weights once for all of its rows: ``x[pairs] @ w13[e]^T`` -> activation -> ``@ w2[e]^T``.
+
+Exactness against HF (float32): each pair's output is scaled by its routing weight in the same dtype,
+and each token's outputs are summed in ascending expert order starting from zero, which is the order
+HF's per-expert ``index_add_`` adds them in. Only the GEMMs' own summation order may differ.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cb_serve import cpu_ops
+
+
+@dataclass
+class ExpertRouting:
+    """The step's (token, expert) pairs that this rank's experts serve, sorted by expert."""
+
+    pair_tokens: torch.Tensor  # [P] the token of each pair
+    pair_weights: torch.Tensor  # [P] its routing weight
+    pair_slots: torch.Tensor  # [P] its place in the [T * top_k] expert-ordered layout ``combine`` sums
+    offsets: torch.Tensor  # [E_local + 1] int64: expert e's pairs are rows offsets[e]:offsets[e + 1]
+    num_tokens: int
+    top_k: int
+
+
+def route_pairs(weights: torch.Tensor, ids: torch.Tensor, experts: range, num_experts: int) -> ExpertRouting:
+    """Pairs of the router's choice (``weights``/``ids`` ``[T, top_k]``) that go to ``experts`` (this
+    rank's run of the ``num_experts``), sorted by expert (stable: tokens in order within an expert)."""
+    num_tokens, top_k = ids.shape
+    ids, order_in_row = ids.sort(dim=1)  # each token's experts ascending: the order its outputs are summed in
+    weights = weights.gather(1, order_in_row)
+    local = ids.reshape(-1) - experts.start
+    outside = (local < 0) | (local >= len(experts))
+    local = local.masked_fill(outside, len(experts))  # a last bucket for other ranks' experts, dropped
+    slots = torch.sort(local, stable=True).indices
+    counts = torch.bincount(local, minlength=len(experts) + 1)[: len(experts)]
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    if len(experts) < num_experts:  # expert parallelism: other ranks' pairs sorted last, cut off
+        slots = slots[: int(offsets[-1])]
+    return ExpertRouting(
+        pair_tokens=slots // top_k,
+        pair_weights=weights.reshape(-1)[slots],
+        pair_slots=slots,
+        offsets=offsets,
+        num_tokens=num_tokens,
+        top_k=top_k,
+    )
+
+
+def combine(y: torch.Tensor, routing: ExpertRouting, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, H]``: each token's pair outputs ``y`` (routing weight applied) summed in ascending expert order."""
+    full = y.new_zeros(routing.num_tokens * routing.top_k, y.shape[1])
+    full[routing.pair_slots] = y
+    full = full.view(routing.num_tokens, routing.top_k, -1).to(dtype)
+    out = torch.zeros_like(full[:, 0])
+    for j in range(routing.top_k):  # HF: zeros, then index_add_ per expert in ascending order
+        out += full[:, j]
+    return out
+
+
+class ExpertGemm(ABC):
+    """``out[rows of e] = x[rows of e] @ weight[e]^T (+ bias[e])`` for every expert ``e`` at once."""
+
+    name: str
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[E, N, K]`` in the layout this backend reads (by default unchanged)."""
+        return weight
+
+    @abstractmethod
+    def __call__(
+        self, x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+
+class TorchExpertGemm(ExpertGemm):
+    """The reference: one ``F.linear`` per expert with rows, as HF's loop runs it."""
+
+    name = "torch"
+
+    def __call__(self, x, offsets, weight, n, bias):
+        out = x.new_empty(x.shape[0], n)
+        bounds = offsets.tolist()
+        for e in range(len(bounds) - 1):
+            start, stop = bounds[e], bounds[e + 1]
+            if stop > start:
+                out[start:stop] = F.linear(x[start:stop], weight[e], None if bias is None else bias[e])
+        return out
+
+
+class CpuExpertGemm(ExpertGemm):
+    """The C++ grouped GEMM (``cpu_ops.grouped_gemm``) over weights packed per expert for ``decode_gemm``'s
+    tiles: one parallel loop over (expert, tile of 32 output columns), each tile streamed once for all of
+    that expert's rows."""
+
+    name = "cpu"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.stack([cpu_ops.pack_decode_weight(w) for w in weight])
+
+    def __call__(self, x, offsets, weight, n, bias):
+        return cpu_ops.grouped_gemm(x.contiguous(), offsets, weight, n, bias)
+
+
+def expert_gemm(device: torch.device, dtype: torch.dtype, use_cpu_ops: bool) -> ExpertGemm:
+    """The grouped GEMM for a layer: C++ on CPU for float32 weights where the kernels built, Triton on CUDA
+    where it imports, else the reference."""
+    if device.type == "cpu" and dtype == torch.float32 and use_cpu_ops and cpu_ops.available():
+        return CpuExpertGemm()
+    if device.type == "cuda":
+        from cb_serve.model_executor.layers import fused_experts_triton as ft  # imports this module
+
+        if ft.triton is not None and dtype in ft.DTYPES:
+            return ft.TritonExpertGemm()
+    return TorchExpertGemm()
+
+
+def fused_experts(
+    x: torch.Tensor,
+    routing: ExpertRouting,
+    gemm: ExpertGemm,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    sizes: tuple[int, int],
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T, H]``: this rank's experts' share of the layer's output. ``w13`` ``[E, 2I, K]`` (gate rows, then
+    up) and ``w2`` ``[E, H, I]`` in ``gemm``'s layout; ``sizes``: (2I, H); ``activation``: [P, 2I] -> [P, I]."""
+    xs = x[routing.pair_tokens]
+    h = activation(gemm(xs, routing.offsets, w13, sizes[0], b13))
+    y = gemm(h, routing.offsets, w2, sizes[1], b2)
+    y = y * routing.pair_weights[:, None]  # HF: ``out * top_k_weights[...]``, in the promoted dtype
+    return combine(y, routing, x.dtype)

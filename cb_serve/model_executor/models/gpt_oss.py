@@ -1,0 +1,47 @@
+"""gpt-oss: attention with biases and a learned sink logit per head, sliding-window and global layers
+alternating (``layer_types``), YaRN RoPE (HF's rotary module computes the tables, ``loader.rope_tables``;
+its cos/sin cover half the head, applied to both halves); RMSNorm applying its weight in float32; and a
+mixture of experts whose router takes the top k logits (with a bias) and softmaxes over them, with
+biased experts and a clamped SwiGLU (``(up + 1) * gate * sigmoid(1.702 gate)``) over gate/up columns
+stored interleaved. MXFP4 checkpoints are dequantized by transformers as it loads them.
+Follows ``transformers.models.gpt_oss.modeling_gpt_oss`` op for op."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from cb_serve.model_executor.layers.attention import AttentionSpec, layer_windows
+from cb_serve.model_executor.layers.moe import FusedMoE, MoESpec
+from cb_serve.model_executor.layers.moe_router import RouterSpec
+from cb_serve.model_executor.layers.norm import Float32WeightRMSNorm
+from cb_serve.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
+from cb_serve.model_executor.models.moe_models import num_experts
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    norm = Float32WeightRMSNorm
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    decoder_layer = GptOssDecoderLayer
+    norm_class = Float32WeightRMSNorm
+    rope_half_tables = True
+
+    @classmethod
+    def attention_specs(cls, config) -> list[AttentionSpec]:
+        bias = getattr(config, "attention_bias", True)
+        return [AttentionSpec(window, bias, bias, sinks=True) for window in layer_windows(config)]
+
+    def make_mlp(self, index: int) -> nn.Module:
+        c = self.config
+        router = RouterSpec(num_experts(c), c.num_experts_per_tok, scoring="topk_softmax", bias=True)
+        spec = MoESpec(
+            router,
+            c.intermediate_size,
+            "swiglu_oai",
+            expert_bias=True,
+            interleaved=True,
+            swiglu_alpha=getattr(c, "swiglu_alpha", 1.702),
+            swiglu_limit=getattr(c, "swiglu_limit", 7.0),
+        )
+        return FusedMoE(c.hidden_size, spec, self.shard, self.tp, self.use_cpu_ops)

@@ -1,0 +1,141 @@
+"""The mixture-of-experts pieces against HF transformers' own modules and the torch reference:
+
+- the routers equal HF's ``*TopKRouter`` modules bit for bit (weights and ids);
+- the expert loop (``fused_experts`` over ``TorchExpertGemm``) equals HF's ``*Experts.forward`` bit for bit:
+  the same GEMMs per expert, the same weighting, the same summation order (gpt-oss: to float32 rounding,
+  as HF runs its GEMMs on the weight as stored, ``[H, 2I]``, then adds the bias);
+- the C++ grouped GEMM equals ``decode_gemm`` run per expert bit for bit (the same FMA chain per output),
+  and HF's per-expert ``F.linear`` within float32 summation-order error: both sum K products of the same
+  float32 numbers, in a different order (MKL's blocked sums, ``decode_gemm``'s sequential chain), so each
+  output differs by at most about K * 2^-24 * sum|x_k w_k|; the check allows 1e-5 of that scale;
+- expert parallelism: the ranks' shares sum to the whole.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tiny_config
+
+from cb_serve import cpu_ops
+from cb_serve.model_executor.layers.fused_experts import (
+    CpuExpertGemm,
+    TorchExpertGemm,
+    fused_experts,
+    route_pairs,
+)
+from cb_serve.model_executor.layers.moe import MoESpec, activation_fn
+from cb_serve.model_executor.layers.moe_router import RouterSpec, select_experts
+from cb_serve.model_executor.layers.moe_weights import read_experts
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="cb_serve CPU kernels did not build here")
+
+
+def hf_block(arch: str, seed: int = 0):
+    """The first layer's MoE block of a tiny random ``arch`` model, with non-trivial biases."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, 256), dtype=torch.float32)
+    block = model.model.layers[0].mlp
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    return model.config, block
+
+
+ROUTERS = {
+    "mixtral": lambda c: RouterSpec(8, 2, renormalize=True, float32_weights=True),
+    "qwen3_moe": lambda c: RouterSpec(8, 2, renormalize=True),
+    "olmoe": lambda c: RouterSpec(8, 2, renormalize=False),
+    "gpt_oss": lambda c: RouterSpec(8, 2, scoring="topk_softmax", bias=True),
+}
+
+
+@pytest.mark.parametrize("arch", list(ROUTERS))
+def test_routers_equal_hf(arch):
+    config, block = hf_block(arch)
+    router = block.router if arch == "gpt_oss" else block.gate
+    x = torch.randn(37, config.hidden_size)
+    _, ref_weights, ref_ids = router(x)
+    weights, ids = select_experts(
+        torch.nn.functional.linear(x, router.weight, getattr(router, "bias", None)), ROUTERS[arch](config)
+    )
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    assert weights.dtype == ref_weights.dtype
+
+
+def spec_of(arch: str, config) -> MoESpec:
+    if arch == "gpt_oss":
+        return MoESpec(ROUTERS[arch](config), config.intermediate_size, "swiglu_oai", True, True)
+    return MoESpec(ROUTERS[arch](config), getattr(config, "moe_intermediate_size", config.intermediate_size))
+
+
+def ours(arch: str, config, block, x, gemm, use_cpu_ops: bool = False, experts: range = range(8)):
+    spec = spec_of(arch, config)
+    router = block.router if arch == "gpt_oss" else block.gate
+    weights, ids = select_experts(
+        torch.nn.functional.linear(x, router.weight, getattr(router, "bias", None)), spec.router
+    )
+    state = {f"model.layers.0.mlp.{k}": v for k, v in block.state_dict().items()}
+    parts = read_experts(state, "model.layers.0.", experts, range(spec.intermediate_size), spec.interleaved)
+    w13, w2 = gemm.prepare(parts["w13"]), gemm.prepare(parts["w2"])
+    routing = route_pairs(weights, ids, experts, 8)
+    sizes = (2 * spec.intermediate_size, config.hidden_size)
+    act = activation_fn(spec, use_cpu_ops)
+    return fused_experts(x, routing, gemm, w13, w2, sizes, act, parts.get("b13"), parts.get("b2"))
+
+
+@pytest.mark.parametrize("arch", list(ROUTERS))
+def test_the_expert_loop_equals_hf_bit_for_bit(arch):
+    config, block = hf_block(arch)
+    x = torch.randn(37, config.hidden_size)
+    with torch.no_grad():
+        ref = block(x[None])
+        ref = (ref[0] if isinstance(ref, tuple) else ref)[0]
+        got = ours(arch, config, block, x, TorchExpertGemm())
+    if arch == "gpt_oss":  # HF multiplies by the [H, 2I] weight as stored, then adds the bias: another GEMM
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)  # layout than F.linear's, same products
+    else:
+        assert torch.equal(got, ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 200])
+def test_the_cpu_kernel_equals_the_reference(arch, tokens):
+    config, block = hf_block(arch, seed=tokens)
+    x = torch.randn(tokens, config.hidden_size)
+    with torch.no_grad():
+        ref = ours(arch, config, block, x, TorchExpertGemm())
+        got = ours(arch, config, block, x, CpuExpertGemm(), use_cpu_ops=True)
+    scale = ref.abs().max().item() + 1.0
+    assert (got - ref).abs().max().item() <= 1e-5 * scale
+
+
+@needs_kernels
+def test_grouped_gemm_is_decode_gemm_per_expert():
+    torch.manual_seed(0)
+    counts = [3, 0, 17, 1, 40, 0]
+    weight, bias = torch.randn(len(counts), 70, 96), torch.randn(len(counts), 70)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    x = torch.randn(sum(counts), 96)
+    packed = CpuExpertGemm().prepare(weight)
+    out = cpu_ops.grouped_gemm(x, offsets, packed, 70, bias)
+    per_expert = [
+        cpu_ops.decode_gemm(x[offsets[e] : offsets[e + 1]].contiguous(), packed[e], 70, bias[e])
+        for e in range(len(counts))
+        if counts[e]
+    ]
+    assert torch.equal(out, torch.cat(per_expert))
+    assert cpu_ops.grouped_gemm(x[:0], torch.zeros(7, dtype=torch.long), packed, 70, None).shape == (0, 70)
+
+
+def test_expert_parallel_shares_sum_to_the_whole():
+    config, block = hf_block("qwen3_moe")
+    x = torch.randn(29, config.hidden_size)
+    with torch.no_grad():
+        whole = ours("qwen3_moe", config, block, x, TorchExpertGemm())
+        shares = [ours("qwen3_moe", config, block, x, TorchExpertGemm(), experts=r) for r in (range(0, 3), range(3, 8))]
+    torch.testing.assert_close(shares[0] + shares[1], whole, rtol=1e-6, atol=1e-6)
