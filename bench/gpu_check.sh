@@ -19,7 +19,8 @@ CARRY=.gpu_carry
 # What the GPU image lacks (pure Python or small; cp312 manylinux builds), at the versions CI tests.
 WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
         typing-extensions==4.16.0 llguidance==1.9.1 gguf==0.19.0)
-GPU_TESTS=(tests/kernels/test_gpu_path.py tests/kernels/test_triton_attention.py tests/features/test_tensor_parallel.py)
+GPU_TESTS=(tests/kernels/test_gpu_path.py tests/kernels/test_triton_attention.py tests/kernels/test_fused_experts_triton.py
+           tests/features/test_tensor_parallel.py)
 MAX_BYTES=$((64 << 20))
 
 travelling_bytes() {  # this tree as the device tool sends it (tracked and untracked-not-ignored files) + the carry

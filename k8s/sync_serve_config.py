@@ -2,7 +2,8 @@
 
 ``python k8s/sync_serve_config.py`` copies each config file verbatim (comments included) into
 its manifest's ``serveConfigV2: |`` block (``MANIFESTS``: k8s/rayservice.yaml from
-deploy/config.gpu.yaml, k8s/rayservice-tp.yaml from deploy/config.tp.yaml); ``--check`` only
+deploy/config.gpu.yaml, k8s/rayservice-tp.yaml from deploy/config.tp.yaml,
+k8s/rayservice-moe.yaml from deploy/config.moe.yaml); ``--check`` only
 reports which differ (tests/deploy/test_k8s.py runs the same comparison). Edit the Serve configs in
 deploy/, never in the manifests.
 """
@@ -18,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = {
     ROOT / "k8s" / "rayservice.yaml": ROOT / "deploy" / "config.gpu.yaml",
     ROOT / "k8s" / "rayservice-tp.yaml": ROOT / "deploy" / "config.tp.yaml",
+    ROOT / "k8s" / "rayservice-moe.yaml": ROOT / "deploy" / "config.moe.yaml",
 }
 KEY = "  serveConfigV2: |"
 INDENT = "    "

@@ -18,7 +18,7 @@ from cb_serve.serve.engine_replica import EngineReplica  # noqa: E402
 from cb_serve.serve.router import Router  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-CONFIGS = ["config.yaml", "config.gemma3.yaml", "config.gpu.yaml", "config.tp.yaml"]
+CONFIGS = ["config.yaml", "config.gemma3.yaml", "config.gpu.yaml", "config.tp.yaml", "config.moe.yaml"]
 
 
 def load(name: str) -> dict:
@@ -88,8 +88,9 @@ def test_app_args_reject_unknown_keys_and_bad_values():
         AppArgs.model_validate({"engine_replica": {"num_replica": 2}})
 
 
-def test_tp_config_declares_one_gpu_bundle_per_rank_on_one_node():
-    config = schema.ServeDeploySchema.model_validate(load("config.tp.yaml"))
+@pytest.mark.parametrize("name", ["config.tp.yaml", "config.moe.yaml"])
+def test_tp_config_declares_one_gpu_bundle_per_rank_on_one_node(name):
+    config = schema.ServeDeploySchema.model_validate(load(name))
     (app,) = config.applications
     size = AppArgs.model_validate(app.args).engine["tensor_parallel_size"]
     engine = next(d for d in app.deployments if d.name == EngineReplica.name)

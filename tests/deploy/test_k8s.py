@@ -2,9 +2,9 @@
 k8s/ parses and every document in it is validated against the schema of its kind. No cluster
 needed.
 
-- RayService: two, k8s/rayservice.yaml (one GPU per engine replica, autoscaled) and
-  k8s/rayservice-tp.yaml (tensor-parallel engine replicas on multi-GPU pods), with names apart so
-  both fit in one namespace. Each against KubeRay's CRD (``../shared/schemas/ray.io_rayservices.yaml``,
+- RayService: three, k8s/rayservice.yaml (one GPU per engine replica, autoscaled),
+  k8s/rayservice-tp.yaml (tensor-parallel engine replicas on multi-GPU pods) and k8s/rayservice-moe.yaml
+  (the same for a mixture of experts, with expert parallelism), with names apart so all fit in one namespace. Each against KubeRay's CRD (``../shared/schemas/ray.io_rayservices.yaml``,
   skipped when absent), with no field the API server would prune; its serveConfigV2 is its config
   in deploy/ verbatim (``RAYSERVICES``) and valid for Ray Serve; object store within /dev/shm,
   Guaranteed QoS, Secrets by reference, the model cache on the PVC, the upgrade strategy; the
@@ -47,10 +47,14 @@ K8S = ROOT / "k8s"
 CRD = ROOT.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"  # ../shared/schemas from the repo root
 MANIFESTS = sorted(K8S.glob("*.yaml"))
 # Each RayService manifest in k8s/ and the Serve config in deploy/ its serveConfigV2 is.
-RAYSERVICES = {"rayservice.yaml": "config.gpu.yaml", "rayservice-tp.yaml": "config.tp.yaml"}
-GPU, TP = "rayservice.yaml", "rayservice-tp.yaml"
+RAYSERVICES = {
+    "rayservice.yaml": "config.gpu.yaml",
+    "rayservice-tp.yaml": "config.tp.yaml",
+    "rayservice-moe.yaml": "config.moe.yaml",
+}
+GPU, TP, MOE = "rayservice.yaml", "rayservice-tp.yaml", "rayservice-moe.yaml"
 # (manifest, group): the head and the worker group of each RayService.
-GROUPS = [(GPU, "head"), (GPU, "gpu"), (TP, "head"), (TP, "gpu-tp")]
+GROUPS = [(GPU, "head"), (GPU, "gpu"), (TP, "head"), (TP, "gpu-tp"), (MOE, "head"), (MOE, "gpu-moe")]
 
 
 def docs(path: Path) -> list[dict[str, Any]]:
@@ -121,6 +125,7 @@ def test_every_manifest_parses():
     assert {p.name for p in MANIFESTS} >= {
         "rayservice.yaml",
         "rayservice-tp.yaml",
+        "rayservice-moe.yaml",
         "podmonitors.yaml",
         "prometheusrule.yaml",
         "model-cache.yaml",
@@ -203,6 +208,9 @@ GPU_OVERRIDES = [
 # The tensor-parallel application (deploy/config.tp.yaml) may also declare the engine replicas'
 # placement groups (tensor_parallel_size itself is an engine argument).
 TP_OVERRIDES = GPU_OVERRIDES + ["applications.0.deployments.*.placement_group_*"]
+# The mixture-of-experts application (deploy/config.moe.yaml): the TP one with its own model and
+# expert parallelism on.
+MOE_OVERRIDES = TP_OVERRIDES + ["applications.0.args.model", "applications.0.args.engine.enable_expert_parallel"]
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -238,15 +246,20 @@ def with_parsed_args(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "applications": apps}
 
 
-def test_tp_serve_config_is_the_laptop_config_plus_documented_overrides():
-    """As for the GPU config; the TP config leaves the routing knobs out, so args are compared as
+@pytest.mark.parametrize("manifest, overrides", [(TP, TP_OVERRIDES), (MOE, MOE_OVERRIDES)], ids=["tp", "moe"])
+def test_tp_serve_config_is_the_laptop_config_plus_documented_overrides(manifest, overrides):
+    """As for the GPU config; the TP configs leave the routing knobs out, so args are compared as
     the app reads them (an omitted key equals the laptop config's only when that is the default)."""
     cpu = flatten(with_parsed_args(yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())))
-    tp = flatten(with_parsed_args(yaml.safe_load(rayservice(TP)["spec"]["serveConfigV2"])))
-    undocumented = undocumented_overrides(cpu, tp, TP_OVERRIDES)
-    assert not undocumented, f"serveConfigV2 differs from deploy/config.yaml beyond the TP overrides: {undocumented}"
+    tp = flatten(with_parsed_args(yaml.safe_load(rayservice(manifest)["spec"]["serveConfigV2"])))
+    undocumented = undocumented_overrides(cpu, tp, overrides)
+    assert not undocumented, f"serveConfigV2 differs from deploy/config.yaml beyond the overrides: {undocumented}"
     assert tp["applications.0.args.engine.tensor_parallel_size"] > 1
-    for key in ("applications.0.import_path", "applications.0.args.model", "http_options.port"):
+    assert tp.get("applications.0.args.engine.enable_expert_parallel", False) == (manifest == MOE)
+    same = ("applications.0.import_path", "http_options.port") + (
+        ("applications.0.args.model",) if manifest == TP else ()
+    )
+    for key in same:
         assert tp[key] == cpu[key]
 
 
@@ -287,11 +300,12 @@ def test_cluster_shape_matches_the_serve_config():
     assert float(limits["cpu"]) >= cpus_needed
 
 
-def test_tp_worker_pods_hold_whole_engine_replica_placement_groups():
+@pytest.mark.parametrize("manifest", [TP, MOE])
+def test_tp_worker_pods_hold_whole_engine_replica_placement_groups(manifest):
     """A placement group is placed on one Ray node (STRICT_PACK), and a Ray node is a pod: one
     pod must hold all of an engine replica's bundles, with CPUs left for the routers that land
     there (all of them when there is one pod); the pods must hold every engine replica."""
-    rs = rayservice(TP)
+    rs = rayservice(manifest)
     (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     limits = container(group)["resources"]["limits"]
     pod_gpus, pod_cpus = int(limits["nvidia.com/gpu"]), quantity(limits["cpu"])

@@ -34,6 +34,13 @@ class ExpertRouting:
     top_k: int
 
 
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of ``ids`` name each of ``num_experts`` experts (``bincount`` sizes its output from the data:
+    a device-to-host sync, which a CUDA graph cannot capture)."""
+    ids = ids.reshape(-1)
+    return ids.new_zeros(num_experts).scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def route_pairs(weights: torch.Tensor, ids: torch.Tensor, experts: range, num_experts: int) -> ExpertRouting:
     """Pairs of the router's choice (``weights``/``ids`` ``[T, top_k]``) that go to ``experts`` (this
     rank's run of the ``num_experts``), sorted by expert (stable: tokens in order within an expert)."""
@@ -44,7 +51,7 @@ def route_pairs(weights: torch.Tensor, ids: torch.Tensor, experts: range, num_ex
     outside = (local < 0) | (local >= len(experts))
     local = local.masked_fill(outside, len(experts))  # a last bucket for other ranks' experts, dropped
     slots = torch.sort(local, stable=True).indices
-    counts = torch.bincount(local, minlength=len(experts) + 1)[: len(experts)]
+    counts = count_per_expert(local, len(experts) + 1)[: len(experts)]
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     if len(experts) < num_experts:  # expert parallelism: other ranks' pairs sorted last, cut off
         slots = slots[: int(offsets[-1])]

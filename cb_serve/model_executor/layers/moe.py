@@ -25,6 +25,7 @@ from cb_serve.model_executor.layers.fused_experts import (
     CpuExpertGemm,
     ExpertGemm,
     TorchExpertGemm,
+    count_per_expert,
     expert_gemm,
     fused_experts,
     route_pairs,
@@ -98,11 +99,11 @@ class FusedMoE(nn.Module):
         self.use_cpu_ops = use_cpu_ops
         self.activation = activation_fn(spec, use_cpu_ops)
         self.gemm: ExpertGemm | None = None  # chosen on first use, by device and dtype (``prepare_for_cpu``)
-        self.expert_load: torch.Tensor | None = None
+        self.register_buffer("expert_load", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.spec.router)
-        self.expert_load = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        self.expert_load.copy_(count_per_expert(ids, self.num_experts))  # in place: replayed CUDA graphs update it
         if self.gemm is None:
             self.gemm = expert_gemm(x.device, x.dtype, use_cpu_ops=False)
         routing = route_pairs(weights, ids, self.experts, self.num_experts)
@@ -113,6 +114,7 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping, prefix: str) -> None:
         """This rank's slice of the block under ``prefix`` (``model.layers.{i}.``), any layout ``moe_weights`` reads."""
+        self.expert_load.zero_()  # the loader allocates buffers uninitialized
         weight, bias = read_router(state, prefix)
         self.gate.weight.copy_(weight)
         if self.gate.bias is not None:

@@ -7,7 +7,9 @@
   (gate), ``w3`` (up), ``w2`` (down) and ``block_sparse_moe.gate.weight``.
 - **gpt-oss**: ``mlp.experts.gate_up_proj`` ``[E, H, 2I]`` with gate and up columns interleaved,
   ``down_proj`` ``[E, I, H]``, biases ``gate_up_proj_bias`` / ``down_proj_bias``, the router
-  ``mlp.router.weight`` / ``bias``. MXFP4 checkpoints reach here dequantized by transformers.
+  ``mlp.router.weight`` / ``bias``. Its MXFP4 checkpoints (``gate_up_proj_blocks`` / ``_scales``: rows are
+  output features, 32 FP4 e2m1 codes per block, low nibble first, one e8m0 exponent per block) reach here
+  dequantized by transformers, or, read lazily by a tensor-parallel rank, are dequantized here (``mxfp4``).
 
 Each is returned in one layout: ``w13`` ``[experts, 2 * columns, H]`` and ``w2`` ``[experts, H, columns]``.
 """
@@ -21,6 +23,28 @@ import torch
 from cb_serve.model_executor.checkpoint import LazyTensor, materialize
 
 State = Mapping[str, "torch.Tensor | LazyTensor"]
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., rows, 32 * groups]`` from MXFP4 ``blocks`` ``[..., rows, groups, 16]`` (two codes a byte,
+    the low nibble first) and e8m0 ``scales`` ``[..., rows, groups]`` (exponent + 127). Either may arrive as
+    another dtype holding the byte values (a lazy checkpoint casts what it reads)."""
+    blocks, scales = blocks.to(torch.uint8), scales.to(torch.int32) - 127
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., groups, 32]
+    values = torch.ldexp(lut[codes], scales[..., None].float())
+    return values.flatten(-2)
+
+
+def _expert_weight(state: State, name: str, experts: slice) -> torch.Tensor:
+    """gpt-oss's ``name`` (``[E, in, out]``) for ``experts``, from the tensor or from its MXFP4 blocks."""
+    if name in state:
+        return materialize(state[name][experts])
+    blocks, scales = materialize(state[name + "_blocks"][experts]), materialize(state[name + "_scales"][experts])
+    return mxfp4(blocks, scales).transpose(1, 2)
 
 
 def _block(state: State, prefix: str) -> str:
@@ -53,12 +77,10 @@ def read_experts(
     e, c = slice(experts.start, experts.stop), slice(columns.start, columns.stop)
     fused = block + "experts.gate_up_proj"
     if interleaved:
-        gate_up = materialize(state[fused][e])  # [E, H, 2I]: column 2i is gate i, 2i + 1 is up i
+        gate_up = _expert_weight(state, fused, e)  # [E, H, 2I]: column 2i is gate i, 2i + 1 is up i
         gate, up = gate_up[..., 0::2][..., c], gate_up[..., 1::2][..., c]
-        out = {
-            "w13": torch.cat([gate, up], dim=-1).transpose(1, 2),
-            "w2": materialize(state[block + "experts.down_proj"][e, c]).transpose(1, 2),
-        }
+        down = _expert_weight(state, block + "experts.down_proj", e)[:, c]
+        out = {"w13": torch.cat([gate, up], dim=-1).transpose(1, 2), "w2": down.transpose(1, 2)}
         if fused + "_bias" in state:
             bias = materialize(state[fused + "_bias"][e])
             out["b13"] = torch.cat([bias[:, 0::2][:, c], bias[:, 1::2][:, c]], dim=-1)
