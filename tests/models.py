@@ -76,6 +76,23 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "final_logit_softcapping": 8.0,
         },
     ),
+    # Gemma 4's MoE block beside the dense MLP (router with its own norm, input scale and per-expert scales)
+    "gemma4_moe": (
+        "Gemma4TextConfig",
+        {
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,  # (global layers take num_global_key_value_heads only with it)
+            "sliding_window": 40,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "hidden_size_per_layer_input": 0,
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
     # post-norms only, q/k norms over all heads' width
     "olmo2": ("Olmo2Config", {}),
     # the four multipliers: embedding, residual, score scale, logits
@@ -160,6 +177,8 @@ def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **co
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("scale"):  # Gemma 4's router: input and per-expert scales
+                p.copy_(0.5 + torch.rand_like(p))
         for name, b in model.named_buffers():  # Gemma 4's per-layer output scale
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))

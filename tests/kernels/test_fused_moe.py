@@ -139,3 +139,26 @@ def test_expert_parallel_shares_sum_to_the_whole():
         whole = ours("qwen3_moe", config, block, x, TorchExpertGemm())
         shares = [ours("qwen3_moe", config, block, x, TorchExpertGemm(), experts=r) for r in (range(0, 3), range(3, 8))]
     torch.testing.assert_close(shares[0] + shares[1], whole, rtol=1e-6, atol=1e-6)
+
+
+def test_gemma4_router_equals_hf():
+    """Gemma 4's router: its own unscaled norm, input scale, softmax, top k renormalized, per-expert scales."""
+    import transformers
+
+    from cb_serve.model_executor.models.gemma4 import Gemma4Router
+
+    torch.manual_seed(0)
+    config = tiny_config("gemma4_moe", 256)
+    hf = transformers.models.gemma4.modeling_gemma4.Gemma4TextRouter(config)
+    with torch.no_grad():
+        hf.scale.copy_(0.5 + torch.rand_like(hf.scale))
+        hf.per_expert_scale.copy_(0.5 + torch.rand_like(hf.per_expert_scale))
+    ours = Gemma4Router(config.hidden_size, config.num_experts, config.rms_norm_eps)
+    ours.load_state_dict({"scale": hf.scale, "proj.weight": hf.proj.weight})
+    spec = RouterSpec(8, 2, renormalize=True, float32_weights=True, per_expert_scale=True)
+    x = torch.randn(37, config.hidden_size)
+    with torch.no_grad():
+        _, ref_weights, ref_ids = hf(x)
+        weights, ids = select_experts(ours(x), spec)
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(weights * hf.per_expert_scale[ids], ref_weights)

@@ -81,8 +81,16 @@ class FusedMoE(nn.Module):
     """``forward(x [T, H]) -> [T, H]``; ``expert_load``: tokens per expert (all experts) of the last forward."""
 
     def __init__(
-        self, hidden_size: int, spec: MoESpec, shard: TensorParallelShard, tp: TensorParallelGroup, use_cpu_ops: bool
+        self,
+        hidden_size: int,
+        spec: MoESpec,
+        shard: TensorParallelShard,
+        tp: TensorParallelGroup,
+        use_cpu_ops: bool,
+        router: nn.Module | None = None,
     ) -> None:
+        """``router``: a module from hidden states to expert logits, where a model's router is more than one
+        linear layer (Gemma 4); by default ``nn.Linear`` (with a bias where ``spec.router.bias``)."""
         super().__init__()
         self.spec, self.tp, self.hidden_size = spec, tp, hidden_size
         self.num_experts = spec.router.num_experts
@@ -90,7 +98,9 @@ class FusedMoE(nn.Module):
         self.columns = shard.expert_columns(spec.intermediate_size)
         num_local, columns = len(self.experts), len(self.columns)
         self.intermediate_size = columns
-        self.gate = nn.Linear(hidden_size, self.num_experts, bias=spec.router.bias)  # replicated on every rank
+        self.gate = router or nn.Linear(hidden_size, self.num_experts, bias=spec.router.bias)  # on every rank
+        scale = spec.router.per_expert_scale
+        self.per_expert_scale = nn.Parameter(torch.ones(self.num_experts), requires_grad=False) if scale else None
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * columns, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, columns), requires_grad=False)
         own_down_bias = spec.expert_bias and (shard.expert_parallel or shard.is_driver)
@@ -101,8 +111,11 @@ class FusedMoE(nn.Module):
         self.gemm: ExpertGemm | None = None  # chosen on first use, by device and dtype (``prepare_for_cpu``)
         self.register_buffer("expert_load", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.spec.router)
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """``router_input``: what the router reads, where it differs from the experts' input (Gemma 4)."""
+        weights, ids = select_experts(self.gate(x if router_input is None else router_input), self.spec.router)
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale[ids]
         self.expert_load.copy_(count_per_expert(ids, self.num_experts))  # in place: replayed CUDA graphs update it
         if self.gemm is None:
             self.gemm = expert_gemm(x.device, x.dtype, use_cpu_ops=False)
@@ -114,12 +127,17 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping, prefix: str) -> None:
         """This rank's slice of the block under ``prefix`` (``model.layers.{i}.``), any layout ``moe_weights`` reads."""
-        self.expert_load.zero_()  # the loader allocates buffers uninitialized
         weight, bias = read_router(state, prefix)
         self.gate.weight.copy_(weight)
         if self.gate.bias is not None:
             self.gate.bias.copy_(bias)
-        parts = read_experts(state, prefix, self.experts, self.columns, self.spec.interleaved)
+        self.load_experts(state, prefix)
+
+    @torch.no_grad()
+    def load_experts(self, state: Mapping, prefix: str, block: str | None = None) -> None:
+        """The experts' slices (``block``: where they are when not under the router's block, Gemma 4)."""
+        self.expert_load.zero_()  # the loader allocates buffers uninitialized
+        parts = read_experts(state, prefix, self.experts, self.columns, self.spec.interleaved, block)
         self.w13.copy_(parts["w13"])
         self.w2.copy_(parts["w2"])
         if self.b13 is not None:

@@ -23,6 +23,7 @@ class RouterSpec:
     renormalize: bool = False
     bias: bool = False  # the router's linear layer has a bias (gpt-oss)
     float32_weights: bool = False  # the weights stay float32 under a lower-precision model (Mixtral)
+    per_expert_scale: bool = False  # each weight then times a learned scale of its expert (Gemma 4)
 
     def __post_init__(self) -> None:
         assert self.scoring in SCORINGS, self.scoring

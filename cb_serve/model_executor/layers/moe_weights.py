@@ -69,11 +69,12 @@ def read_router(state: State, prefix: str) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def read_experts(
-    state: State, prefix: str, experts: range, columns: range, interleaved: bool = False
+    state: State, prefix: str, experts: range, columns: range, interleaved: bool = False, block: str | None = None
 ) -> dict[str, torch.Tensor]:
     """``w13``, ``w2`` and (where the checkpoint has them) ``b13``, ``b2`` of ``experts``, cut to ``columns``
-    of each expert's intermediate dimension. ``interleaved``: gpt-oss's layout."""
-    block = _block(state, prefix)
+    of each expert's intermediate dimension. ``interleaved``: gpt-oss's layout. ``block``: the prefix the
+    ``experts.`` tensors are under, if not the router's block (Gemma 4: the layer's own)."""
+    block = block if block is not None else _block(state, prefix)
     e, c = slice(experts.start, experts.stop), slice(columns.start, columns.stop)
     fused = block + "experts.gate_up_proj"
     if interleaved:

@@ -9,9 +9,12 @@
   where ``use_double_wide_mlp``;
 - per-layer inputs (``hidden_size_per_layer_input``): a per-token embedding of every layer's slice
   plus a projection of the embedding, gated into each layer's output; a learned ``layer_scalar``;
-- final logit soft-capping.
-Follows ``transformers.models.gemma4.modeling_gemma4`` op for op. Not served (refused): the MoE
-block, bidirectional attention, and tensor parallelism (``sharding.shard_for``: its layers' heads differ)."""
+- final logit soft-capping;
+- the MoE block (``enable_moe_block``): beside the dense MLP, experts over the layer's input (their own
+  pre-norm), routed from it by a router with its own unscaled norm, a learned input scale and a learned
+  scale per expert; the MLP's and the experts' outputs each post-normed, then summed.
+Follows ``transformers.models.gemma4.modeling_gemma4`` op for op. Not served (refused): bidirectional
+attention, and tensor parallelism (``sharding.shard_for``: its layers' heads differ)."""
 
 from __future__ import annotations
 
@@ -26,17 +29,34 @@ from cb_serve.distributed.sharding import single_shard
 from cb_serve.model_executor.checkpoint import LazyTensor, materialize
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
 from cb_serve.model_executor.layers.mlp import ACTIVATIONS, GatedMLP, activation_name
+from cb_serve.model_executor.layers.moe import FusedMoE, MoESpec
+from cb_serve.model_executor.layers.moe_router import RouterSpec
 from cb_serve.model_executor.layers.norm import Gemma4RMSNorm, Gemma4UnscaledRMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
 from cb_serve.model_executor.linear import Linear
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 
 
-class Gemma4DecoderLayer(nn.Module):
-    """``h += post_attn_norm(attn(input_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))``, then with
-    per-layer inputs ``h += post_pli_norm(proj(act(gate(h)) * per_layer_input))``, and ``h *= layer_scalar``."""
+class Gemma4Router(nn.Module):
+    """Expert logits ``proj(unscaled_norm(h) * scale * hidden ** -0.5)`` (HF's ``Gemma4TextRouter``)."""
 
-    def __init__(self, config, attention: Attention, mlp: GatedMLP) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, eps: float) -> None:
+        super().__init__()
+        self.norm = Gemma4UnscaledRMSNorm(hidden_size, eps)
+        self.scale = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.root = hidden_size**-0.5
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(h) * self.scale * self.root)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """``h += post_attn_norm(attn(input_norm(h))); h += post_ff_norm(ff)`` with ``ff = mlp(pre_ff_norm(h))``, or
+    with the MoE block ``post_ff_norm_1(ff) + post_ff_norm_2(experts(pre_ff_norm_2(h)))``; then with per-layer
+    inputs ``h += post_pli_norm(proj(act(gate(h)) * per_layer_input))``, and ``h *= layer_scalar``."""
+
+    def __init__(self, config, attention: Attention, mlp: GatedMLP, moe: FusedMoE | None = None) -> None:
         super().__init__()
         hidden, eps, per_layer = config.hidden_size, config.rms_norm_eps, config.hidden_size_per_layer_input
         self.input_layernorm = Gemma4RMSNorm(hidden, eps)
@@ -45,6 +65,11 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
         self.mlp = mlp
         self.post_feedforward_layernorm = Gemma4RMSNorm(hidden, eps)
+        self.moe = moe
+        if moe is not None:
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
         if per_layer:
             self.act = ACTIVATIONS[activation_name(config)]
@@ -54,7 +79,11 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, per_layer_input: torch.Tensor | None, rope: Rope, kv_cache, meta):
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv_cache, meta))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        ff = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe is not None:
+            experts = self.moe(self.pre_feedforward_layernorm_2(h), router_input=h)
+            ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(experts)
+        h = h + self.post_feedforward_layernorm(ff)
         if per_layer_input is not None:
             gated = self.act(self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -64,7 +93,7 @@ class Gemma4DecoderLayer(nn.Module):
 class Gemma4ForCausalLM(LlamaForCausalLM):
     decoder_layer = Gemma4DecoderLayer
     norm_class = Gemma4RMSNorm
-    refused_features = {"enable_moe_block": "the MoE block", "use_bidirectional_attention": "bidirectional attention"}
+    refused_features = {"use_bidirectional_attention": "bidirectional attention"}
 
     def __init__(self, config, backend: AttentionBackend, *args, **kwargs) -> None:
         for feature, what in self.refused_features.items():
@@ -120,7 +149,19 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         if spec.kv_shared and config.use_double_wide_mlp:
             shard = dataclasses.replace(shard, intermediate=range(2 * config.intermediate_size))
         attention = Attention(config, backend, spec, shard, self.tp)
-        return Gemma4DecoderLayer(config, attention, GatedMLP(config, shard, self.tp, self.use_cpu_ops))
+        mlp = GatedMLP(config, shard, self.tp, self.use_cpu_ops)
+        return Gemma4DecoderLayer(config, attention, mlp, self.make_moe(config, shard))
+
+    def make_moe(self, config, shard) -> FusedMoE | None:
+        """The layer's MoE block (``enable_moe_block``), or None."""
+        if not getattr(config, "enable_moe_block", False):
+            return None
+        router = RouterSpec(
+            config.num_experts, config.top_k_experts, renormalize=True, float32_weights=True, per_expert_scale=True
+        )
+        spec = MoESpec(router, config.moe_intermediate_size, activation_name(config))
+        gate = Gemma4Router(config.hidden_size, config.num_experts, config.rms_norm_eps)
+        return FusedMoE(config.hidden_size, spec, shard, self.tp, self.use_cpu_ops, router=gate)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -200,9 +241,23 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             put(dst + "mlp.gate_up_proj.weight", w(src + "mlp.gate_proj.weight"), w(src + "mlp.up_proj.weight"))
             put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight"))
             put(dst + "layer_scalar", w(src + "layer_scalar"))
+            if layer.moe is not None:
+                for name in (
+                    "pre_feedforward_layernorm_2",
+                    "post_feedforward_layernorm_1",
+                    "post_feedforward_layernorm_2",
+                ):
+                    put(f"{dst}{name}.weight", w(f"{src}{name}.weight"))
+                for ours, theirs in (("gate.proj.weight", "proj.weight"), ("gate.scale", "scale")):
+                    put(f"{dst}moe.{ours}", w(f"{src}router.{theirs}"))
+                put(f"{dst}moe.per_expert_scale", w(f"{src}router.per_expert_scale"))
+                layer.moe.load_experts(state, src, block=src)
 
     def prepare_for_cpu(self) -> None:
         super().prepare_for_cpu()
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.prepare_for_cpu(pack=self.use_cpu_ops)
         if self.per_layer_size:
             linears = [self.per_layer_model_projection]
             linears += [m for layer in self.layers for m in (layer.per_layer_input_gate, layer.per_layer_projection)]
