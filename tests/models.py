@@ -115,6 +115,16 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "norm_topk_prob": True,
         },
     ),
+    # a shared expert beside the routed ones, gated per token; q/k/v biases
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
     # full-width q/k norms and a clip that bites (layer 0's |q|, |k|, |v| reach 3.5, 3.3, 5.3 here), the top 2
     # not renormalized
     "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 2.0}),

@@ -141,8 +141,9 @@ def test_two_ranks_equal_one_on_random_models(tmp_path, tokenizer, arch, overrid
         ("gpt_oss", False),
         ("qwen3_moe", True),
         ("gpt_oss", True),
+        ("qwen2_moe", True),
     ],
-    ids=["mixtral", "qwen3-moe", "olmoe", "gpt-oss", "qwen3-moe-ep", "gpt-oss-ep"],
+    ids=["mixtral", "qwen3-moe", "olmoe", "gpt-oss", "qwen3-moe-ep", "gpt-oss-ep", "qwen2-moe-shared-expert-ep"],
 )
 def test_mixtures_of_experts_over_two_ranks_equal_one(tmp_path, tokenizer, arch, expert_parallel):
     """Each expert's columns split over the ranks, or (expert parallelism) 4 whole experts per rank; the

@@ -21,6 +21,7 @@ from torch import nn
 from cb_serve import cpu_ops
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.checkpoint import materialize
 from cb_serve.model_executor.layers.fused_experts import (
     CpuExpertGemm,
     ExpertGemm,
@@ -30,6 +31,7 @@ from cb_serve.model_executor.layers.fused_experts import (
     fused_experts,
     route_pairs,
 )
+from cb_serve.model_executor.layers.mlp import GatedMLP
 from cb_serve.model_executor.layers.moe_router import RouterSpec, select_experts
 from cb_serve.model_executor.layers.moe_weights import read_experts, read_router
 
@@ -88,9 +90,13 @@ class FusedMoE(nn.Module):
         tp: TensorParallelGroup,
         use_cpu_ops: bool,
         router: nn.Module | None = None,
+        shared_expert: GatedMLP | None = None,
+        shared_columns: range | None = None,
     ) -> None:
         """``router``: a module from hidden states to expert logits, where a model's router is more than one
-        linear layer (Gemma 4); by default ``nn.Linear`` (with a bias where ``spec.router.bias``)."""
+        linear layer (Gemma 4); by default ``nn.Linear`` (with a bias where ``spec.router.bias``).
+        ``shared_expert``: an MLP every token goes through, gated by ``sigmoid(shared_expert_gate(x))``
+        (Qwen2-MoE), holding ``shared_columns`` of its intermediate dimension on this rank."""
         super().__init__()
         self.spec, self.tp, self.hidden_size = spec, tp, hidden_size
         self.num_experts = spec.router.num_experts
@@ -109,6 +115,8 @@ class FusedMoE(nn.Module):
         self.use_cpu_ops = use_cpu_ops
         self.activation = activation_fn(spec, use_cpu_ops)
         self.gemm: ExpertGemm | None = None  # chosen on first use, by device and dtype (``prepare_for_cpu``)
+        self.shared_expert, self.shared_columns = shared_expert, shared_columns
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
         self.register_buffer("expert_load", torch.zeros(self.num_experts, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +130,10 @@ class FusedMoE(nn.Module):
         routing = route_pairs(weights, ids, self.experts, self.num_experts)
         sizes = (2 * self.intermediate_size, self.hidden_size)
         out = fused_experts(x, routing, self.gemm, self.w13, self.w2, sizes, self.activation, self.b13, self.b2)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        if self.shared_expert is not None:  # HF: experts + sigmoid(gate(x)) * shared(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping, prefix: str) -> None:
@@ -132,6 +143,13 @@ class FusedMoE(nn.Module):
         if self.gate.bias is not None:
             self.gate.bias.copy_(bias)
         self.load_experts(state, prefix)
+        if self.shared_expert is not None:
+            block, c = prefix + "mlp.", slice(self.shared_columns.start, self.shared_columns.stop)
+            names = [f"{block}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
+            gate_up = torch.cat([materialize(state[names[0]][c]), materialize(state[names[1]][c])])
+            self.shared_expert.gate_up_proj.weight.copy_(gate_up)
+            self.shared_expert.down_proj.weight.copy_(materialize(state[names[2]][:, c]))
+            self.shared_expert_gate.weight.copy_(materialize(state[block + "shared_expert_gate.weight"]))
 
     @torch.no_grad()
     def load_experts(self, state: Mapping, prefix: str, block: str | None = None) -> None:
@@ -154,3 +172,6 @@ class FusedMoE(nn.Module):
             self.w13.data = gemm.prepare(self.w13.data)
             self.w2.data = gemm.prepare(self.w2.data)
         self.gemm = gemm if isinstance(gemm, CpuExpertGemm) else TorchExpertGemm()
+        if self.shared_expert is not None:
+            for linear in (self.shared_expert.gate_up_proj, self.shared_expert.down_proj):
+                linear.prepare_for_cpu(pack=pack)

@@ -9,7 +9,12 @@ from cb_serve.model_executor.models.gemma4 import Gemma4ForCausalLM
 from cb_serve.model_executor.models.gpt_oss import GptOssForCausalLM
 from cb_serve.model_executor.models.granite import GraniteForCausalLM
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
-from cb_serve.model_executor.models.moe_models import MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
+from cb_serve.model_executor.models.moe_models import (
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from cb_serve.model_executor.models.olmo2 import Olmo2ForCausalLM
 from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -28,6 +33,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
 }
