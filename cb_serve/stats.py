@@ -83,6 +83,32 @@ class LoRAStats:
     lora_adapters_loaded: int = 0
 
 
+@dataclass(frozen=True)
+class ExpertLoad:
+    """One step's mixture-of-experts routing, read from the driver's model (``ModelRunner``):
+    ``counts[i, e]`` is how many of the step's tokens the router of decoder layer ``layers[i]`` sent
+    to expert ``e``. Every token goes to ``top_k`` experts of each MoE layer, so a row sums to the
+    tokens the forward pass computed times ``top_k`` (a CUDA-graph decode step's padding rows included:
+    the experts run them too)."""
+
+    layers: tuple[int, ...]  # the model's MoE layers (decoder layer indices), in order
+    counts: Any  # numpy int64 [len(layers), num_experts]
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.counts.shape[1])
+
+    @property
+    def imbalance(self) -> float:
+        """How much longer the step's expert work is than a perfectly balanced one, where each layer
+        waits for its busiest expert (under expert parallelism, the rank holding it): the busiest
+        expert's tokens summed over the layers over the mean per expert summed over the layers. 1:
+        balanced; at most ``num_experts`` (every token on one expert); a batch of fewer than
+        ``num_experts / top_k`` tokens cannot be balanced."""
+        total = int(self.counts.sum())
+        return float(self.counts.max(axis=1).sum()) * self.num_experts / total if total else 0.0
+
+
 @dataclass
 class StepStats:
     """One engine step: what it computed and how full the token budget was."""
@@ -101,6 +127,7 @@ class StepStats:
     ended_request_ids: tuple[str, ...] = ()
     structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    expert_load: ExpertLoad | None = None  # a mixture-of-experts model's routing (None: a dense model)
     # The capabilities' fields, as flat names too (what the metrics, inspector and dashboard read).
     num_constrained_seqs = _Nested("structured_output")
     grammar_fill_s = _Nested("structured_output")

@@ -24,6 +24,7 @@ tiles and applies ``d`` and ``m`` per group.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,16 +63,27 @@ class QuantGroups:
         return [self.d] if self.m is None else [self.d, self.m]
 
 
+def _probes(weight: torch.Tensor) -> Iterator[tuple[Callable, int]]:
+    """The ``FINDERS`` whose groups give back ``weight``'s first rows, lazily in turn (cheap: a weight of
+    another kind has none)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP or weight.numel() == 0:
+        return
+    probe, k = weight[:PROBE_ROWS].detach().contiguous(), weight.shape[1]
+    for find, size in FINDERS:
+        if find(probe.view(-1, k // size, size)) is not None:
+            yield find, size
+
+
+def may_be_quantized(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s first rows are some finder's groups (``find_quant_groups`` may then find them)."""
+    return next(_probes(weight), None) is not None
+
+
 def find_quant_groups(weight: torch.Tensor) -> QuantGroups | None:
     """The 4-bit or 8-bit groups that give back ``weight`` (float32 ``[N, K]``) bit for bit, or None."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP or weight.numel() == 0:
-        return None
-    weight = weight.detach().contiguous()
-    n, k = weight.shape
-    for find, size in FINDERS:
-        if find(weight[:PROBE_ROWS].view(-1, k // size, size)) is None:
-            continue
-        found = find(weight.view(n, k // size, size))
+    for find, size in _probes(weight):
+        n, k = weight.shape
+        found = find(weight.detach().contiguous().view(n, k // size, size))
         if found is None:
             continue
         q, d, m = found

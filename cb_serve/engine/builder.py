@@ -183,6 +183,7 @@ def _make_runner(
         lora,
         speculator.verify,
         setup.kv_layout,
+        record_expert_load=True,  # a mixture of experts' load per step, for the metrics and the inspector
     )
     if setup.device.type == "cuda" and config.tensor_parallel_size == 1:
         with device_context(setup.device):

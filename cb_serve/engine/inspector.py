@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cb_serve.engine.block_manager import BlockManager
+from cb_serve.engine.expert_heatmap import ExpertHeatmap
 from cb_serve.engine.kv_map import kv_map
 from cb_serve.kv_cache_interface import NULL_BLOCK
 from cb_serve.sequence import SchedulerOutput, Sequence
@@ -151,6 +152,7 @@ class Inspector:
         self.max_requests = max_requests
         self.block_manager = block_manager
         self.token_budget = token_budget
+        self.experts = ExpertHeatmap()  # a mixture of experts' load over the last steps (``StatsRecorder``)
         self.wall_offset = time.time() - time.monotonic()  # engine times are monotonic
 
     def wall(self, monotonic: float) -> float:

@@ -151,7 +151,8 @@ class LLMEngine(EngineCore):
     # ---- observing ------------------------------------------------------------------
     def inspect(self, what: str, **kwargs: Any) -> Any:
         """The inspector's view (None when it is off): ``steps`` (after_step, limit),
-        ``timeline`` (request_id), ``state`` (recent steps, KV block map and queues), or
+        ``timeline`` (request_id), ``state`` (recent steps, KV block map, queues and, for a mixture
+        of experts, the layer x expert heat map of the last steps), or
         ``trace`` (since: wall-clock seconds; see ``cb_serve.trace``)."""
         ins = self.inspector
         if ins is None:
@@ -173,6 +174,7 @@ class LLMEngine(EngineCore):
                 "num_waiting": len(s.waiting),
                 "token_budget": s.max_num_batched_tokens,
                 "max_num_seqs": s.max_num_seqs,
+                "experts": ins.experts.view(),
             }
         raise ValueError(f"unknown inspector view {what!r}")
 

@@ -92,6 +92,7 @@ class StatsRecorder:
             ended_request_ids=tuple(self.ended_since_step),
             structured_output=self.structured.take_stats(),
             spec_decoding=self.speculator.take_stats(),
+            expert_load=result.expert_load,
         )
         self.ended_since_step.clear()
         self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
@@ -104,6 +105,7 @@ class StatsRecorder:
             s, grammar_s = self.scheduler, (stats.grammar_fill_s, stats.grammar_wait_s)
             args = (sched, step.before, len(s.running), len(s.waiting), grammar_s)
             self.inspector.on_step(self.num_steps, step.start, phases.total_s, *args)
+            self.inspector.experts.add(self.num_steps, result.expert_load)  # a mixture of experts' routing
 
     def engine_stats(self) -> EngineStats:
         s, out = self.scheduler, self.outputs

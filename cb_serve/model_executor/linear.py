@@ -24,6 +24,7 @@ from torch import nn
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
 from cb_serve.cpu_ops.kernel_choice import AMX_MIN_ROWS, kernel_choice
+from cb_serve.model_executor import weight_cache
 
 __all__ = ["AMX_MIN_ROWS", "DECODE_MAX_ROWS", "Linear"]
 DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
@@ -68,7 +69,7 @@ class Linear(nn.Linear):
         if transpose:
             self.weight.data = self.weight.data.t().contiguous().t()
         if pack and self.weight.dtype == torch.float32 and cpu_ops.available():
-            groups = exact_quant.find_quant_groups(self.weight)
+            groups = weight_cache.find_quant_groups(self.weight)  # exact_quant's, cached on disk
             if groups is not None:
                 self.decode_weight = exact_quant.pack_decode_weight_quantized(groups)
                 choice = kernel_choice()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -16,7 +17,7 @@ import torch
 from cb_serve.attention.base import AttentionBackend
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
-from cb_serve.model_executor import gguf_cache
+from cb_serve.model_executor import gguf_cache, weight_cache
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.checkpoint import LazyCheckpoint, safetensors_files
 from cb_serve.model_executor.layers.rotary import longrope_switch
@@ -224,21 +225,31 @@ def load_model(
         hf_config, state = config, lazy
         cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len, config)
     else:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source.path,
-            config=copy.deepcopy(config),  # not parsed again (from a GGUF file: seconds)
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            low_cpu_mem_usage=True,
-            **source.hf_kwargs(),
-        )
-        hf_config, state = hf_model.config, hf_model.state_dict()
-        cos, sin = rope_tables(hf_model.model.rotary_emb, max_model_len, hf_config)
+
+        def from_pretrained():
+            return AutoModelForCausalLM.from_pretrained(
+                source.path,
+                config=copy.deepcopy(config),  # not parsed again (from a GGUF file: seconds)
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                low_cpu_mem_usage=True,
+                **source.hf_kwargs(),
+            )
+
+        if source.gguf_file is not None:  # dequantized once, then read from the disk cache (``weight_cache``)
+            hf_config = config
+            state = weight_cache.gguf_state_dict(gguf_stamp(source), dtype, lambda: from_pretrained().state_dict())
+            cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len, config)
+        else:
+            hf_model = from_pretrained()
+            hf_config, state = hf_model.config, hf_model.state_dict()
+            cos, sin = rope_tables(hf_model.model.rotary_emb, max_model_len, hf_config)
     make = functools.partial(model_class(config), hf_config, backend, cos, sin, shard, tp)
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)
     del state
     if device.type == "cpu":
-        model.prepare_for_cpu()
+        with weight_cache.cached_quant_groups() if source.gguf_file else contextlib.nullcontext():
+            model.prepare_for_cpu()
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)

@@ -16,9 +16,11 @@ from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import prompt_logprobs
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
+from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import LlamaForCausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
 from cb_serve.sequence import SchedulerOutput, Sequence
+from cb_serve.stats import ExpertLoad
 
 
 class DraftVerifier(Protocol):
@@ -78,6 +80,7 @@ class StepResult:
     logprobs: list[list[dict | None]] = field(default_factory=list)
     prepare_s: float = 0.0
     prompt_logprobs: list[tuple[Sequence, list[dict]]] = field(default_factory=list)  # new entries per sequence
+    expert_load: ExpertLoad | None = None  # a mixture-of-experts model's routing (``record_expert_load``)
 
 
 class HostStaging:
@@ -152,7 +155,12 @@ class ModelRunner:
     tensor-parallel rank, holding its shard's KV heads (the executor hands the driver's batch to
     the other ranks, which run ``compute_logits``; the driver alone samples). Capabilities join at
     construction: ``lora`` (its slots are assigned as the batch is prepared, as vLLM's
-    ``set_active_loras``) and ``draft_verifier`` (a speculating sequence's rows)."""
+    ``set_active_loras``) and ``draft_verifier`` (a speculating sequence's rows).
+
+    ``record_expert_load`` (the engine's driver): in a mixture-of-experts model, each step's tokens per
+    expert of every MoE layer (``FusedMoE.expert_load``, a buffer the forward updates in place, so a replayed
+    CUDA graph does too), stacked and copied to the host once per step, after sampling
+    (``StepResult.expert_load``); a dense model records nothing."""
 
     def __init__(
         self,
@@ -166,6 +174,7 @@ class ModelRunner:
         lora: LoRAManager | None = None,
         draft_verifier: DraftVerifier | None = None,
         kv_layout: KVCacheLayout | None = None,
+        record_expert_load: bool = False,
     ) -> None:
         """``kv_layout``: the KV-cache groups (default: one group of every layer)."""
         cfg = model.config
@@ -180,6 +189,10 @@ class ModelRunner:
         self.staging = HostStaging(device)
         self.kv_caches = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
         self.sampler = Sampler()
+        moe = [(i, m) for i, layer in enumerate(model.layers) for m in layer.modules() if isinstance(m, FusedMoE)]
+        self.moe_layers: list[FusedMoE] = [m for _, m in moe] if record_expert_load else []
+        self.moe_layer_ids = tuple(i for i, _ in moe)
+        assert len({m.num_experts for m in self.moe_layers}) <= 1, "MoE layers of different expert counts"
         self.graph_runner: DecodeGraphRunner | None = None
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
@@ -286,6 +299,13 @@ class ModelRunner:
         """Prepares, runs and samples one step (``broadcast``: hands the batch to the other
         tensor-parallel ranks before the forward pass). The grammar's masks
         (``sched.grammar_bitmask``, filled while the forward pass runs) apply before any pick."""
+        out = self.run_and_sample(sched, broadcast)
+        if self.moe_layers:  # one host copy, after sampling's
+            load = torch.stack([m.expert_load for m in self.moe_layers])
+            out.expert_load = ExpertLoad(self.moe_layer_ids, load.cpu().numpy())
+        return out
+
+    def run_and_sample(self, sched: SchedulerOutput, broadcast: Callable[[StepBatch], None] | None) -> StepResult:
         start = time.perf_counter()
         inp = self.prepare(sched)
         seqs, rows_per_seq = inp.sampling_seqs, inp.rows_per_seq

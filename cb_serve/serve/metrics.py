@@ -10,9 +10,10 @@ to counters, and labels every series with the Serve ``deployment``, ``replica`` 
 Cost on the engine: ``EngineMetrics`` adds one step listener that appends ``(StepStats,
 outputs)`` to a deque (O(1), in the engine thread). A daemon thread drains it every
 ``interval_s`` and does the recording: per step two histogram observations (two more on steps
-with constrained sequences, and one per grammar compiled), per request and token what the
-latency histograms need, and counters as deltas of the engine's own cumulative ``EngineStats``
-(no per-token counting).
+with constrained sequences, one per grammar compiled, one for a mixture of experts' imbalance), per
+request and token what the latency histograms need, counters as deltas of the engine's own cumulative
+``EngineStats`` (no per-token counting), and a mixture of experts' tokens per expert summed over the
+flush's steps (one increment per expert and flush).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ SEQS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 COMPILE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 # Seconds: one step's bitmask fill (or the wait for it), from a few rows of a regex to a large batch.
 MASK_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+# A step's expert imbalance (busiest expert over the mean): 1 is balanced, the top is the number of experts.
+# Nothing is below 1: the first bucket ends just under it, so a balanced step falls in (0.99, 1.05] and reads
+# about 1 in histogram_quantile and in Ray's sums (Ray exports a histogram's sum from its buckets' midpoints).
+IMBALANCE_BUCKETS = [0.99, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0, 128.0]
 
 # name without prefix -> (type, description); the buckets of histograms are in BUCKETS.
 ENGINE_METRICS: dict[str, tuple[str, str]] = {
@@ -92,12 +97,23 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "lora_loads": ("counter", "LoRA: adapters copied into a slot."),
     "lora_evictions": ("counter", "LoRA: adapters displaced from a slot by another."),
     "cpu_kernels_info": ("gauge", "The CPU GEMM kernels this replica runs (label kernels, value 1; CPU engines)."),
+    "moe_expert_tokens": (
+        "counter",
+        "Mixture of experts: tokens the routers sent to each expert (label expert, from 0), summed over the MoE "
+        "layers (a token counts once per expert it goes to).",
+    ),
+    "moe_expert_imbalance": (
+        "histogram",
+        "Mixture of experts, per step: the busiest expert's tokens over the mean per expert, summed over the MoE "
+        "layers (1: balanced; how much longer the expert work takes than balanced work).",
+    ),
 }
 # Labels beside the model's, per metric.
 EXTRA_TAGS = {
     "request_success": ("finished_reason", "lora_name"),
     "spec_decode_num_accepted_tokens_per_pos": ("position",),
     "cpu_kernels_info": ("kernels",),
+    "moe_expert_tokens": ("expert",),
 }
 ROUTER_METRICS: dict[str, tuple[str, str]] = {
     "router_requests": (
@@ -124,6 +140,7 @@ BUCKETS: dict[str, list[float]] = {
     "grammar_compile_seconds": COMPILE_BUCKETS,
     "grammar_bitmask_fill_seconds": MASK_BUCKETS,
     "grammar_bitmask_wait_seconds": MASK_BUCKETS,
+    "moe_expert_imbalance": IMBALANCE_BUCKETS,
 }
 # vLLM's label for the served model, and ours from before it (the same value): dashboards and
 # alerts written for vLLM's series filter on model_name.
@@ -181,6 +198,7 @@ class EngineMetrics:
         self._counted = dict.fromkeys(_COUNTER_FIELDS, 0)
         self._steps: deque[tuple[StepStats, list[RequestOutput]]] = deque(maxlen=self.MAX_PENDING_STEPS)
         self._last_token: dict[str, float] = {}  # request id -> its latest token time (monotonic)
+        self._expert_tokens: Any = None  # a mixture of experts: tokens per expert of the steps being flushed
         self._lock = threading.Lock()  # one flush at a time (the thread and close())
         self._stop = threading.Event()
         self.interval_s = interval_s
@@ -211,6 +229,7 @@ class EngineMetrics:
         with self._lock:
             while self._steps:
                 self._record_step(*self._steps.popleft())
+            self._record_expert_tokens()
             self._record_stats(self._engine.get_stats())
 
     def _record_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
@@ -219,6 +238,10 @@ class EngineMetrics:
         m["batch_num_seqs"].observe(step.num_seqs)
         self._record_grammar(step)
         self._record_spec_decode(step)
+        if (load := step.expert_load) is not None:  # a mixture of experts: summed, recorded once per flush
+            m["moe_expert_imbalance"].observe(load.imbalance)
+            tokens = load.counts.sum(axis=0)
+            self._expert_tokens = tokens if self._expert_tokens is None else self._expert_tokens + tokens
         for request_id in step.ended_request_ids:
             self._last_token.pop(request_id, None)
         for out in outputs:
@@ -267,6 +290,13 @@ class EngineMetrics:
         for position, accepted in enumerate(step.num_accepted_tokens_per_pos):
             if accepted:
                 m["spec_decode_num_accepted_tokens_per_pos"].inc(accepted, tags={"position": str(position)})
+
+    def _record_expert_tokens(self) -> None:
+        """The flushed steps' tokens per expert: one increment per expert that had any."""
+        tokens, self._expert_tokens = self._expert_tokens, None
+        for expert, n in enumerate([] if tokens is None else tokens.tolist()):
+            if n:  # Ray's counters take only positive increments
+                self.m["moe_expert_tokens"].inc(n, tags={"expert": str(expert)})
 
     def _record_stats(self, s: EngineStats) -> None:
         m = self.m

@@ -2,13 +2,13 @@
 k8s/ parses and every document in it is validated against the schema of its kind. No cluster
 needed.
 
-- RayService: three, k8s/rayservice.yaml (one GPU per engine replica, autoscaled),
-  k8s/rayservice-tp.yaml (tensor-parallel engine replicas on multi-GPU pods) and k8s/rayservice-moe.yaml
-  (the same for a mixture of experts, with expert parallelism), with names apart so all fit in one namespace. Each against KubeRay's CRD (``../shared/schemas/ray.io_rayservices.yaml``,
-  skipped when absent), with no field the API server would prune; its serveConfigV2 is its config
-  in deploy/ verbatim (``RAYSERVICES``) and valid for Ray Serve; object store within /dev/shm,
-  Guaranteed QoS, Secrets by reference, the model cache on the PVC, the upgrade strategy; the
-  multi-GPU pods hold a whole placement group of a tensor-parallel engine replica.
+- RayService: three, k8s/rayservice.yaml (one GPU per engine replica, autoscaled), k8s/rayservice-tp.yaml
+  (tensor-parallel engine replicas on multi-GPU pods) and k8s/rayservice-moe.yaml (the same for a mixture of
+  experts, with expert parallelism), with names apart so all fit in one namespace. Each against KubeRay's CRD
+  (``../shared/schemas/ray.io_rayservices.yaml``, skipped when absent), with no field the API server would
+  prune; its serveConfigV2 is its config in deploy/ verbatim (``RAYSERVICES``) and valid for Ray Serve; object
+  store within /dev/shm, Guaranteed QoS, Secrets by reference, the model cache on the PVC, the upgrade
+  strategy; the multi-GPU pods hold a whole placement group of a tensor-parallel engine replica.
 - PodMonitor and PrometheusRule (monitoring.coreos.com/v1): no PyPI or Debian package ships the
   Prometheus Operator's CRD YAML (cloudcoil-models-prometheus-operator has generated pydantic
   models only, npm's @kubernetes-models/prometheus-operator compiled validators), so the

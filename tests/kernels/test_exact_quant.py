@@ -251,3 +251,45 @@ def test_amx_packing_declines_a_k_over_the_kernels_limit_and_scales_per_16():
     wide = exact_quant.QuantGroups(torch.zeros(32, 16416, dtype=torch.uint8), torch.ones(32, 513), torch.zeros(32, 513))
     assert exact_quant.pack_amx_weight(wide) is None
     assert exact_quant.pack_amx_weight(exact_quant.find_quant_groups(gguf_weight(32, 256, Q6_K))) is None
+
+
+def test_recovered_groups_and_dequantized_gguf_weights_are_cached_on_disk(tmp_path, monkeypatch):
+    """``weight_cache``: within ``cached_quant_groups`` the groups of a weight are found once, then read back
+    equal (keyed by its bytes: another weight misses), a weight of no format too; a damaged entry is recomputed.
+    A GGUF file's dequantized state dict is made once per file and dtype, then read back lazily, equal, tied
+    tensors once."""
+    from cb_serve.model_executor import gguf_cache, weight_cache
+    from cb_serve.model_executor.checkpoint import materialize
+
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path))
+    weight = gguf_weight(64, 256, GGMLQuantizationType.Q4_K)
+    assert weight_cache.find_quant_groups(weight) is not None and not (tmp_path / "quant-groups").exists()
+    with weight_cache.cached_quant_groups():  # (the loader's, for GGUF models)
+        found = weight_cache.find_quant_groups(weight)
+        entries = list((tmp_path / "quant-groups").iterdir())
+        assert len(entries) == 1
+        again = weight_cache.find_quant_groups(weight.clone())
+        assert torch.equal(again.q, found.q) and torch.equal(again.d, found.d) and torch.equal(again.m, found.m)
+        other = gguf_weight(64, 256, GGMLQuantizationType.Q8_0, seed=1)
+        assert torch.equal(weight_cache.find_quant_groups(other).dequantize(), other)
+        plain = torch.randn(64, 256)
+        assert weight_cache.find_quant_groups(plain) is None and weight_cache.find_quant_groups(plain) is None
+        assert len(list((tmp_path / "quant-groups").iterdir())) == 3  # a weight of no format: found once too
+        entries[0].write_bytes(b"damaged")
+        assert torch.equal(weight_cache.find_quant_groups(weight).dequantize(), weight)
+
+    calls = []
+    embed = torch.randn(10, 4)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.ones(4)}
+
+    def load():
+        calls.append(1)
+        return state
+
+    stamp = ("/models/x.gguf", 123, 456)
+    first = weight_cache.gguf_state_dict(stamp, torch.float32, load)
+    cached = weight_cache.gguf_state_dict(stamp, torch.float32, load)
+    assert first is state and len(calls) == 1 and sorted(cached) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert all(torch.equal(materialize(cached[name]), state[name]) for name in cached)
+    weight_cache.gguf_state_dict(stamp, torch.bfloat16, load)
+    assert len(calls) == 2  # another dtype, another entry

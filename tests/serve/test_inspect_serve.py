@@ -1,9 +1,11 @@
 """The batch inspector over real Ray Serve and real HTTP (issue 15): ``return_timeline`` for a
 chunked and preempted request, timelines by id, the merged Chrome trace, the live ``/inspect``
-page in a real headless Chromium under load, the API key and the off switch.
+page in a real headless Chromium under load (and its expert heat map for a mixture of experts, issue
+39), the API key and the off switch.
 
 The engine is a tiny random-weight Llama with a 64-token budget (prompts are chunked) and 48 KV
-blocks for several 300-token sequences at once (decodes preempt)."""
+blocks for several 300-token sequences at once (decodes preempt); the heat map's test redeploys the
+app on a tiny random Qwen3-MoE in the same cluster."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ ENGINE = {
 }
 ARGS = {"engine": ENGINE, "engine_replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}}
 SCREENSHOT = Path(os.environ.get("CB_SERVE_INSPECT_SCREENSHOT", "/tmp/cb-serve-inspect.png"))
+MOE_SCREENSHOT = Path(os.environ.get("CB_SERVE_INSPECT_MOE_SCREENSHOT", "/tmp/cb-serve-inspect-moe.png"))
+MOE_ROWS = ["0", "2"]  # tests/models.py's qwen3_moe: layers 0 and 2 sparse (8 experts, top 2), layer 1 dense
+MOE_CELL = re.compile(r'<rect class="moe-cell"[^>]* data-expert="(\d+)" data-tokens="(\d+)"')
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +151,8 @@ def test_trace_of_every_replica_is_valid(app, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_inspect_page_renders_live_in_headless_chromium(app):
+def under_load(n: int) -> tuple[threading.Event, list[threading.Thread]]:
+    """``n`` clients sending completions one after another until the event is set."""
     stop = threading.Event()
 
     def load() -> None:
@@ -156,9 +162,14 @@ def test_inspect_page_renders_live_in_headless_chromium(app):
                 complete(c, i, max_tokens=48)
                 i += 1
 
-    workers = [threading.Thread(target=load) for _ in range(4)]
+    workers = [threading.Thread(target=load) for _ in range(n)]
     for w in workers:
         w.start()
+    return stop, workers
+
+
+def test_inspect_page_renders_live_in_headless_chromium(app):
+    stop, workers = under_load(4)
     try:
         wait_for("steps under load", lambda: httpx.get(f"{BASE}/debug/state", timeout=30).json()["num_running"] > 0, 60)
         with open_page(f"{BASE}/inspect") as page:
@@ -183,9 +194,44 @@ def test_inspect_page_renders_live_in_headless_chromium(app):
         assert {k for k, _ in segments} == {"prefill", "decode"}, "both prefill and decode segments"
         assert len(cells) == ENGINE["num_gpu_blocks"] and any(c.startswith("used") for c in cells)
         assert re.search(r'<table id="running">.*?<td class="rid"', dom, re.S), "the running queue lists requests"
+        assert '<section id="experts">' in dom and not MOE_CELL.search(dom), "a dense model has no expert heat map"
         snapshots.append((steps, segments, cells))
     assert snapshots[0][0] != snapshots[1][0], "the step columns must advance between two snapshots"
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+@pytest.mark.timeout(600)
+def test_inspect_page_shows_the_expert_heat_map_of_a_mixture_of_experts(app, random_model_dir):
+    """The app redeployed on a tiny Qwen3-MoE (one engine replica) in the same cluster: under load, the
+    page draws a layer x expert heat map of the last steps; every row counts the same tokens (each
+    token goes to top_k experts of every MoE layer); once idle it shows the replica's own counts."""
+    engine_replica = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}}
+    run_app({"model": str(random_model_dir("qwen3_moe")), **ARGS, "engine_replica": engine_replica}, APP)
+    stop, workers = under_load(3)
+    try:
+        wait_for("steps under load", lambda: httpx.get(f"{BASE}/debug/state", timeout=30).json()["num_running"] > 0, 60)
+        with open_page(f"{BASE}/inspect") as page:
+            heat_map = "document.querySelectorAll('#experts.open rect.moe-cell').length === 16"
+            ready = f"{heat_map} && document.querySelectorAll('g.step').length >= 30"
+            wait_for("the page to draw the heat map", lambda: page.evaluate(ready), 60)
+            page.screenshot(MOE_SCREENSHOT)
+            stop.set()
+            for w in workers:
+                w.join()
+            state = httpx.get(f"{BASE}/debug/state", timeout=30).json()["experts"]
+            summary = "document.getElementById('moe-summary').textContent"
+            wait_for("the page's last snapshot", lambda: f"–{state['last_step']})" in page.evaluate(summary), 30)
+            dom = page.dom()
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    rows = re.findall(r'<g class="moe-layer" data-layer="(\d+)">(.*?)</g>', dom, re.S)
+    assert [layer for layer, _ in rows] == MOE_ROWS and state["layers"] == [0, 2] and state["steps"] == 60
+    tokens = [[int(n) for _, n in MOE_CELL.findall(cells)] for _, cells in rows]
+    assert tokens == state["tokens"] and all(len(row) == 8 for row in tokens)
+    assert len({sum(row) for row in tokens}) == 1 and sum(tokens[0]) >= 2 * 60, "each step's tokens, top 2 per layer"
+    assert MOE_SCREENSHOT.stat().st_size > 10_000
 
 
 AUTH_ROUTES = [

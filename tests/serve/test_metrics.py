@@ -1,8 +1,9 @@
 """Metrics (issue 4). A fast check of what ``EngineMetrics`` records, on an ``AsyncLLM`` with
 fake metric classes; then the acceptance test: the Serve application on 127.0.0.1 with Ray's
 metrics export port, a real Prometheus scraping it, a known workload through the ``openai``
-client, every query of the Grafana dashboard run against that Prometheus, and every expression of
-the PrometheusRules in k8s/ evaluated by it."""
+client on a tiny mixture of experts (so the expert-load series are fed too, issue 39), every
+query of the Grafana dashboard run against that Prometheus, and every expression of the
+PrometheusRules in k8s/ evaluated by it."""
 
 from __future__ import annotations
 
@@ -128,6 +129,7 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     assert metrics._last_token == {}  # finished requests are forgotten
     for name in ("structured_output_requests", "grammar_compile_seconds", "grammar_bitmask_fill_seconds"):
         assert not m[name].all(), name  # no constrained request (tests/features/test_structured_metrics.py has them)
+    assert not m["moe_expert_tokens"].all() and not m["moe_expert_imbalance"].all()  # a dense model
     assert set(m["num_requests_waiting_grammar"].all()) == {0}
     if stats.cpu_kernels:  # the C++ kernels built: the kernel choice is a label
         kernels = (("kernels", stats.cpu_kernels), ("model", "tiny"), ("model_name", "tiny"))
@@ -231,6 +233,35 @@ def test_speculative_decoding_counters_follow_the_steps():
     assert {dict(tags)["position"]: sum(v) for tags, v in per_pos} == {"0": 3, "1": 1, "2": 1}
 
 
+def test_expert_load_is_counted_per_expert_and_its_imbalance_per_step():
+    """A mixture of experts: tokens per expert summed over the layers and the flush's steps (one
+    increment per expert that had any), and one imbalance observation per step."""
+    import numpy as np
+
+    from cb_serve.serve.metrics import EngineMetrics
+    from cb_serve.stats import ExpertLoad, StepStats
+
+    class Engine:
+        def add_step_listener(self, listener) -> None: ...
+
+    metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
+    metrics._stop.set()  # no flusher: the steps are recorded by hand below
+    base = dict(num_decode_tokens=4, num_prefill_tokens=0, num_scheduled_tokens=4, token_budget=64, num_preempted=0)
+    balanced = np.array([[2, 2, 2, 2], [2, 2, 2, 2]])  # 4 tokens, top 2, two MoE layers of 4 experts
+    skewed = np.array([[4, 4, 0, 0], [8, 0, 0, 0]])  # layer 1 sends every pair to expert 0
+    for counts in (balanced, skewed):
+        metrics._record_step(StepStats(num_seqs=4, duration_s=0.01, expert_load=ExpertLoad((0, 1), counts), **base), [])
+    metrics._record_step(StepStats(num_seqs=4, duration_s=0.01, **base), [])  # a dense step: nothing
+    metrics._record_expert_tokens()
+    m = metrics.m
+    by_expert = {dict(tags)["expert"]: sum(v) for tags, v in m["moe_expert_tokens"].values.items()}
+    assert by_expert == {"0": 16, "1": 8, "2": 4, "3": 4}  # expert 3 had tokens in the balanced step only
+    assert all(len(v) == 1 for v in m["moe_expert_tokens"].values.values())  # one increment per flush
+    assert m["moe_expert_imbalance"].all() == [1.0, (4 + 8) / 4]  # busiest over the mean (4 per expert), per layer
+    metrics._record_expert_tokens()  # a flush without steps of a mixture of experts adds nothing
+    assert all(len(v) == 1 for v in m["moe_expert_tokens"].values.values())
+
+
 def test_dashboard_is_importable_with_a_datasource_variable():
     from cb_serve.serve.metrics import ENGINE_METRICS, ROUTER_METRICS, exported_name
 
@@ -271,8 +302,13 @@ N_CONSTRAINED = 2  # structured-output requests after them (1 after the warm-up)
 # as tests/serve/test_serve.py serves them, would all be rejected). Set in the fixture: the model is made there.
 SERVE_ENGINE_ARGS = {**ENGINE_ARGS, "num_gpu_blocks": 32}
 SELF_DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}
-# LoRA feeds the lora_* series: two adapters through one slot (max_loras 1), so they displace each other.
+# LoRA feeds the lora_* series: two adapters through one slot (max_loras 1), so they displace each other;
+# on the attention projections (adapters on a mixture of experts may not target its experts).
 LORA_ENGINE_ARGS = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# The model is a mixture of experts, so the moe_* series are fed too (every other series is the same for a
+# dense model): tests/models.py's Qwen3-MoE, layers 0 and 2 sparse (8 experts, top 2), layer 1 dense.
+MOE_ARCH, MOE_LAYERS, NUM_EXPERTS, TOP_K = "qwen3_moe", 2, 8, 2
 SHARED = "You are a helpful assistant. Answer briefly and precisely, in plain English. " * 3  # > 2 KV blocks
 
 
@@ -373,7 +409,7 @@ def prometheus_binary() -> str:
 @pytest.fixture(scope="module")
 def stack(prometheus_binary, random_model_dir, tmp_path_factory):
     """Ray on 127.0.0.1 with its metrics export port, the app with two engine replicas on a tiny
-    random-weight model, and Prometheus scraping that port. Everything is stopped after."""
+    random-weight mixture of experts, and Prometheus scraping that port. Everything is stopped after."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
     from cb_serve.serve.app import build_app
@@ -395,9 +431,12 @@ def stack(prometheus_binary, random_model_dir, tmp_path_factory):
     prometheus = None
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        model = str(random_model_dir("llama"))
+        model = str(random_model_dir(MOE_ARCH))
         adapters = tmp_path_factory.mktemp("stack-adapters")
-        lora_modules = {name: str(make_adapter(model, adapters / name, 4, seed)) for seed, name in enumerate(LORAS)}
+        lora_modules = {
+            name: str(make_adapter(model, adapters / name, 4, seed, targets=LORA_TARGETS))
+            for seed, name in enumerate(LORAS)
+        }
         args = {
             "model": model,
             "engine": {**SERVE_ENGINE_ARGS, **LORA_ENGINE_ARGS, "speculative_config": {**SELF_DRAFT, "model": model}},
@@ -624,6 +663,20 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     assert prom.scalar("sum(ray_cb_serve_lora_loads_total)") >= 4
     assert prom.scalar("sum(ray_cb_serve_lora_evictions_total)") >= 1  # most of them on one replica
     assert {v for _, v in prom.query("ray_cb_serve_lora_slots_total")} == {1.0}
+    # Mixture of experts: one imbalance observation per step (Ray's histogram sums are its buckets'
+    # midpoints: the mean is approximate), every expert had tokens, and every token the target model
+    # computed is counted top_k times in each MoE layer: at least every prompt token the prefix cache did
+    # not hold and every generated token fed back (all but each request's last). Exact per step:
+    # tests/features/test_expert_load.py.
+    assert prom.scalar("sum(ray_cb_serve_moe_expert_imbalance_count)") == steps
+    assert 1 <= prom.scalar("sum(ray_cb_serve_moe_expert_imbalance_sum)") / steps <= NUM_EXPERTS
+    per_expert = prom.query("sum by (expert) (ray_cb_serve_moe_expert_tokens_total)")
+    assert {labels["expert"] for labels, _ in per_expert} == {str(e) for e in range(NUM_EXPERTS)}
+    routed = sum(v for _, v in per_expert)
+    uncached = prom.scalar("sum(ray_cb_serve_prompt_tokens_total)") - prom.scalar(
+        "sum(ray_cb_serve_prefix_cache_hits_total)"
+    )
+    assert routed % (TOP_K * MOE_LAYERS) == 0 and routed / (TOP_K * MOE_LAYERS) >= uncached + tokens - n, per_expert
 
     for name, (kind, _) in (ENGINE_METRICS | ROUTER_METRICS).items():  # the names Ray really exports
         series = exported_name(name) + ("_count" if kind == "histogram" else "")
