@@ -3,50 +3,28 @@ DRAM read bandwidth that bounds decode steps (``cb_serve.benchmarks.bandwidth``)
 
 ``measure_roofline`` times fp32 GEMMs at M=``GEMM_M`` rows over the model's matmul shapes; the model's
 matmul FLOP per token divided by the model-mix GEMM rate gives processed tokens/s, and ``workload_roofline``
-turns that into generated tokens/s for a workload (its prompt tokens cost the same FLOP as its outputs).
+turns that into generated tokens/s for a workload (its prompt tokens cost the same FLOP as its outputs). The
+shapes and their counts per token come from ``cb_serve.benchmarks.model_shapes``: of a mixture of experts,
+the router and the ``top_k`` experts each token is routed to (all at the M=``GEMM_M`` rate, a best case:
+an expert's share of a decode step is a few rows).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from cb_serve.benchmarks.bandwidth import read_bandwidth
 from cb_serve.benchmarks.cpu_accounting import Timer
+from cb_serve.benchmarks.model_shapes import extra_gemm_shape, model_gemm_shapes, moe_layout
 from cb_serve.benchmarks.report import log
 from cb_serve.benchmarks.workload import Workload
 
 GEMM_M = 256
-
-
-@dataclass
-class GemmShape:
-    name: str
-    k: int
-    n: int
-    count_per_token: int  # how many [1, k] x [k, n] products one token's forward needs
-
-    @property
-    def flop_per_token(self) -> int:
-        return 2 * self.k * self.n * self.count_per_token
-
-
-def model_gemm_shapes(hf_config) -> list[GemmShape]:
-    """The matmuls of one token through a Llama-family model (as cb-serve fuses them) plus the LM head."""
-    hidden, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
-    q, kv = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
-    return [
-        GemmShape("qkv_proj", hidden, q + 2 * kv, layers),
-        GemmShape("o_proj", q, hidden, layers),
-        GemmShape("gate_up_proj", hidden, 2 * inter, layers),
-        GemmShape("down_proj", inter, hidden, layers),
-        GemmShape("lm_head", hidden, hf_config.vocab_size, 1),
-    ]
 
 
 def time_matmul(m: int, k: int, n: int, dtype: torch.dtype, min_reps: int = 7, min_seconds: float = 0.5) -> float:
@@ -97,7 +75,7 @@ def copy_bandwidth(
 
 def measure_roofline(hf_config, dtype: torch.dtype) -> dict[str, Any]:
     shapes = model_gemm_shapes(hf_config)
-    extra = GemmShape("gate_or_up", hf_config.hidden_size, hf_config.intermediate_size, 0)
+    extra = extra_gemm_shape(hf_config)
     per_shape: dict[str, dict[str, float]] = {}
     with Timer() as timer:
         for shape in [*shapes, extra]:
@@ -116,11 +94,13 @@ def measure_roofline(hf_config, dtype: torch.dtype) -> dict[str, Any]:
     # The model's mix: time per token = sum over shapes of its FLOP / its rate.
     seconds_per_token = sum(s.flop_per_token / (per_shape[s.name]["gflop_s"] * 1e9) for s in shapes)
     rate = flop_per_token / seconds_per_token
+    moe = moe_layout(hf_config)
     return {
         "dtype": str(dtype),
         "threads": torch.get_num_threads(),
         "flop_per_token": flop_per_token,
-        "matmul_params": flop_per_token // 2,
+        "matmul_params": flop_per_token // 2,  # of a mixture of experts: the active ones (top-k experts)
+        "moe": None if moe is None else asdict(moe),
         "per_shape": per_shape,
         "model_mix_gflop_s": rate / 1e9,
         "roofline_tok_s": rate / flop_per_token,
@@ -142,7 +122,9 @@ def print_roofline(roofline: dict[str, Any], workload: Workload) -> None:
     log(f"== roofline ({roofline['dtype']} GEMM, M={GEMM_M}, {roofline['threads']} threads) ==")
     for name, s in roofline["per_shape"].items():
         log(f"    {name:13s} [{s['m']}, {s['k']}] x [{s['k']}, {s['n']}]: {s['gflop_s']:.1f} GFLOP/s")
-    log(f"    FLOP/token (matmuls incl. LM head): {roofline['flop_per_token'] / 1e9:.4f} GFLOP")
+    moe = roofline.get("moe")
+    active = "" if moe is None else f"; router + top {moe['top_k']} of {moe['num_experts']} experts"
+    log(f"    FLOP/token (matmuls incl. LM head{active}): {roofline['flop_per_token'] / 1e9:.4f} GFLOP")
     log(f"    model-mix GEMM rate: {roofline['model_mix_gflop_s']:.1f} GFLOP/s")
     log(f"    memory bandwidth (256 MB tensor copy, read + write): {roofline['memory_copy_gb_s']:.1f} GB/s")
     read = roofline["memory_read"]

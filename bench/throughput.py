@@ -17,16 +17,18 @@ Systems:
                    ``model.generate_batch`` with the largest output length for every request instead).
   4. llama.cpp     (only when named in ``--systems``) ``llama-server`` built from the llama.cpp that the
                    llama-cpp-python sdist vendors (cached, see ``cb_serve/benchmarks/llama_cpp.py``) on the
-                   same GGUF file, 16 slots with continuous batching, the same threads; the token-id
-                   prompts over loopback HTTP, all at once. Skipped with a one-line reason if it cannot
-                   be built or run here.
+                   same GGUF file (or ``--llama-gguf``'s, e.g. a conversion of cb-serve's HF directory:
+                   ``bench/moe_bench.py``), 16 slots with continuous batching, the same threads; the
+                   token-id prompts over loopback HTTP, all at once. Skipped with a one-line reason if it
+                   cannot be built or run here.
   5. roofline      fp32 GEMM FLOP/s at M=256 over the model's matmul shapes, divided by the model's matmul
-                   FLOP per token.
+                   FLOP per token (of a mixture of experts: its router and top-k experts per token).
 
 Beside throughput: each system's greedy agreement with hf-static; batch invariance of cb-serve and
 llama.cpp (the first ``--invariance-requests`` requests again one at a time, compared with their batched
 outputs); the DRAM read bandwidth and, over cb-serve's decode-only steps, (bytes read / step time) /
-read bandwidth (``cb_serve/benchmarks/bandwidth.py``); with ``--profile-decode``, torch.profiler's op
+read bandwidth (``cb_serve/benchmarks/bandwidth.py``; of a mixture of experts, the weights of the experts
+each step's tokens hit); with ``--profile-decode``, torch.profiler's op
 breakdown of a few decode steps (``op_profile``).
 
 The pieces live in modules beside this script: ``workload`` (the seeded workload), ``cb_offline`` (cb-serve),
@@ -114,6 +116,12 @@ def parse_args(argv: Sequence[str] | None = None, description: str | None = __do
         action="store_true",
         help="Also torch.profiler's op breakdown of a few cb-serve decode steps (a second, untimed workload).",
     )
+    parser.add_argument(
+        "--llama-gguf",
+        metavar="PATH",
+        help="The GGUF file llama.cpp serves (default: cb-serve's model, which must then be a GGUF file); the "
+        "same weights as cb-serve's, e.g. converted from its HF directory (bench/moe_bench.py).",
+    )
     parser.add_argument("--json", metavar="OUT", help="Write the results as JSON to OUT.")
     return parser.parse_args(argv)
 
@@ -170,13 +178,13 @@ def run_cb_serve_checks(
 
 
 def run_llama(
-    source: loader.ModelSource, tokenizer, workload: Workload, invariance_requests: int
+    source: loader.ModelSource, tokenizer, workload: Workload, invariance_requests: int, gguf: str | None = None
 ) -> tuple[SystemResult | None, str | None]:
-    """llama.cpp on cb-serve's GGUF file; (None, why) when it cannot run here: never fatal."""
+    """llama.cpp on ``gguf``, by default cb-serve's GGUF file; (None, why) when it cannot run here: never fatal."""
     try:
-        if source.gguf_file is None:
-            raise LlamaCppUnavailable(f"cb-serve's model {source.name} is not a GGUF file")
-        gguf = str(Path(source.path) / source.gguf_file)
+        if gguf is None and source.gguf_file is None:
+            raise LlamaCppUnavailable(f"cb-serve's model {source.name} is not a GGUF file (pass --llama-gguf)")
+        gguf = gguf or str(Path(source.path) / str(source.gguf_file))
         log_path = Path(tempfile.gettempdir()) / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}.log"
         result = run_llama_cpp(gguf, workload, tokenizer, torch.get_num_threads(), invariance_requests, log_path)
     except Exception as e:  # reported in one line, not fatal: the other systems' numbers still stand
@@ -225,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     hf_results, errors = run_hf_systems(*hf_inputs, workload, systems, args.hf_cb_api)
     results.update(hf_results)
     if "llama.cpp" in systems:
-        llama, reason = run_llama(hf_inputs[0], hf_inputs[1], workload, args.invariance_requests)
+        llama, reason = run_llama(*hf_inputs[:2], workload, args.invariance_requests, args.llama_gguf)
         if llama is not None:
             results["llama.cpp"] = llama
         else:

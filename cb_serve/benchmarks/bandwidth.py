@@ -26,7 +26,9 @@ from torch import nn
 
 from cb_serve import StepStats
 from cb_serve.benchmarks.report import log
+from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.linear import Linear
+from cb_serve.stats import ExpertLoad
 
 READ_BYTES = 1 << 30
 READ_REPS = 5
@@ -71,6 +73,7 @@ class DecodeStep:
     num_logit_rows: int  # rows through the LM head: the tokens that need logits
     context_lens: tuple[int, ...]  # per sequence: the KV positions its attention read (new token included)
     execute_s: float = 0.0  # of duration_s, the execute phase (forward, logits, sampling); 0: unknown
+    experts_hit: tuple[int, ...] = ()  # per MoE layer in model order: distinct experts its tokens went to
 
 
 def kv_bytes_per_token(hf_config: Any, kv_dtype: torch.dtype) -> int:
@@ -80,25 +83,45 @@ def kv_bytes_per_token(hf_config: Any, kv_dtype: torch.dtype) -> int:
     return per_token * torch.empty((), dtype=kv_dtype).element_size()
 
 
-def weight_bytes(model: nn.Module, num_tokens: int, num_logit_rows: int) -> int:
+def experts_hit(load: ExpertLoad | None) -> tuple[int, ...]:
+    """Per MoE layer of a step's ``ExpertLoad``: how many experts got at least one token (() if none)."""
+    return () if load is None else tuple(int(n) for n in (load.counts > 0).sum(axis=1))
+
+
+def expert_bytes(module: FusedMoE, hit: int | None) -> int:
+    """Bytes of ``module``'s expert weights (and biases; its router is a child module) that a forward
+    routing tokens to ``hit`` of its experts reads; all of them when ``hit`` is None."""
+    stacked = sum(p.nbytes for p in module.parameters(recurse=False))  # [local experts, ...] each
+    local = len(module.experts)
+    return stacked if hit is None else stacked * min(hit, local) // local
+
+
+def weight_bytes(
+    model: nn.Module, num_tokens: int, num_logit_rows: int, experts_hit: Sequence[int] | None = None
+) -> int:
     """Bytes of weights a forward of ``num_tokens`` rows reads: each ``Linear``'s ``bytes_read`` (the
-    model's ``lm_head`` at ``num_logit_rows``), the embedding rows of the tokens, every other parameter
-    (norms) whole."""
+    model's ``lm_head`` at ``num_logit_rows``), the embedding rows of the tokens, each ``FusedMoE``'s
+    experts that ``experts_hit`` names for its layer (None: every expert), every other parameter (norms,
+    routers) whole."""
     lm_head = getattr(model, "lm_head", None)
+    hits = iter(experts_hit or ())
     total = 0
     for module in model.modules():
         if isinstance(module, Linear):
             total += module.bytes_read(num_logit_rows if module is lm_head else num_tokens)
         elif isinstance(module, nn.Embedding):
             total += num_tokens * module.embedding_dim * module.weight.element_size()
+        elif isinstance(module, FusedMoE):
+            total += expert_bytes(module, next(hits, None) if experts_hit is not None else None)
         else:
             total += sum(p.nbytes for p in module.parameters(recurse=False))
     return total
 
 
 def step_bytes(model: nn.Module, step: DecodeStep, kv_per_token: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes) that ``step`` read."""
-    return weight_bytes(model, step.num_tokens, step.num_logit_rows), kv_per_token * sum(step.context_lens)
+    """(weight bytes, KV bytes) that ``step`` read (of a mixture of experts: the experts it hit)."""
+    weights = weight_bytes(model, step.num_tokens, step.num_logit_rows, step.experts_hit or None)
+    return weights, kv_per_token * sum(step.context_lens)
 
 
 def decode_steps(stats: Sequence[StepStats], records: Sequence[dict[str, Any]], first_step_id: int) -> list[DecodeStep]:
@@ -113,7 +136,7 @@ def decode_steps(stats: Sequence[StepStats], records: Sequence[dict[str, Any]], 
         contexts = tuple(q["computed_after"] for q in record["seqs"])
         # Every decode row samples (a draft's row too), so the LM head sees them all.
         n = s.num_scheduled_tokens
-        steps.append(DecodeStep(s.duration_s, n, n, contexts, s.phases.execute_s))
+        steps.append(DecodeStep(s.duration_s, n, n, contexts, s.phases.execute_s, experts_hit(s.expert_load)))
     return steps
 
 
@@ -135,7 +158,7 @@ def decode_bound(
     fractions = [row[0] for row in rows]
     deciles = statistics.quantiles(fractions, n=10, method="inclusive") if len(rows) > 1 else fractions * 9
     fraction, weights, kv, median = rows[len(rows) // 2]
-    return {
+    bound = {
         "decode_steps": len(rows),
         "read_gb_s": read_gb_s,
         "fraction_median": statistics.median(fractions),
@@ -152,8 +175,27 @@ def decode_bound(
             "mean_context": statistics.fmean(median.context_lens),
             "gb_s": (weights + kv) / median.duration_s / 1e9,
         },
-        "counted": "weights streamed per Linear.bytes_read(rows) incl. LM head, embedding rows, norms; KV of "
-        "every sequence's context; not activations, K/V writes, RoPE rows, logits",
+        "counted": "weights streamed per Linear.bytes_read(rows) incl. LM head, embedding rows, norms, routers, "
+        "the experts each step's tokens hit; KV of every sequence's context; not activations, K/V writes, RoPE "
+        "rows, logits",
+    }
+    moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
+    if moe is not None and median.experts_hit:
+        bound["moe"] = moe_summary(model, moe.num_experts, [row[3] for row in rows], median)
+    return bound
+
+
+def moe_summary(model: nn.Module, num_experts: int, steps: Sequence[DecodeStep], median: DecodeStep) -> dict[str, Any]:
+    """A mixture of experts' decode steps: experts hit per layer (mean over layers) over the steps and in
+    the median step, and that step's weight bytes against what reading every expert would take."""
+    hit = [statistics.fmean(s.experts_hit) for s in steps if s.experts_hit]
+    rows = (median.num_tokens, median.num_logit_rows)
+    return {
+        "num_experts": num_experts,
+        "mean_experts_hit_per_layer": statistics.fmean(hit),
+        "median_step_experts_hit_per_layer": statistics.fmean(median.experts_hit),
+        "median_step_active_weights_mb": weight_bytes(model, *rows, median.experts_hit) / 1e6,
+        "median_step_all_experts_weights_mb": weight_bytes(model, *rows) / 1e6,
     }
 
 
@@ -170,3 +212,11 @@ def print_decode_bound(bound: dict[str, Any] | None, decode_only_steps: int) -> 
         f"decode-only steps); median step: {m['num_seqs']} seqs, {m['weights_mb']:.1f} MB weights + "
         f"{m['kv_mb']:.1f} MB KV in {m['step_ms']:.2f} ms (execute {m['execute_ms']:.2f} ms) = {m['gb_s']:.1f} GB/s"
     )
+    moe = bound.get("moe")
+    if moe:
+        log(
+            f"    mixture of experts: the median step's tokens hit {moe['median_step_experts_hit_per_layer']:.1f} of "
+            f"{moe['num_experts']} experts per layer (all decode steps: {moe['mean_experts_hit_per_layer']:.1f}): "
+            f"{moe['median_step_active_weights_mb']:.1f} MB of active-parameter weights read (every expert: "
+            f"{moe['median_step_all_experts_weights_mb']:.1f} MB)"
+        )

@@ -4,6 +4,8 @@
   ``LLAMA_CPP_PYTHON_VERSION``), only the ``llama-server`` target, optimized for this CPU
   (``GGML_NATIVE``); cached under ``CACHE_ROOT/<version>-<hash of the CPU flags and CMake options>``
   so the next run reuses it. Any failure raises ``LlamaCppUnavailable`` with one line saying why.
+- **Convert**: ``vendored_source`` is the llama.cpp tree a build came from; its ``convert_hf_to_gguf.py`` (with
+  its ``gguf-py``) writes the GGUF of a HF directory for this build (``bench/moe_bench.py``).
 - **Serve**: the same GGUF file as cb-serve, ``SERVER_SLOTS`` slots with continuous batching, the
   benchmark's torch threads, loopback only; the process is always stopped on the way out.
 - **Client**: the workload's token-id prompts sent to ``/completion`` all at once, greedy, EOS ignored,
@@ -154,6 +156,16 @@ def ensure_llama_server(cache_root: Path = CACHE_ROOT, version: str = LLAMA_CPP_
     built = LlamaServerBuild(str(binary), version, commit, options, _compiler(), time.perf_counter() - start)
     stamp.write_text(json.dumps({k: v for k, v in built.to_json().items() if k != "reused"}, indent=2))
     return built
+
+
+def vendored_source(build: LlamaServerBuild) -> Path:
+    """The llama.cpp source tree ``build`` was built from (the sdist's ``vendor/llama.cpp``, kept beside the
+    build in the cache): its ``convert_hf_to_gguf.py`` and ``gguf-py`` write GGUF files this build reads."""
+    directory = Path(build.binary).parents[2]  # <cache>/<key>/build/bin/llama-server
+    source = directory / f"llama_cpp_python-{build.llama_cpp_python}" / "vendor" / "llama.cpp"
+    if not (source / "convert_hf_to_gguf.py").is_file():
+        raise LlamaCppUnavailable(f"no llama.cpp source with convert_hf_to_gguf.py in {source}")
+    return source
 
 
 def _read_text(path: Path) -> str:

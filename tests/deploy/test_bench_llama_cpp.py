@@ -59,6 +59,19 @@ def test_amx_cpus_get_the_tile_config_fix(tmp_path):
     assert "ldtilecfg" in llama_cpp.TILECFG_FIX and "[64]" in llama_cpp.TILECFG_FIX  # the whole 64-byte config
 
 
+def test_vendored_source_is_the_tree_the_build_came_from(tmp_path):
+    directory = tmp_path / "0.3.36-abc"
+    build = llama_cpp.LlamaServerBuild(
+        str(directory / "build" / "bin" / "llama-server"), "0.3.36", "0c1e57098", (), "", 0
+    )
+    with pytest.raises(llama_cpp.LlamaCppUnavailable, match="convert_hf_to_gguf"):
+        llama_cpp.vendored_source(build)
+    source = directory / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    source.mkdir(parents=True)
+    (source / "convert_hf_to_gguf.py").write_text("")
+    assert llama_cpp.vendored_source(build) == source
+
+
 def test_missing_tools_make_it_unavailable(tmp_path, monkeypatch):
     monkeypatch.setattr(llama_cpp.shutil, "which", lambda tool: None)
     with pytest.raises(llama_cpp.LlamaCppUnavailable, match="cmake"):
