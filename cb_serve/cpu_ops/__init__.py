@@ -77,6 +77,7 @@ OPS = (
     "gelu_tanh_and_mul",
     "apply_token_bitmask",
     "argmax_rows",
+    "moe_combine",
     "pack_decode_weight",
     "decode_gemm",
     "grouped_gemm",
@@ -309,6 +310,14 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``gelu(x[:, :I], approximate="tanh") * x[:, I:]``."""
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     torch.ops.cb_serve.gelu_tanh_and_mul(out, x)
+    return out
+
+
+def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: per token, ``y[rows[t, j]] * weights[t, j]`` summed from zero in the order of ``j`` (a row of
+    -1 skipped): a mixture-of-experts layer's combine, as HF's loop adds it. float32."""
+    out = y.new_empty(rows.shape[0], y.shape[1])
+    torch.ops.cb_serve.moe_combine(out, y, rows, weights)
     return out
 
 

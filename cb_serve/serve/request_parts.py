@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from cb_serve import ConstraintLimits, InvalidRequestError, StructuredOutputsParams, tool_call_constraint
 
@@ -75,22 +75,24 @@ class NamedToolChoice(Strict):
     function: FunctionName
 
 
+def _json_object_text(v: str) -> str:
+    try:
+        ok = isinstance(json.loads(v), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError("arguments must be a JSON object, as text")
+    return v
+
+
+JsonObjectText = Annotated[str, AfterValidator(_json_object_text)]  # a tool call's arguments
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     name: str
-    arguments: str  # a JSON object, as text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        try:
-            ok = isinstance(json.loads(v), dict)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError("function.arguments must be a JSON object, as text")
-        return v
+    arguments: JsonObjectText
 
     def parsed(self) -> dict[str, Any]:
         return json.loads(self.arguments)

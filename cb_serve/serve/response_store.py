@@ -25,9 +25,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from cb_serve import ParsedToolCall
+from cb_serve.serve.request_parts import JsonObjectText
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PARTS = ("input_text", "output_text")
@@ -100,18 +101,7 @@ class FunctionCallItem(Item):
     type: Literal["function_call"]
     call_id: str
     name: str
-    arguments: str  # a JSON object, as text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        try:
-            ok = isinstance(json.loads(v), dict)
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError("arguments must be a JSON object, as text")
-        return v
+    arguments: JsonObjectText
 
 
 class FunctionCallOutputItem(Item):

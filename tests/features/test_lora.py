@@ -95,7 +95,6 @@ def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS, loras=None, logprobs=N
         "granite",
         "phi3",
         "gemma4_text",
-        "qwen3_moe",
     ],
 )
 def test_greedy_with_adapters_equals_hf_peft(arch, adapters):

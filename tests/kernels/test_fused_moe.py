@@ -162,3 +162,17 @@ def test_gemma4_router_equals_hf():
         weights, ids = select_experts(ours(x), spec)
     assert torch.equal(ids, ref_ids)
     assert torch.equal(weights * hf.per_expert_scale[ids], ref_weights)
+
+
+@needs_kernels
+def test_the_cpu_combine_is_the_reference_combine_bit_for_bit():
+    """``cpu_ops.moe_combine`` (``CpuExpertGemm.combine``): the same products and sums, in the same order, with
+    another rank's pairs (expert parallelism) skipped."""
+    from cb_serve.model_executor.layers.fused_experts import combine
+
+    torch.manual_seed(0)
+    weights, ids = torch.rand(37, 4), torch.stack([torch.randperm(16)[:4] for _ in range(37)])
+    for experts in (range(16), range(5, 12)):
+        routing = route_pairs(weights, ids, experts, 16)
+        y = torch.randn(routing.pair_tokens.numel(), 48)
+        assert torch.equal(CpuExpertGemm().combine(y, routing, torch.float32), combine(y, routing, torch.float32))

@@ -752,8 +752,10 @@ def test_every_alert_expression_runs_and_a_healthy_app_raises_no_health_alert(st
     _, prom = stack
     rules = prometheus_rules()
     assert rules, "no PrometheusRule in k8s/*.yaml"
-    # Serve's controller reports replica health every 10 s: wait for the first report.
-    wait_for("Ray Serve's replica health", lambda: prom.query("ray_serve_deployment_replica_healthy"), timeout=60)
+    # Serve's controller reports replica health every 10 s: wait for the engine replicas' first report (the
+    # routers' may come first, and the no-healthy-replica alert fires on an absent engine series).
+    engine_health = 'ray_serve_deployment_replica_healthy{deployment="EngineReplica"}'
+    wait_for("Ray Serve's engine replica health", lambda: prom.query(engine_health), timeout=60)
     results = {name: prom.query(rule["expr"]) for name, rule in rules.items()}  # asserts HTTP 200, "success"
     alerts = {rule.get("alert"): name for name, rule in rules.items()}
     for alert in (NO_HEALTHY_ENGINE_ALERT, ENGINE_UNHEALTHY_ALERT):

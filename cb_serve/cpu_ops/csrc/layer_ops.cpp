@@ -5,6 +5,7 @@
 //   silu_and_mul        out = silu(x[:, :I]) * x[:, I:]
 //   gelu_tanh_and_mul   out = gelu_tanh(x[:, :I]) * x[:, I:]
 //   argmax_rows         per float32 row: the first maximum's index (the first NaN's, if any), as torch.max(-1)
+//   moe_combine         out[t] = 0 + y[rows[t, 0]] * w[t, 0] + y[rows[t, 1]] * w[t, 1] + ... (a mixture of experts)
 // Each replaces 4-8 eager ops (and their temporaries) with one pass over the rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -186,6 +187,38 @@ void act_and_mul(at::Tensor out, const at::Tensor& x) {
 void silu_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<Act::kSilu>(out, x); }
 void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) { act_and_mul<Act::kGeluTanh>(out, x); }
 
+// A mixture-of-experts layer's combine: each token's expert outputs (rows of y, float32 [P, H]), each times its
+// routing weight (rounded, then added: no FMA contraction), summed from zero in the order of rows[t] (int64
+// [T, k]: ascending expert, as HF's index_add_ loop adds them; -1: an expert another rank holds, skipped).
+void moe_combine(at::Tensor out, const at::Tensor& y, const at::Tensor& rows, const at::Tensor& weights) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat, "y: contiguous float32 [P, H]");
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.scalar_type() == at::kLong, "rows: int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == rows.sizes() && weights.is_contiguous() && weights.scalar_type() == at::kFloat,
+              "weights: float32 [T, k]");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.size(0) == rows.size(0) && out.size(1) == y.size(1),
+              "out: float32 [T, H]");
+  const int64_t tokens = rows.size(0), k = rows.size(1), h = y.size(1), pairs = y.size(0);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens * k; ++i) TORCH_CHECK(row[i] >= -1 && row[i] < pairs, "rows out of range");
+  const float* yp = y.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = op + t * h;
+      std::fill_n(o, h, 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = row[t * k + j];
+        if (r < 0) continue;
+        const float w = wp[t * k + j];
+        const float* src = yp + r * h;
+        for (int64_t c = 0; c < h; ++c) o[c] += src[c] * w;
+      }
+    }
+  });
+}
+
 // Grammar bitmask (llguidance/xgrammar layout: bit j of int32 word k allows token 32k + j): the
 // blocked tokens of logits row rows[i] become -inf, per the bitmask's row i; other rows untouched.
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
@@ -320,6 +353,7 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("moe_combine(Tensor(a!) out, Tensor y, Tensor rows, Tensor weights) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
@@ -330,4 +364,5 @@ TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("moe_combine", &moe_combine);
 }

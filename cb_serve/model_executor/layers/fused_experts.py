@@ -30,6 +30,8 @@ class ExpertRouting:
     pair_weights: torch.Tensor  # [P] its routing weight
     pair_slots: torch.Tensor  # [P] its place in the [T * top_k] expert-ordered layout ``combine`` sums
     offsets: torch.Tensor  # [E_local + 1] int64: expert e's pairs are rows offsets[e]:offsets[e + 1]
+    slot_rows: torch.Tensor  # [T, top_k] int64: each token's pairs' rows, experts ascending (-1: another rank's)
+    slot_weights: torch.Tensor  # [T, top_k]: their routing weights
     num_tokens: int
     top_k: int
 
@@ -55,18 +57,23 @@ def route_pairs(weights: torch.Tensor, ids: torch.Tensor, experts: range, num_ex
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     if len(experts) < num_experts:  # expert parallelism: other ranks' pairs sorted last, cut off
         slots = slots[: int(offsets[-1])]
+    rows = torch.full((num_tokens * top_k,), -1, dtype=torch.long, device=ids.device)
+    rows[slots] = torch.arange(slots.numel(), device=ids.device)
     return ExpertRouting(
         pair_tokens=slots // top_k,
         pair_weights=weights.reshape(-1)[slots],
         pair_slots=slots,
         offsets=offsets,
+        slot_rows=rows.view(num_tokens, top_k),
+        slot_weights=weights,
         num_tokens=num_tokens,
         top_k=top_k,
     )
 
 
 def combine(y: torch.Tensor, routing: ExpertRouting, dtype: torch.dtype) -> torch.Tensor:
-    """``[T, H]``: each token's pair outputs ``y`` (routing weight applied) summed in ascending expert order."""
+    """``[T, H]``: each token's pair outputs ``y``, times their routing weights, summed in ascending expert order."""
+    y = y * routing.pair_weights[:, None]  # HF: ``out * top_k_weights[...]``, in the promoted dtype
     full = y.new_zeros(routing.num_tokens * routing.top_k, y.shape[1])
     full[routing.pair_slots] = y
     full = full.view(routing.num_tokens, routing.top_k, -1).to(dtype)
@@ -89,6 +96,10 @@ class ExpertGemm(ABC):
     def __call__(
         self, x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
+
+    def combine(self, y: torch.Tensor, routing: ExpertRouting, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's output from the pairs' outputs (``combine``; a backend may fuse it)."""
+        return combine(y, routing, dtype)
 
 
 class TorchExpertGemm(ExpertGemm):
@@ -118,6 +129,12 @@ class CpuExpertGemm(ExpertGemm):
 
     def __call__(self, x, offsets, weight, n, bias):
         return cpu_ops.grouped_gemm(x.contiguous(), offsets, weight, n, bias)
+
+    def combine(self, y, routing, dtype):
+        """One C++ pass (``cpu_ops.moe_combine``): the same products and sums as ``combine``, in its order."""
+        if y.dtype != torch.float32 or routing.slot_weights.dtype != torch.float32:
+            return combine(y, routing, dtype)
+        return cpu_ops.moe_combine(y, routing.slot_rows, routing.slot_weights.contiguous()).to(dtype)
 
 
 def expert_gemm(device: torch.device, dtype: torch.dtype, use_cpu_ops: bool) -> ExpertGemm:
@@ -149,5 +166,4 @@ def fused_experts(
     xs = x[routing.pair_tokens]
     h = activation(gemm(xs, routing.offsets, w13, sizes[0], b13))
     y = gemm(h, routing.offsets, w2, sizes[1], b2)
-    y = y * routing.pair_weights[:, None]  # HF: ``out * top_k_weights[...]``, in the promoted dtype
-    return combine(y, routing, x.dtype)
+    return gemm.combine(y, routing, x.dtype)
