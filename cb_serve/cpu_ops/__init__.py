@@ -314,8 +314,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[T, H]``: per token, ``y[rows[t, j]] * weights[t, j]`` summed from zero in the order of ``j`` (a row of
-    -1 skipped): a mixture-of-experts layer's combine, as HF's loop adds it. float32."""
+    """``[T, H]``: per token, ``y[rows[t, j]] * weights[t, j]`` summed from zero in ``j``'s order (-1 skipped)."""
     out = y.new_empty(rows.shape[0], y.shape[1])
     torch.ops.cb_serve.moe_combine(out, y, rows, weights)
     return out
@@ -341,9 +340,7 @@ def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:
 def grouped_gemm(
     x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """Rows ``offsets[g]:offsets[g + 1]`` of ``x`` (float32 ``[P, K]``) times group ``g``'s weight, for every
-    group at once (a mixture-of-experts layer's experts): ``packed`` ``[G, tiles, K, 32]`` stacks each group's
-    ``pack_decode_weight``; ``offsets`` int64 ``[G + 1]``; ``bias`` ``[G, out_features]`` or None."""
+    """Rows ``offsets[g]:offsets[g + 1]`` of ``x`` times group ``g``'s packed weight (``pack_decode_weight`` each)."""
     out = x.new_empty(x.shape[0], out_features)
     torch.ops.cb_serve.grouped_gemm(out, x, offsets, packed, bias)
     return out
