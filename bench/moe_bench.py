@@ -4,13 +4,16 @@ workload of ``bench/throughput.py``, cb-serve against HF static batching and lla
 1. **Model.** Qwen3-30B-A3B's proportions scaled down to fit 2 cores and a few GiB (each dimension settable
    below): 16 query / 4 KV heads of 64, 64 experts, top-8 renormalized (``norm_topk_prob``, which
    llama.cpp's qwen3moe graph assumes), an expert width of a quarter of the hidden size, every layer sparse,
-   untied LM head; random float32 weights (normal, ``--init-std``; norms 1; at transformers' default 0.02
-   a model this wide repeats a few tokens greedily, hence 0.1) and the built-in SmolLM2 tokenizer. Saved as
-   a HF directory (safetensors) under ``--cache-dir/<hash of the shape>/hf``, with a short HF greedy sample
-   recorded (``sample.json``) to show the outputs are not degenerate repeats.
-2. **GGUF.** The same weights as an F32 GGUF, written by ``convert_hf_to_gguf.py`` of the llama.cpp source
-   the cached ``llama-server`` was built from (``llama_cpp.ensure_llama_server``), with that source's
-   vendored ``gguf-py`` on ``PYTHONPATH``.
+   untied LM head; random weights (normal, ``--init-std``; norms 1; at transformers' default 0.02 a model
+   this wide repeats a few tokens greedily, hence 0.1) saved in bf16 as the real checkpoints ship
+   (``--weights float32``: full float32 values), and the built-in SmolLM2 tokenizer. Every system computes
+   in float32 on the weights as loaded (a bf16 checkpoint upcast exactly). Saved as a HF directory
+   (safetensors) under ``--cache-dir/<hash of the shape>/hf``, with a short HF greedy sample recorded
+   (``sample.json``) to show the outputs are not degenerate repeats.
+2. **GGUF.** The same weights as a GGUF (``--gguf-type``: F32 by default, lossless for either weight
+   dtype; BF16 is lossless for bf16 weights too, and llama.cpp then also rounds activations to bf16),
+   written by ``convert_hf_to_gguf.py`` of the llama.cpp source the cached ``llama-server`` was built from
+   (``llama_cpp.ensure_llama_server``), with that source's vendored ``gguf-py`` on ``PYTHONPATH``.
 3. **Run.** ``throughput.main`` with cb-serve and hf-static on the HF directory and llama.cpp on the GGUF
    (``--llama-gguf``); its roofline counts the top-k experts' FLOPs per token, and its decode bound the
    weights of the experts each decode step's tokens hit (``bandwidth.py``, from the engine's per-step
@@ -62,6 +65,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     shape.add_argument("--expert-size", type=int, default=256, help="Each expert's intermediate size.")
     shape.add_argument("--init-std", type=float, default=0.1, help="Std of the random weights.")
     shape.add_argument("--model-seed", type=int, default=0)
+    shape.add_argument("--weights", choices=("bfloat16", "float32"), default="bfloat16", help="Checkpoint dtype.")
+    parser.add_argument("--gguf-type", choices=("f32", "bf16"), default="f32", help="llama.cpp's GGUF type.")
     parser.add_argument(
         "--cache-dir", type=Path, default=CACHE_DIR, help=f"Models are kept here (default: {CACHE_DIR})."
     )
@@ -134,7 +139,8 @@ def build_model(args: argparse.Namespace, directory: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
     tmp = directory / "hf.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.to(getattr(torch, args.weights)).save_pretrained(tmp)
+    model.float()  # the sample in float32, as every system runs
     tokenizer.save_pretrained(tmp)
     with torch.inference_mode():
         sample = sample_outputs(model, tokenizer)
@@ -145,16 +151,16 @@ def build_model(args: argparse.Namespace, directory: Path) -> Path:
     return hf_dir
 
 
-def convert_to_gguf(hf_dir: Path, directory: Path) -> tuple[Path, dict[str, Any]]:
-    """The F32 GGUF of ``hf_dir`` (cached) by the cached llama.cpp build's own ``convert_hf_to_gguf.py``."""
+def convert_to_gguf(hf_dir: Path, directory: Path, outtype: str) -> tuple[Path, dict[str, Any]]:
+    """The ``outtype`` GGUF of ``hf_dir`` (cached) by the cached llama.cpp build's own ``convert_hf_to_gguf.py``."""
     build = ensure_llama_server()
     source = vendored_source(build)
-    gguf = directory / "model-f32.gguf"
+    gguf = directory / f"model-{outtype}.gguf"
     info = {"converter": str(source / "convert_hf_to_gguf.py"), "llama_cpp_commit": build.llama_cpp_commit}
     if gguf.is_file():
         return gguf, {**info, "reused": True}
     tmp = gguf.with_suffix(".tmp")
-    command = [sys.executable, info["converter"], str(hf_dir), "--outfile", str(tmp), "--outtype", "f32"]
+    command = [sys.executable, info["converter"], str(hf_dir), "--outfile", str(tmp), "--outtype", outtype]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(source / "gguf-py"), os.environ.get("PYTHONPATH")])),
@@ -173,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args, rest = parse_args(argv)
     tokenizer = loader.load_tokenizer(loader.default_model_source())
     config = model_config(args, tokenizer)
-    digest = hashlib.sha256(json.dumps([config, args.model_seed], sort_keys=True).encode()).hexdigest()[:12]
+    key = [config, args.model_seed] + ([args.weights] if args.weights != "float32" else [])
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     directory = args.cache_dir / f"qwen3moe-{digest}"
     directory.mkdir(parents=True, exist_ok=True)
     from transformers import Qwen3MoeConfig
@@ -187,13 +194,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gguf_info: dict[str, Any] = {}
     llama_args: list[str] = []
     if "llama.cpp" in args.systems.split(","):
-        gguf, gguf_info = convert_to_gguf(hf_dir, directory)
+        gguf, gguf_info = convert_to_gguf(hf_dir, directory, args.gguf_type)
         llama_args = ["--llama-gguf", str(gguf)]
     out = throughput.main(["--model", str(hf_dir), "--systems", args.systems, *llama_args, *rest])
     out["moe_model"] = {
         "directory": str(hf_dir),
         "config": config,
         "seed": args.model_seed,
+        "weights": args.weights,
         "parameters": total,
         "active_parameters_per_token": active,
         "sample": sample,

@@ -18,6 +18,14 @@ from pathlib import Path
 
 import torch
 
+from cb_serve.cpu_ops.expert_ops import (
+    amx_grouped_gemm,
+    exact_in_bf16,
+    grouped_gemm,
+    moe_combine,
+    pack_expert_weight,
+)
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -39,7 +47,7 @@ EXTENSIONS = {
     "cb_serve_lora_ops": ("lora_ops.cpp", ["-mprefer-vector-width=512"]),
 }
 # Optional, x86-64 Linux only: AMX tile GEMM (amx_available()) and its AVX512-BF16 port (bf16_available()).
-AMX_EXTENSION = ("cb_serve_amx_ops", "amx_gemm.cpp", ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"])
+AMX_EXTENSION = ("cb_serve_amx_ops", ("amx_gemm.cpp", "amx_experts.cpp"), ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"])
 BF16_EXTENSION = (
     "cb_serve_bf16_ops",
     "bf16_gemm.cpp",
@@ -85,11 +93,11 @@ OPS = (
 )
 
 
-def build_directory(name: str, source: str, flags: list[str]) -> Path:
+def build_directory(name: str, source: str | tuple[str, ...], flags: list[str]) -> Path:
     """A build directory per content (sources, headers, flags, torch version), holding its own
     copy of the sources: checkouts at different paths then share one build instead of rebuilding
     (ninja rebuilds whenever a source path changes)."""
-    files = sorted(CSRC.glob("*.h")) + [CSRC / source]
+    files = sorted(CSRC.glob("*.h")) + [CSRC / s for s in sources(source)]
     digest = hashlib.sha256(repr((flags, torch.__version__)).encode())
     for path in files:
         digest.update(path.read_bytes())
@@ -127,7 +135,11 @@ def missing_flags(name: str, cpu_flags: frozenset[str]) -> frozenset[str]:
     return REQUIRED_FLAGS.get(name, frozenset()) - cpu_flags
 
 
-def build(name: str, source: str, flags: list[str]) -> None:
+def sources(source: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (source,) if isinstance(source, str) else source
+
+
+def build(name: str, source: str | tuple[str, ...], flags: list[str]) -> None:
     """Builds (or loads the cached build of) one extension into this process; refuses (RuntimeError) an
     optional build whose instructions this CPU lacks."""
     from torch.utils.cpp_extension import load
@@ -139,7 +151,7 @@ def build(name: str, source: str, flags: list[str]) -> None:
     directory = build_directory(name, source, COMMON_FLAGS + flags)
     load(
         name=name,
-        sources=[str(directory / "src" / source)],
+        sources=[str(directory / "src" / s) for s in sources(source)],
         extra_cflags=COMMON_FLAGS + flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -313,13 +325,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[T, H]``: per token, ``y[rows[t, j]] * weights[t, j]`` summed from zero in ``j``'s order (-1 skipped)."""
-    out = y.new_empty(rows.shape[0], y.shape[1])
-    torch.ops.cb_serve.moe_combine(out, y, rows, weights)
-    return out
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """In place: ``structured_outputs.base.apply_bitmask`` for float32 logits on the CPU."""
     torch.ops.cb_serve.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
@@ -335,15 +340,6 @@ def pack_decode_weight(weight: torch.Tensor) -> torch.Tensor:
     """A float32 ``[N, K]`` weight as ``decode_gemm`` reads it: tiles of 32 output columns, each
     ``[K, 32]`` and contiguous (zero-padded to a multiple of 32 columns)."""
     return torch.ops.cb_serve.pack_decode_weight(weight)
-
-
-def grouped_gemm(
-    x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """Rows ``offsets[g]:offsets[g + 1]`` of ``x`` times group ``g``'s packed weight (``pack_decode_weight`` each)."""
-    out = x.new_empty(x.shape[0], out_features)
-    torch.ops.cb_serve.grouped_gemm(out, x, offsets, packed, bias)
-    return out
 
 
 def decode_gemm(

@@ -176,3 +176,51 @@ def test_the_cpu_combine_is_the_reference_combine_bit_for_bit():
         routing = route_pairs(weights, ids, experts, 16)
         y = torch.randn(routing.pair_tokens.numel(), 48)
         assert torch.equal(CpuExpertGemm().combine(y, routing, torch.float32), combine(y, routing, torch.float32))
+
+
+def bf16_experts(counts: list[int], n: int, k: int, seed: int = 0):
+    """Weights exact in bf16 (a bf16 checkpoint's, in float32), biases, offsets and rows for ``counts``."""
+    torch.manual_seed(seed)
+    weight, bias = torch.randn(len(counts), n, k).bfloat16().float(), torch.randn(len(counts), n)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    return weight, bias, offsets, torch.randn(sum(counts), k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [None, "avx2", "scalar"])
+def test_bf16_experts_are_the_float32_gemm_bit_for_bit(isa):
+    """Weights exact in bf16 are packed as bf16 (half the bytes) and widened exactly: every build's
+    grouped GEMM gives the float32 packing's bits; other weights stay float32."""
+    if isa is not None and not cpu_ops.decode_gemm_variant(isa):
+        pytest.skip(f"no {isa} build here")
+    weight, bias, offsets, x = bf16_experts([3, 0, 17, 1, 40, 0, 13], 70, 96)
+    packed = CpuExpertGemm().prepare(weight)
+    assert packed.dtype == torch.bfloat16 and CpuExpertGemm().prepare(weight + 1e-3).dtype == torch.float32
+    f32 = torch.stack([cpu_ops.pack_decode_weight(w) for w in weight])
+    op = torch.ops.cb_serve.grouped_gemm if isa is None else getattr(torch.ops.cb_serve, f"grouped_gemm_{isa}")
+    outs = []
+    for p in (packed, f32):
+        out = x.new_empty(x.shape[0], 70)
+        op(out, x, offsets, p, bias)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1], cpu_ops.grouped_gemm(x, offsets, f32, 70, bias))
+
+
+@pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX here")
+def test_amx_experts_are_float32_accurate():
+    """The AMX kernel's products are exact (bf16 weights, x in three bf16 pieces) and its sums float32: its
+    error against float64 is within twice MKL's float32 GEMM's on the same numbers. With a row threshold,
+    experts with at least that many rows run on it and the rest on the FMA tiles, bit for bit theirs."""
+    counts = [3, 0, 17, 1, 40, 0, 100, 16, 15, 32]
+    weight, bias, offsets, x = bf16_experts(counts, 70, 256, seed=1)
+    packed = CpuExpertGemm().prepare(weight)
+    spans = [slice(int(offsets[e]), int(offsets[e + 1])) for e in range(len(counts))]
+    exact = torch.cat([x[s].double() @ weight[e].double().T + bias[e].double() for e, s in enumerate(spans)])
+    mkl = torch.cat([x[s] @ weight[e].T + bias[e] for e, s in enumerate(spans)])
+    amx = cpu_ops.amx_grouped_gemm(x, offsets, packed, 70, bias)
+    assert (amx.double() - exact).abs().max() <= 2 * (mkl.double() - exact).abs().max()
+    fma = cpu_ops.grouped_gemm(x, offsets, packed, 70, bias)
+    mixed = cpu_ops.grouped_gemm(x, offsets, packed, 70, bias, amx_min_rows=16)
+    for count, s in zip(counts, spans):
+        assert torch.equal(mixed[s], (amx if count >= 16 else fma)[s])

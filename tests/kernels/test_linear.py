@@ -56,3 +56,26 @@ def test_packing_is_float32_only_and_a_tied_weight_keeps_its_layout():
     with torch.inference_mode():
         x = torch.randn(5, 32)
         torch.testing.assert_close(head(x), x @ embedding.weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(96, 200), (40, 17)])  # (in, out): 40 inputs keep AMX out (32 per group)
+def test_a_bf16_checkpoint_weight_is_read_as_bf16(shape):
+    """A weight exact in bf16 (a bf16 checkpoint loaded in float32) is packed at 2 bytes a weight: decode
+    batches give decode_gemm's bits on the float32 copy, every batch F.linear's values to float32 rounding."""
+    torch.manual_seed(2)
+    weight, bias = torch.randn(shape[::-1]).bfloat16().float(), torch.randn(shape[1])
+    layers = [Linear(*shape), Linear(*shape)]
+    for layer, w in zip(layers, (weight, weight + 2.0**-20)):  # the second: not exact in bf16
+        layer.weight.data.copy_(w)
+        layer.bias.data.copy_(bias)
+        layer.prepare_for_cpu(pack=True)
+    bf16, fp32 = layers
+    assert bf16.bf16_weight.dtype == torch.bfloat16 and fp32.bf16_weight is None
+    assert bf16.bytes_read(1) < fp32.bytes_read(1) / 1.9
+    fp32.decode_weight = cpu_ops.pack_decode_weight(weight)  # the float32 packing of the same values
+    with torch.inference_mode():
+        for rows in (1, 12, 31, DECODE_MAX_ROWS, 300):
+            x = torch.randn(rows, shape[0])
+            torch.testing.assert_close(bf16(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+            if rows < 32:
+                assert torch.equal(bf16(x), fp32(x))

@@ -22,6 +22,7 @@
 #include <array>
 #include <cstdint>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,11 +66,30 @@ at::Tensor pack_decode_weight(const at::Tensor& weight) {
   return padded.view({tiles, kCols, k}).transpose(1, 2).contiguous();
 }
 
+// A weight stored as bf16 (every float32 weight whose low 16 bits are zero, as a bf16 checkpoint's are)
+// widens to the same float32 exactly: the GEMM is bit for bit the float32 one, at half the bytes.
+inline float widen_bf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 #if defined(__AVX512F__)
+template <typename W>
+inline __m512 load16(const W* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<uint16_t>(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 // Per k: this tile's row 16 ahead into L1, and a share of `ahead` (the next tile's first rows) into L2.
+template <typename W>
 struct Prefetcher {
-  const float* tile;
-  const float* ahead;
+  const W* tile;
+  const W* ahead;
   uint64_t ahead_step;  // rows of `ahead` per k, in 32.32 fixed point
   uint64_t ahead_pos = 0;
 
@@ -77,7 +97,7 @@ struct Prefetcher {
     _mm_prefetch((const char*)(tile + (k + 16) * kCols), _MM_HINT_T0);
     _mm_prefetch((const char*)(tile + (k + 16) * kCols + 16), _MM_HINT_T0);
     if (ahead) {
-      const float* line = ahead + (ahead_pos >> 32) * kCols;
+      const W* line = ahead + (ahead_pos >> 32) * kCols;
       _mm_prefetch((const char*)line, _MM_HINT_T1);
       _mm_prefetch((const char*)(line + 16), _MM_HINT_T1);
       ahead_pos += ahead_step;
@@ -87,15 +107,15 @@ struct Prefetcher {
 
 // `ahead`, `ahead_rows`: a part of the next tile to prefetch into L2 meanwhile, spread over the k loop, so
 // the memory stream of the next tile overlaps this block's arithmetic.
-template <int Rows>
-void tile_block(const float* x, int64_t k_dim, const float* tile, float* out, int64_t ld_out, int64_t cols,
-                const float* bias, const float* ahead, int64_t ahead_rows) {
+template <int Rows, typename W>
+void tile_block(const float* x, int64_t k_dim, const W* tile, float* out, int64_t ld_out, int64_t cols,
+                const float* bias, const W* ahead, int64_t ahead_rows) {
   __m512 lo[Rows], hi[Rows];
   for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
-  Prefetcher prefetch{tile, ahead, ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0};
+  Prefetcher<W> prefetch{tile, ahead, ahead ? ((uint64_t)ahead_rows << 32) / (uint64_t)k_dim : 0};
   for (int64_t k = 0; k < k_dim; ++k) {
     prefetch.step(k);
-    const __m512 w0 = _mm512_loadu_ps(tile + k * kCols), w1 = _mm512_loadu_ps(tile + k * kCols + 16);
+    const __m512 w0 = load16(tile + k * kCols), w1 = load16(tile + k * kCols + 16);
     for (int r = 0; r < Rows; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * k_dim + k]);
       lo[r] = _mm512_fmadd_ps(a, w0, lo[r]);
@@ -253,16 +273,18 @@ void dequantize(Kind kind, const uint8_t* packed, int64_t groups, float* tile) {
 }
 
 #if defined(__AVX512F__)
-using BlockFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, const float*, const float*,
-                         int64_t);
-template <int... R>
-constexpr std::array<BlockFn, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
-  return {tile_block<R + 1>...};
+template <typename W>
+using BlockFn = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t, const float*, const W*, int64_t);
+template <typename W, int... R>
+constexpr std::array<BlockFn<W>, sizeof...(R)> block_table(std::integer_sequence<int, R...>) {
+  return {tile_block<R + 1, W>...};
 }
-constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kMaxRows>{});
+template <typename W>
+constexpr auto kBlocks = block_table<W>(std::make_integer_sequence<int, kMaxRows>{});
 
 // The row blocks of one tile: out[:, n0:n0 + cols] = x @ tile (+ bias), while prefetching `next`.
-void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, const float* next, float* out,
+template <typename W>
+void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const W* tile, const W* next, float* out,
                int64_t ld_out, int64_t cols, const float* bias) {
   // One row block is bound by the stream of its own tile; prefetching the next one as well slowed it.
   if (m_dim <= kMaxRows) next = nullptr;
@@ -270,7 +292,7 @@ void tile_rows(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, 
   for (int64_t j = 0, m0 = 0; m0 < m_dim; ++j, m0 += kMaxRows) {
     const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - m0);
     const int64_t first = j * ahead_rows, count = std::min<int64_t>(ahead_rows, k_dim - first);
-    kBlocks[rows - 1](x + m0 * k_dim, k_dim, tile, out + m0 * ld_out, ld_out, cols, bias,
+    kBlocks<W>[rows - 1](x + m0 * k_dim, k_dim, tile, out + m0 * ld_out, ld_out, cols, bias,
                       next && count > 0 ? next + first * kCols : nullptr, count);
   }
 }
@@ -284,6 +306,12 @@ void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, 
     tile = scratch;
     next = nullptr;
   }
+  tile_rows(x, m_dim, k_dim, tile, next, out, ld_out, cols, bias);
+}
+
+// One bf16 tile, widened in registers: bit for bit gemm_tile on its float32 copy.
+void gemm_tile_bf16(const float* x, int64_t m_dim, int64_t k_dim, const uint16_t* tile, const uint16_t* next,
+                    float* /*scratch*/, float* /*acc*/, float* out, int64_t ld_out, int64_t cols, const float* bias) {
   tile_rows(x, m_dim, k_dim, tile, next, out, ld_out, cols, bias);
 }
 constexpr int64_t kScratchInputs = 0;  // a whole tile: k_dim inputs
@@ -311,6 +339,19 @@ void gemm_tile(const float* x, int64_t m_dim, int64_t k_dim, const float* tile, 
       dequantize(kind, quantized + k0 / kGroup * group_bytes(kind), kc / kGroup, scratch);
     }
     chunk_rows(x + k0, m_dim, k_dim, quantized ? scratch : tile + k0 * kCols, kc, acc);
+  }
+  for (int64_t r = 0; r < m_dim; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * ld_out + c] = acc[r * kCols + c] + (bias ? bias[c] : 0.f);
+}
+
+// One bf16 tile, each chunk widened into `scratch` (exact) and then gemm_tile's float32 chunk.
+void gemm_tile_bf16(const float* x, int64_t m_dim, int64_t k_dim, const uint16_t* tile, const uint16_t* /*next*/,
+                    float* scratch, float* acc, float* out, int64_t ld_out, int64_t cols, const float* bias) {
+  std::fill_n(acc, m_dim * kCols, 0.f);
+  for (int64_t k0 = 0; k0 < k_dim; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, k_dim - k0);
+    for (int64_t i = 0; i < kc * kCols; ++i) scratch[i] = widen_bf16(tile[k0 * kCols + i]);
+    chunk_rows(x + k0, m_dim, k_dim, scratch, kc, acc);
   }
   for (int64_t r = 0; r < m_dim; ++r)
     for (int64_t c = 0; c < cols; ++c) out[r * ld_out + c] = acc[r * kCols + c] + (bias ? bias[c] : 0.f);
@@ -362,16 +403,18 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 }
 
 // The experts of a mixture-of-experts layer at once: rows offsets[g]:offsets[g + 1] of x times group g's
-// weight. out [P, N], x [P, K] contiguous float32; offsets [G + 1] int64; packed [G, tiles, K, 32] (each
-// group's weight as pack_decode_weight lays it out); bias [G, N] or undefined. One parallel loop over
-// (non-empty group, tile): each tile is streamed once for all of its group's rows, and each output is the
-// same FMA chain over k as decode_gemm's.
+// weight. out [P, N], x [P, K] contiguous float32; offsets [G + 1] int64; packed [G, tiles, K, 32] float32
+// (each group's weight as pack_decode_weight lays it out) or bf16 (the same, for weights exact in bf16);
+// bias [G, N] or undefined. Groups of more than max_rows rows (max_rows >= 0) are left to another kernel
+// (amx_grouped_gemm). One parallel loop over (non-empty group, tile): each tile is streamed once for all
+// of its group's rows, and each output is the same FMA chain over k as decode_gemm's.
 void grouped_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& packed,
-                  const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& bias, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [P, K]");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && (bf16 || packed.scalar_type() == at::kFloat) &&
                   packed.size(2) == x.size(1) && packed.size(3) == kCols,
-              "packed: float32 [G, tiles, K, 32]");
+              "packed: float32 or bf16 [G, tiles, K, 32]");
   const int64_t groups = packed.size(0), tiles = packed.size(1), k_dim = x.size(1), n_dim = out.size(1);
   TORCH_CHECK(offsets.dim() == 1 && offsets.is_contiguous() && offsets.scalar_type() == at::kLong &&
                   offsets.size(0) == groups + 1,
@@ -380,11 +423,12 @@ void grouped_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& offsets
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[groups] <= x.size(0), "offsets outside x");
   std::vector<int64_t> active;
-  int64_t max_rows = 0;
+  int64_t most_rows = 0;
   for (int64_t g = 0; g < groups; ++g) {
     TORCH_CHECK(off[g + 1] >= off[g], "offsets must not decrease");
-    if (off[g + 1] > off[g]) active.push_back(g);
-    max_rows = std::max(max_rows, off[g + 1] - off[g]);
+    const int64_t rows = off[g + 1] - off[g];
+    if (rows > 0 && (max_rows < 0 || rows <= max_rows)) active.push_back(g);
+    most_rows = std::max(most_rows, rows);
   }
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -392,18 +436,27 @@ void grouped_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& offsets
     b = bias->data_ptr<float>();
   }
   const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t items = static_cast<int64_t>(active.size()) * tiles, tile_size = k_dim * kCols;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> acc_buffer;
-    float* acc = aligned(acc_buffer, kScratchInputs ? max_rows * kCols : 0);
+    thread_local std::vector<float> acc_buffer, scratch_buffer;
+    float* acc = aligned(acc_buffer, kScratchInputs ? most_rows * kCols : 0);
+    float* scratch = aligned(scratch_buffer, bf16 && kScratchInputs ? kScratchInputs * kCols : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = active[i / tiles], t = i % tiles, n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
-      const float* tile = wp + (g * tiles + t) * tile_size;
-      const float* next = i + 1 < end && t + 1 < tiles ? tile + tile_size : nullptr;
-      gemm_tile(xp + off[g] * k_dim, off[g + 1] - off[g], k_dim, tile, nullptr, kQ4, next, nullptr, acc,
-                op + off[g] * n_dim + n0, n_dim, cols, b ? b + g * n_dim + n0 : nullptr);
+      const bool prefetch = i + 1 < end && t + 1 < tiles;
+      const float* xg = xp + off[g] * k_dim;
+      float* og = op + off[g] * n_dim + n0;
+      const float* bg = b ? b + g * n_dim + n0 : nullptr;
+      if (bf16) {
+        const uint16_t* tile = reinterpret_cast<const uint16_t*>(packed.data_ptr()) + (g * tiles + t) * tile_size;
+        gemm_tile_bf16(xg, off[g + 1] - off[g], k_dim, tile, prefetch ? tile + tile_size : nullptr, scratch, acc, og,
+                       n_dim, cols, bg);
+      } else {
+        const float* tile = packed.data_ptr<float>() + (g * tiles + t) * tile_size;
+        gemm_tile(xg, off[g + 1] - off[g], k_dim, tile, nullptr, kQ4, prefetch ? tile + tile_size : nullptr, nullptr,
+                  acc, og, n_dim, cols, bg);
+      }
     }
   });
 }
@@ -416,7 +469,8 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
 #endif
   m.def(CB_SERVE_OP("decode_gemm_isa") "() -> str", [] { return std::string(isa()); });
   m.def(CB_SERVE_OP("decode_gemm") "(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
-  m.def(CB_SERVE_OP("grouped_gemm") "(Tensor(a!) out, Tensor x, Tensor offsets, Tensor packed, Tensor? bias) -> ()");
+  m.def(CB_SERVE_OP("grouped_gemm") "(Tensor(a!) out, Tensor x, Tensor offsets, Tensor packed, Tensor? bias, "
+                                    "int max_rows=-1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) {

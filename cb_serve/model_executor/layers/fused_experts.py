@@ -12,6 +12,7 @@ HF's per-expert ``index_add_`` adds them in. Only the GEMMs' own summation order
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_serve import cpu_ops
+from cb_serve.cpu_ops import kernel_choice
 
 
 @dataclass
@@ -94,8 +96,19 @@ class ExpertGemm(ABC):
 
     @abstractmethod
     def __call__(
-        self, x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        weight: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+    def scratch(self, slot: int, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """``[rows, cols]`` of ``like``'s dtype and device for an intermediate result (``slot``: which of the
+        layer's live intermediates); by default freshly allocated."""
+        return like.new_empty(rows, cols)
 
     def combine(self, y: torch.Tensor, routing: ExpertRouting, dtype: torch.dtype) -> torch.Tensor:
         """The layer's output from the pairs' outputs (``combine``; a backend may fuse it)."""
@@ -107,8 +120,8 @@ class TorchExpertGemm(ExpertGemm):
 
     name = "torch"
 
-    def __call__(self, x, offsets, weight, n, bias):
-        out = x.new_empty(x.shape[0], n)
+    def __call__(self, x, offsets, weight, n, bias, out=None):
+        out = x.new_empty(x.shape[0], n) if out is None else out
         bounds = offsets.tolist()
         for e in range(len(bounds) - 1):
             start, stop = bounds[e], bounds[e + 1]
@@ -120,15 +133,35 @@ class TorchExpertGemm(ExpertGemm):
 class CpuExpertGemm(ExpertGemm):
     """The C++ grouped GEMM (``cpu_ops.grouped_gemm``) over weights packed per expert for ``decode_gemm``'s
     tiles: one parallel loop over (expert, tile of 32 output columns), each tile streamed once for all of
-    that expert's rows."""
+    that expert's rows. Weights exact in bf16 (a bf16 checkpoint) are kept as bf16, bit for bit the same
+    products at half the bytes; then, where the AMX kernel is chosen (``kernel_choice``), experts with at
+    least ``AMX_MIN_ROWS`` rows (prefill) run on AMX tiles, float32-accurate."""
 
     name = "cpu"
+    AMX_MIN_ROWS = 32  # below this decode_gemm's FMA tiles keep up (bench/moe_kernels.py)
+
+    _scratch = threading.local()  # per engine thread: slot -> a buffer every layer's intermediates reuse
+
+    def __init__(self) -> None:
+        choice = kernel_choice.kernel_choice()
+        self.amx = choice is not None and choice.split == "amx"
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.stack([cpu_ops.pack_decode_weight(w) for w in weight])
+        return cpu_ops.pack_expert_weight(weight)
 
-    def __call__(self, x, offsets, weight, n, bias):
-        return cpu_ops.grouped_gemm(x.contiguous(), offsets, weight, n, bias)
+    def __call__(self, x, offsets, weight, n, bias, out=None):
+        amx = self.amx and weight.dtype == torch.bfloat16 and x.shape[1] % 32 == 0
+        min_rows = self.AMX_MIN_ROWS if amx else None
+        return cpu_ops.grouped_gemm(x.contiguous(), offsets, weight, n, bias, min_rows, out=out)
+
+    def scratch(self, slot, like, rows, cols):
+        """Kept from layer to layer and step to step: a prefill's intermediates are tens of MB, and fresh
+        ones cost a page fault per 4 KB on first touch (the allocator maps them anew each time)."""
+        buffers = self._scratch.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(slot)
+        if buffer is None or buffer.numel() < rows * cols or buffer.dtype != like.dtype:
+            buffer = buffers[slot] = like.new_empty(max(rows * cols, 1))
+        return buffer[: rows * cols].view(rows, cols)
 
     def combine(self, y, routing, dtype):
         """One C++ pass (``cpu_ops.moe_combine``): the same products and sums as ``combine``, in its order."""
@@ -163,7 +196,8 @@ def fused_experts(
 ) -> torch.Tensor:
     """``[T, H]``: this rank's experts' share of the layer's output. ``w13`` ``[E, 2I, K]`` (gate rows, then
     up) and ``w2`` ``[E, H, I]`` in ``gemm``'s layout; ``sizes``: (2I, H); ``activation``: [P, 2I] -> [P, I]."""
-    xs = x[routing.pair_tokens]
-    h = activation(gemm(xs, routing.offsets, w13, sizes[0], b13))
-    y = gemm(h, routing.offsets, w2, sizes[1], b2)
+    pairs = routing.pair_tokens.numel()
+    xs = torch.index_select(x, 0, routing.pair_tokens, out=gemm.scratch(0, x, pairs, x.shape[1]))
+    h = activation(gemm(xs, routing.offsets, w13, sizes[0], b13, out=gemm.scratch(1, x, pairs, sizes[0])))
+    y = gemm(h, routing.offsets, w2, sizes[1], b2, out=gemm.scratch(0, x, pairs, sizes[1]))
     return gemm.combine(y, routing, x.dtype)

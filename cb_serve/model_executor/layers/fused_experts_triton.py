@@ -123,7 +123,13 @@ class TritonExpertGemm(ExpertGemm):
         return min(64, max(16, _pow2(-(-num_rows // max(num_experts, 1)))))
 
     def __call__(
-        self, x: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        weight: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_rows, k = x.shape
         if x.dtype not in DTYPES or weight.dtype != x.dtype:
@@ -131,7 +137,7 @@ class TritonExpertGemm(ExpertGemm):
                 f"TritonExpertGemm supports fp32/fp16/bf16 x and weight of one dtype, got {x.dtype} and {weight.dtype}."
             )
         assert weight.shape[1:] == (n, k), (weight.shape, n, k)
-        out = x.new_empty(num_rows, n)
+        out = x.new_empty(num_rows, n) if out is None else out
         if num_rows == 0 or n == 0:  # K == 0 needs nothing special: the K loop runs no step
             return out
         block_m = self.block_m(num_rows, weight.shape[0])
