@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from cb_serve.cpu_ops.expert_ops import (
+from cb_serve.cpu_ops.expert_ops import (  # noqa: F401 (re-exported)
     amx_grouped_gemm,
     exact_in_bf16,
     grouped_gemm,

@@ -48,7 +48,8 @@ class Linear(nn.Linear):
             amx = self.split_kernel == "amx" and self.in_features % 32 == 0
             offsets = torch.tensor([0, rows])
             min_rows = CpuExpertGemm.AMX_MIN_ROWS if amx else None
-            return cpu_ops.grouped_gemm(x.contiguous(), offsets, self.bf16_weight, self.out_features, self.bias, min_rows)
+            weight, n = self.bf16_weight, self.out_features
+            return cpu_ops.grouped_gemm(x.contiguous(), offsets, weight, n, self.bias, min_rows)
         if self.split_weight is not None and rows >= self.split_min_rows:
             kernel = SPLIT_KERNELS[self.split_kernel]
             return kernel(x.contiguous(), self.split_weight, self.out_features, self.bias)
