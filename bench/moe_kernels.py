@@ -3,6 +3,8 @@ PyTorch reference (``TorchExpertGemm``: one ``F.linear`` per expert) through the
 transformers' own expert loop (``Qwen3MoeExperts.forward``), at decode-sized and prefill-sized token counts.
 Qwen3-MoE-shaped layer (default hidden 1024, 64 experts, top 8, expert width 256), float32, random weights and
 routing from a random router. Also checks the C++ path against the reference (max abs difference).
+``--weights bfloat16``: the weights rounded to bf16 (a bf16 checkpoint's, computed in float32), which the C++
+path reads as bf16, and on AMX CPUs runs experts with 32 rows or more on the tiles.
 
     .venv/bin/python bench/moe_kernels.py --out bench/results/moe_kernels.json    # ~1 min
 """
@@ -56,7 +58,8 @@ def measure(tokens: int, hf, router: torch.Tensor, spec: MoESpec, repeats: int) 
         row["cpp_speedup_vs_torch"] = row["torch_reference_s"] / row["cpp_grouped_gemm_s"]
         row["cpp_speedup_vs_hf"] = row["hf_loop_s"] / row["cpp_grouped_gemm_s"]
         # each active expert's three projections read once: the weight bytes over the kernel's time
-        row["cpp_weight_gb_s"] = row["active_experts"] * 3 * h * inter * 4 / row["cpp_grouped_gemm_s"] / 1e9
+        size = packed[0].element_size()
+        row["cpp_weight_gb_s"] = row["active_experts"] * 3 * h * inter * size / row["cpp_grouped_gemm_s"] / 1e9
     return row
 
 
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=256)
     parser.add_argument("--tokens", default="1,8,64,256,1024")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--weights", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out")
     args = parser.parse_args()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -81,6 +85,9 @@ def main() -> None:
     with torch.no_grad():
         hf.gate_up_proj.normal_(0, 0.05)
         hf.down_proj.normal_(0, 0.05)
+        if args.weights == "bfloat16":
+            for w in (hf.gate_up_proj, hf.down_proj):
+                w.copy_(w.bfloat16().float())
     router = torch.randn(e, h) * 0.05
     spec = MoESpec(RouterSpec(e, k, renormalize=True), inter)
     rows = []

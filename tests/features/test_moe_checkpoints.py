@@ -18,6 +18,10 @@
   another order), one layout served over two ranks that read their slices straight from the safetensors
   file (``checkpoint.LazyCheckpoint``): fused for Qwen3-MoE, per expert (w1/w2/w3) for Mixtral, the other
   layout loaded through transformers.
+- **A bf16 checkpoint** (Qwen3-MoE ships in bf16), served in float32: every weight is then exact in bf16, so
+  the engine keeps experts and projections at 2 bytes a weight (``cpu_ops.pack_expert_weight``), decode rows
+  bit for bit as from float32 copies, larger batches on AMX tiles where the CPU has them; greedy tokens are
+  HF float32's under the stress workload.
 """
 
 from __future__ import annotations
@@ -170,3 +174,20 @@ def test_per_expert_and_fused_layouts_serve_alike(tmp_path, tokenizer, arch, per
     one, two = (per_expert, fused) if fused_ranks == 2 else (fused, per_expert)
     ref = greedy(one)
     assert_same_greedy(greedy(two, tensor_parallel_size=2), ref, f"{arch}: {two.name} over two ranks")
+
+
+def test_a_bf16_checkpoint_serves_as_hf_upcasts_it(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    base = make_random_model(tmp_path / "float32", "qwen3_moe", tokenizer)
+    weights = {name: w.bfloat16() for name, w in load_file(base / "model.safetensors").items()}
+    model_dir = resave(base, tmp_path / "bf16", weights, dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert all(w.dtype == torch.float32 for w in hf.state_dict().values())
+    llm = LLM(str(model_dir), **STRESS_ENGINE_ARGS)
+    try:
+        prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=12)
+        deltas = run_and_compare(llm, hf, prompts, max_tokens, "qwen3-moe bf16 checkpoint", stop_at_eos=False)
+        check_engine_exercised(llm, prompts, deltas)
+    finally:
+        llm.engine.shutdown()
