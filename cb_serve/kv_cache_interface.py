@@ -9,6 +9,10 @@ each of ``group_size`` KV tensors: layer ``j`` of every group lives in tensor ``
 costs the same in every group, the pool is shared, and a sliding group frees the blocks its window
 no longer sees while full groups keep theirs. With one kind of layer there is one group of every
 layer: a block holds one page of each layer, as before.
+
+A recurrent layer (Gated DeltaNet, Mamba2) keeps no KV at all but a fixed-size state per sequence
+(``StateSpec``, vLLM's ``MambaSpec``): a layout's ``state_layers`` are in no group, and each running
+sequence holds one state slot (``engine/state_slots.py``) whatever its length.
 """
 
 from __future__ import annotations
@@ -39,36 +43,66 @@ class KVCacheGroup:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """One recurrent layer's state per sequence (this rank's heads): the causal convolution's last inputs
+    ``conv_shape`` (``[channels, kernel]``) and the recurrence's matrix ``ssm_shape`` (Gated DeltaNet
+    ``[value heads, key dim, value dim]``, Mamba2 ``[heads, head dim, state dim]``), in float32 as HF's
+    PyTorch paths keep them."""
+
+    conv_shape: tuple[int, ...]
+    ssm_shape: tuple[int, ...]
+    bytes_per_value: int = 4
+
+    def __post_init__(self) -> None:
+        assert all(d > 0 for d in self.conv_shape + self.ssm_shape) and self.bytes_per_value > 0, self
+
+    @property
+    def bytes_per_slot(self) -> int:
+        conv = ssm = 1
+        for d in self.conv_shape:
+            conv *= d
+        for d in self.ssm_shape:
+            ssm *= d
+        return (conv + ssm) * self.bytes_per_value
+
+
+@dataclass(frozen=True)
 class KVCacheLayout:
     """The model's KV-cache groups (full-attention ones first) and each layer's place in them."""
 
     groups: tuple[KVCacheGroup, ...]
     num_layers: int
     shared_from: tuple[tuple[int, int], ...] = ()  # (layer, the earlier layer whose KV it reads)
+    state_layers: tuple[int, ...] = ()  # recurrent layers: a state slot per sequence, no KV
 
     def __post_init__(self) -> None:
         shared = dict(self.shared_from)
-        layers = sorted([layer for g in self.groups for layer in g.layers] + list(shared))
-        assert layers == list(range(self.num_layers)), "every layer in exactly one group, or shared"
+        layers = sorted([layer for g in self.groups for layer in g.layers] + list(shared) + list(self.state_layers))
+        assert layers == list(range(self.num_layers)), "every layer in exactly one group, shared, or recurrent"
         assert all(src < layer and src not in shared for layer, src in shared.items()), self.shared_from
         assert all(len(g.layers) <= self.group_size for g in self.groups)
 
     @classmethod
     def from_windows(
-        cls, windows: list[int | None], hybrid: bool = True, shared_from: dict[int, int] | None = None
+        cls,
+        windows: list[int | None],
+        hybrid: bool = True,
+        shared_from: dict[int, int] | None = None,
+        state_layers: tuple[int, ...] = (),
     ) -> KVCacheLayout:
         """Groups for layers with these sliding windows (None: full attention). Layers of one kind
         are cut into groups of the smallest kind's layer count (the last group of a kind may be
         short: its missing layers' pages go unused). ``hybrid=False``: one group of every layer,
         which keeps every token for every layer (a window then only masks), as vLLM's
         ``disable_hybrid_kv_cache_manager``. ``shared_from``: layers without a cache of their own,
-        each reading an earlier (owning) layer's: it gets that layer's group and tensor."""
+        each reading an earlier (owning) layer's: it gets that layer's group and tensor. ``state_layers``:
+        recurrent layers, in no group (their windows are not read)."""
         assert windows
-        shared = dict(shared_from or {})
-        owners = [layer for layer in range(len(windows)) if layer not in shared]
+        shared, states = dict(shared_from or {}), tuple(sorted(state_layers))
+        owners = [layer for layer in range(len(windows)) if layer not in shared and layer not in states]
         pairs = tuple(sorted(shared.items()))
         if not hybrid:
-            return cls((KVCacheGroup(None, tuple(owners)),), len(windows), pairs)
+            return cls((KVCacheGroup(None, tuple(owners)),), len(windows), pairs, states)
         kinds: dict[int | None, list[int]] = {}
         for layer in owners:
             kinds.setdefault(windows[layer], []).append(layer)
@@ -79,7 +113,7 @@ class KVCacheLayout:
             for window in order
             for i in range(0, len(kinds[window]), size)
         )
-        return cls(groups, len(windows), pairs)
+        return cls(groups, len(windows), pairs, states)
 
     @property
     def group_size(self) -> int:

@@ -82,6 +82,7 @@ class Sequence:
         self.min_tokens_banned = sorted(min_tokens_banned)  # stop token ids and EOS
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.state_slot = -1  # recurrent layers' state slot while running (engine/state_slots.py)
         self.num_cached_tokens = 0  # prefix-cache hit at the first scheduling
         self.block_tables: list[list[int]] = [[]]  # one per KV-cache group (``kv_cache_interface``)
         self.stop_reason: int | str | None = None

@@ -38,7 +38,8 @@ def check_engine_exercised(llm: LLM, prompts: list[list[int]], deltas: dict[str,
     bs = STRESS_ENGINE_ARGS["block_size"]
     assert deltas["num_partial_prefills"] > 0, "no prompt was chunked"
     assert deltas["num_preemptions"] > 0, "no sequence was preempted"
-    assert deltas["prefix_cache_hits"] > 0, "no prefix-cache hit"
+    if llm.engine.config.enable_prefix_caching:  # off, with its reason logged, for recurrent models
+        assert deltas["prefix_cache_hits"] > 0, "no prefix-cache hit"
     assert any(len(p) % bs for p in prompts) and any(len(p) > bs for p in prompts)
     assert max(len(p) for p in prompts) > STRESS_ENGINE_ARGS["max_num_batched_tokens"]
 
@@ -58,5 +59,6 @@ def run_and_compare(
     ]
     print(f"{label}: {sum(identical)}/{len(identical)} identical, the rest diverged at a rounding tie")
     assert sum(identical) >= len(identical) - 2, f"{label}: too many tie divergences: {identical}"
-    assert llm.engine.get_stats().kv_blocks_used == 0, "blocks leaked"
+    stats = llm.engine.get_stats()
+    assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0, "blocks or state slots leaked"
     return deltas

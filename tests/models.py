@@ -20,6 +20,20 @@ TINY = dict(
 )
 
 
+HYBRID = dict(  # Qwen3.5 / Qwen3-Next: linear, full, linear attention; key and value head sizes differ
+    num_hidden_layers=3,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    initializer_range=0.1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+
 # Each tiny architecture the engine serves: its transformers config class and what it adds to
 # ``TINY``. A new model family is one entry here; the exactness harness (``exactness.py``,
 # ``tests/engine/test_hf_equivalence.py``) then checks it against HF under every scheduling setting.
@@ -103,6 +117,22 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # mixtures of experts (8 experts, top 2, each expert narrower than the dense MLP where the config has both)
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16}),
     # a dense layer between two sparse ones (``mlp_only_layers``), the top 2 renormalized
+    # Hybrid models: Gated DeltaNet layers (a state slot per sequence) between full-attention ones. A smaller
+    # init than TINY's: HF's own chunked delta rule drifts ~1e-3 in float32 on large random weights.
+    "qwen3_5_text": ("Qwen3_5TextConfig", {**HYBRID}),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            **HYBRID,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [1],
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        },
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         {

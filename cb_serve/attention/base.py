@@ -37,6 +37,8 @@ class AttentionMetadata:
     kv_slot_mappings: torch.Tensor | None = None  # int64 [G, T]
     layer_groups: tuple[int, ...] = ()  # each layer's KV-cache group (empty: one group)
     group_metas: dict = field(default_factory=dict, repr=False)  # group -> its metadata, made once per step
+    state_slots: torch.Tensor | None = None  # int32 [B]: each sequence's recurrent-state slot (hybrid models)
+    state_slot_list: list[int] = field(default_factory=list)  # the same, on the host
 
     @property
     def num_seqs(self) -> int:

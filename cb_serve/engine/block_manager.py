@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from cb_serve.engine.state_slots import StateSlots
 from cb_serve.kv_cache_interface import NULL_BLOCK
 from cb_serve.prefix_hash import CountingBloom, PrefixDigest, chain_hash, num_hit_blocks
 from cb_serve.sequence import Sequence
@@ -60,6 +61,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         group_windows: Seq[int | None] = (None,),
+        state_slots: StateSlots | None = None,
     ) -> None:
         assert num_blocks > 0 and block_size > 0 and group_windows
         self.num_blocks = num_blocks
@@ -76,6 +78,7 @@ class BlockManager:
         self.num_registered: dict[str, int] = {}  # seq id -> leading blocks already registered
         self.num_evictions = 0  # cached blocks whose content was dropped for reuse
         self.bloom = CountingBloom(num_blocks, block_size) if enable_prefix_caching else None
+        self.state_slots = state_slots  # recurrent layers' slots, taken and freed with the blocks
 
     @property
     def cached(self) -> dict[bytes, int]:
@@ -212,8 +215,11 @@ class BlockManager:
         num_needed = sum(max(0, total_blocks - len(t)) for t in tables)
         if hit is not None:
             num_needed += sum(1 for t in hit.tables for b in t if b != NULL_BLOCK and refs[b] == 0)
-        if num_needed and num_needed > self.num_free_blocks:
+        needs_slot = self.state_slots is not None and seq.state_slot < 0
+        if (num_needed and num_needed > self.num_free_blocks) or (needs_slot and not self.state_slots.num_free):
             return False
+        if needs_slot:
+            self.state_slots.take(seq)
         if len(seq.block_tables) != self.num_groups or hit is not None:
             seq.block_tables = [list(t) for t in tables]
         if hit is not None:
@@ -277,6 +283,8 @@ class BlockManager:
                     self._release(block_id)
         seq.block_tables = [[]]
         self.num_registered.pop(seq.seq_id, None)
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
 
     def forget(self, seq: Sequence) -> None:
         """Drop per-sequence hash state once a sequence is finished for good."""
@@ -303,6 +311,9 @@ class BlockManager:
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Every block is either free (ref 0, free once) or referenced exactly as often as it
         appears in live block tables; cached hashes point at their blocks. O(blocks used so far)."""
+        live = list(live)
+        if self.state_slots is not None:
+            self.state_slots.check_invariants(live)
         num_touched = len(self._refs)
         refs = [0] * num_touched
         for seq in live:

@@ -18,6 +18,7 @@ from cb_serve.engine.inspector import Inspector
 from cb_serve.engine.kv_cache_sizing import kv_cache_bytes_per_block, num_kv_blocks
 from cb_serve.engine.processor import InputProcessor
 from cb_serve.engine.scheduler import Scheduler
+from cb_serve.engine.state_slots import StateSlots, recurrent_config
 from cb_serve.executor.base import Executor
 from cb_serve.executor.tensor_parallel import TensorParallelExecutor
 from cb_serve.executor.uniproc import UniProcExecutor
@@ -86,6 +87,8 @@ def build(config: EngineConfig) -> EngineParts:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)
     setup = ModelSetup.from_config(config)
+    if setup.kv_layout.state_layers:  # recurrent layers: a state slot per sequence
+        config = setup.config = recurrent_config(config, setup.hf_config.model_type)
     tokenizer = loader.load_tokenizer(setup.source, config.tokenizer, config.trust_remote_code)
     spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
     draft = None
@@ -97,8 +100,9 @@ def build(config: EngineConfig) -> EngineParts:
     with device_context(setup.device):  # load, KV sizing and graph capture on the engine's device
         executor, lora, speculator = _make_executor(config, setup, draft, spec, structured)
     num_blocks = executor.runner.num_blocks
+    slots = StateSlots(config.max_num_seqs) if setup.kv_layout.state_layers else None
     block_manager = BlockManager(
-        num_blocks, setup.block_size, config.enable_prefix_caching, setup.kv_layout.group_windows
+        num_blocks, setup.block_size, config.enable_prefix_caching, setup.kv_layout.group_windows, slots
     )
     release = speculator.release  # a proposer's per-sequence state goes with its blocks
     scheduler = Scheduler(
@@ -184,6 +188,7 @@ def _make_runner(
         speculator.verify,
         setup.kv_layout,
         record_expert_load=True,  # a mixture of experts' load per step, for the metrics and the inspector
+        num_state_slots=config.max_num_seqs,
     )
     if setup.device.type == "cuda" and config.tensor_parallel_size == 1:
         with device_context(setup.device):
@@ -222,6 +227,7 @@ def _graph_sizes(config: EngineConfig, setup: ModelSetup, lora: LoRAManager | No
     process; tensor-parallel ranks run eagerly (see the README), and so do adapters (their
     token groups change every step)."""
     graphable = config.tensor_parallel_size == 1 and lora is None and not config.enforce_eager
+    graphable = graphable and not setup.kv_layout.state_layers  # recurrent layers: eager for now
     if setup.device.type == "cuda" and setup.backend.supports_cuda_graphs and graphable:
         return capture_sizes(config.max_num_seqs)
     return None

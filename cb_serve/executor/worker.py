@@ -59,7 +59,13 @@ def worker_main(spec: WorkerSpec) -> None:
         model = setup.load_model(shard, tp)
         num_blocks = conn.recv()
         runner = ModelRunner(
-            model, num_blocks, setup.block_size, setup.kv_cache_dtype, device, kv_layout=setup.kv_layout
+            model,
+            num_blocks,
+            setup.block_size,
+            setup.kv_cache_dtype,
+            device,
+            kv_layout=setup.kv_layout,
+            num_state_slots=spec.config.max_num_seqs,
         )
         conn.send("ready")
         while payload := conn.recv_bytes():  # empty: stop

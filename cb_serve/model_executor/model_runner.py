@@ -15,6 +15,7 @@ from cb_serve.errors import EngineFatalError
 from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import prompt_logprobs
+from cb_serve.model_executor.cache_tensors import StateCache, kv_cache_tensors
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import LlamaForCausalLM
@@ -33,7 +34,7 @@ class DraftVerifier(Protocol):
 
 
 INT64_FIELDS = ("input_ids", "positions", "slot_mappings", "logits_indices")
-INT32_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_tables")
+INT32_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_tables", "state_slots")
 
 
 @dataclass
@@ -122,30 +123,6 @@ class HostStaging:
         return staged
 
 
-def kv_cache_tensors(
-    model: LlamaForCausalLM,
-    layout: KVCacheLayout,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[torch.Tensor]:
-    """Each layer's ``[2, num_blocks, block_size, kv_heads, head_dim]`` cache (this rank's KV heads): layer
-    j of every KV-cache group views tensor j (its block ids differ), a KV-shared layer its source's. Layers
-    sharing a tensor may differ in heads and head size, not in a page's width."""
-    shapes = [(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in model.layers]
-    widths: dict[int, int] = {}
-    for (heads, dim), j in zip(shapes, layout.layer_tensors):
-        if widths.setdefault(j, heads * dim) != heads * dim:
-            raise ValueError(
-                f"Layers of different KV widths ({widths[j]} and {heads * dim} per token) would share a KV-cache "
-                "tensor; such a model needs disable_hybrid_kv_cache_manager or is not supported."
-            )
-    flat = {j: torch.zeros(2, num_blocks, block_size, w, dtype=dtype, device=device) for j, w in widths.items()}
-    views = zip(shapes, layout.layer_tensors)
-    return [flat[j].view(2, num_blocks, block_size, heads, dim) for (heads, dim), j in views]
-
-
 def dtype_np(dtype: torch.dtype) -> type:
     return np.int64 if dtype == torch.int64 else np.int32
 
@@ -175,8 +152,10 @@ class ModelRunner:
         draft_verifier: DraftVerifier | None = None,
         kv_layout: KVCacheLayout | None = None,
         record_expert_load: bool = False,
+        num_state_slots: int = 0,
     ) -> None:
-        """``kv_layout``: the KV-cache groups (default: one group of every layer)."""
+        """``kv_layout``: the KV-cache groups (default: one group of every layer); ``num_state_slots``: the
+        recurrent layers' slots (``max_num_seqs``; the runner adds a scratch slot)."""
         cfg = model.config
         self.kv_layout = kv_layout or KVCacheLayout.from_windows([None] * cfg.num_hidden_layers)
         assert self.kv_layout.num_layers == len(model.layers)
@@ -187,7 +166,11 @@ class ModelRunner:
         self.lora = lora
         self.draft_verifier = draft_verifier
         self.staging = HostStaging(device)
-        self.kv_caches = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
+        self.kv_caches: list = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
+        specs = model.state_specs()
+        self.state_cache = StateCache(specs, num_state_slots + 1, device) if specs else None
+        for layer, state in self.state_cache.layers.items() if self.state_cache else ():
+            self.kv_caches[layer] = state
         self.sampler = Sampler()
         moe = [(i, m) for i, layer in enumerate(model.layers) for m in layer.modules() if isinstance(m, FusedMoE)]
         self.moe_layers: list[FusedMoE] = [m for _, m in moe] if record_expert_load else []
@@ -257,6 +240,7 @@ class ModelRunner:
             "cu_seqlens_k": cu_k,
             "seqused_k": np.asarray(seq_lens),
             "block_tables": block_tables,
+            "state_slots": np.asarray([s.state_slot for s in seqs], dtype=np.int32),
         }
         plan = prompt_logprobs.plan(seqs, starts, seq_lens, cu_q)
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
@@ -287,7 +271,11 @@ class ModelRunner:
             kv_block_tables=t["block_tables"],
             kv_slot_mappings=t["slot_mappings"],
             layer_groups=self.kv_layout.layer_groups if len(self.kv_layout.groups) > 1 else (),
+            state_slots=t.get("state_slots"),
+            state_slot_list=batch.arrays["state_slots"].tolist() if "state_slots" in batch.arrays else [],
         )
+        if self.state_cache is not None:  # sequences starting this step: HF's zero initial state
+            self.state_cache.reset(meta.state_slot_list, batch.query_lens, batch.seq_lens)
         ids, positions, logits_indices = t["input_ids"], t["positions"], t["logits_indices"]
         inp = ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])
         if batch.prompt_rows is not None:

@@ -90,7 +90,8 @@ class ModelSetup:
         model = model_class(self.hf_config)
         windows = [spec.sliding_window for spec in model.attention_specs(self.hf_config)]
         hybrid, shared = not self.config.disable_hybrid_kv_cache_manager, model.kv_shared_layers(self.hf_config)
-        return KVCacheLayout.from_windows(windows, hybrid=hybrid, shared_from=shared)
+        states = model.state_layers(self.hf_config)
+        return KVCacheLayout.from_windows(windows, hybrid=hybrid, shared_from=shared, state_layers=states)
 
     def load_model(
         self, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None

@@ -46,6 +46,7 @@ def dummy_batch(
         "cu_seqlens_k": cu_k,
         "seqused_k": np.asarray(seq_lens),
         "block_tables": np.tile(np.arange(width), (num_groups, len(q), 1)),
+        "state_slots": np.full(len(q), -1, dtype=np.int32),  # recurrent layers: the scratch slot (the last)
     }
     return StepBatch(num_decodes, list(query_lens), seq_lens, arrays)
 

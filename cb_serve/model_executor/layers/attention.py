@@ -37,6 +37,7 @@ class AttentionSpec:
     k_eq_v: bool = False  # no v projection: V is the K projection's output, before k's norm and RoPE
     v_norm: type[RMSNorm] | None = None  # a norm over each V head (Gemma 4's, without a weight)
     clip_qkv: float | None = None  # q, k and v clamped to +-clip after the projection and full-width norms (OLMoE)
+    output_gate: bool = False  # a per-head gate projected with q; the output times sigmoid(gate) (Qwen3.5, Qwen3-Next)
 
     def __post_init__(self) -> None:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
@@ -83,6 +84,9 @@ class Attention(nn.Module):
         self.kv_shared, self.k_eq_v = spec.kv_shared, spec.k_eq_v
         kv_projections = 0 if spec.kv_shared else 1 if spec.k_eq_v else 2
         self.qkv_sizes = (self.q_size,) + (self.kv_size,) * kv_projections  # the fused projection's parts
+        self.output_gate = spec.output_gate
+        if spec.output_gate:
+            self.qkv_sizes += (self.q_size,)  # the gate, after v
         self.qkv_proj = Linear(config.hidden_size, sum(self.qkv_sizes), bias=spec.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_bias and shard.is_driver)  # added once
         eps, own_kv = config.rms_norm_eps, not spec.kv_shared
@@ -126,4 +130,7 @@ class Attention(nn.Module):
         qk = rope.apply(qk)  # on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
-        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
+        o = o.reshape(-1, self.q_size)
+        if self.output_gate:  # HF: attn_output * sigmoid(gate), in the model's dtype, before o_proj
+            o = o * torch.sigmoid(qkv[:, -self.q_size :])
+        return self.tp.all_reduce(self.o_proj(o))

@@ -19,6 +19,7 @@ from cb_serve.model_executor.models.olmo2 import Olmo2ForCausalLM
 from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
+from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -36,6 +37,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard, single_shard
+from cb_serve.kv_cache_interface import StateSpec
 from cb_serve.model_executor.checkpoint import LazyTensor, materialize
 from cb_serve.model_executor.greedy_head import GreedyHead
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
@@ -99,6 +100,15 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     @classmethod
+    def state_layers(cls, config) -> tuple[int, ...]:
+        """Recurrent layers: a state slot per sequence instead of KV (``kv_cache_interface.StateSpec``)."""
+        return ()
+
+    def state_specs(self) -> dict[int, StateSpec]:
+        """Each recurrent layer's state per sequence (this rank's heads)."""
+        return {}
+
+    @classmethod
     def kv_shared_layers(cls, config) -> dict[int, int]:
         """Layers without a KV cache of their own: layer -> the earlier layer whose KV it reads (Gemma 4)."""
         return {}
@@ -155,10 +165,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy this rank's slice of the weights from an HF ``*ForCausalLM`` state dict (or a
         ``LazyCheckpoint`` of the same names, read slice by slice), fusing q/k/v and gate/up."""
         own = dict(self.named_parameters())
-        shard, head_dim = self.shard, self.layers[0].self_attn.head_dim
-        q = slice(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim)
-        kv = slice(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim)
-        mlp = slice(shard.intermediate.start, shard.intermediate.stop)
+        shard = self.shard
 
         def put(name: str, *parts: torch.Tensor) -> None:  # parts of a lazy checkpoint are read here
             own[name].copy_(torch.cat([materialize(p) for p in parts], dim=0))
@@ -174,30 +181,45 @@ class LlamaForCausalLM(nn.Module):
             put("lm_head.weight", vocab_rows(head))
         for i, layer in enumerate(self.layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            attn, w = src + "self_attn.", state.__getitem__
             for name, _ in layer.named_parameters():  # every norm (Gemma has four per layer), by HF's name
                 if name.endswith("norm.weight"):
-                    put(dst + name, w(src + name))
-            qkv = (w(attn + "q_proj.weight")[q], w(attn + "k_proj.weight")[kv], w(attn + "v_proj.weight")[kv])
-            put(dst + "self_attn.qkv_proj.weight", *qkv)
-            put(dst + "self_attn.o_proj.weight", w(attn + "o_proj.weight")[:, q])
-            if layer.self_attn.qkv_proj.bias is not None:
-                qkv = (w(attn + "q_proj.bias")[q], w(attn + "k_proj.bias")[kv], w(attn + "v_proj.bias")[kv])
-                put(dst + "self_attn.qkv_proj.bias", *qkv)
-            if layer.self_attn.o_proj.bias is not None:  # the driver's alone: added once
-                put(dst + "self_attn.o_proj.bias", w(attn + "o_proj.bias"))
-            if layer.self_attn.sinks is not None:  # one logit per query head: this rank's heads
-                put(dst + "self_attn.sinks", w(attn + "sinks")[shard.q_heads.start : shard.q_heads.stop])
-            if isinstance(layer.mlp, FusedMoE):
-                layer.mlp.load_hf_weights(state, src)
-                continue
-            gate_up = w(src + "mlp.gate_proj.weight")[mlp], w(src + "mlp.up_proj.weight")[mlp]
-            put(dst + "mlp.gate_up_proj.weight", *gate_up)
-            put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight")[:, mlp])
-            if layer.mlp.gate_up_proj.bias is not None:
-                put(dst + "mlp.gate_up_proj.bias", w(src + "mlp.gate_proj.bias")[mlp], w(src + "mlp.up_proj.bias")[mlp])
-            if layer.mlp.down_proj.bias is not None:
-                put(dst + "mlp.down_proj.bias", w(src + "mlp.down_proj.bias"))
+                    put(dst + name, state[src + name])
+            self.load_mixer_weights(layer, state, src, dst, put)
+            self.load_mlp_weights(layer, state, src, dst, put)
+
+    def load_mixer_weights(self, layer: nn.Module, state: Mapping, src: str, dst: str, put) -> None:
+        """Layer ``src``'s attention (this rank's heads) into ``layer`` (a recurrent model overrides it)."""
+        attn, w, shard, head_dim = src + "self_attn.", state.__getitem__, self.shard, layer.self_attn.head_dim
+        q = slice(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim)
+        kv = slice(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim)
+        q_weight, gate = w(attn + "q_proj.weight"), ()
+        if layer.self_attn.output_gate:  # rows [q_h | gate_h] per head (Qwen3.5, Qwen3-Next)
+            both = materialize(q_weight).view(-1, 2, head_dim, q_weight.shape[-1])
+            q_weight, gate = both[:, 0].flatten(0, 1), (both[:, 1].flatten(0, 1)[q],)
+        qkv = (q_weight[q], w(attn + "k_proj.weight")[kv], w(attn + "v_proj.weight")[kv], *gate)
+        put(dst + "self_attn.qkv_proj.weight", *qkv)
+        put(dst + "self_attn.o_proj.weight", w(attn + "o_proj.weight")[:, q])
+        if layer.self_attn.qkv_proj.bias is not None:
+            qkv = (w(attn + "q_proj.bias")[q], w(attn + "k_proj.bias")[kv], w(attn + "v_proj.bias")[kv])
+            put(dst + "self_attn.qkv_proj.bias", *qkv)
+        if layer.self_attn.o_proj.bias is not None:  # the driver's alone: added once
+            put(dst + "self_attn.o_proj.bias", w(attn + "o_proj.bias"))
+        if layer.self_attn.sinks is not None:  # one logit per query head: this rank's heads
+            put(dst + "self_attn.sinks", w(attn + "sinks")[shard.q_heads.start : shard.q_heads.stop])
+
+    def load_mlp_weights(self, layer: nn.Module, state: Mapping, src: str, dst: str, put) -> None:
+        """Layer ``src``'s feed-forward block: the gated MLP's columns of this rank, or the MoE block."""
+        if isinstance(layer.mlp, FusedMoE):
+            layer.mlp.load_hf_weights(state, src)
+            return
+        w, mlp = state.__getitem__, slice(self.shard.intermediate.start, self.shard.intermediate.stop)
+        gate_up = w(src + "mlp.gate_proj.weight")[mlp], w(src + "mlp.up_proj.weight")[mlp]
+        put(dst + "mlp.gate_up_proj.weight", *gate_up)
+        put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight")[:, mlp])
+        if layer.mlp.gate_up_proj.bias is not None:
+            put(dst + "mlp.gate_up_proj.bias", w(src + "mlp.gate_proj.bias")[mlp], w(src + "mlp.up_proj.bias")[mlp])
+        if layer.mlp.down_proj.bias is not None:
+            put(dst + "mlp.down_proj.bias", w(src + "mlp.down_proj.bias"))
 
     def prepare_for_cpu(self) -> None:
         """CPU weight layouts: projections stored transposed (plain NN GEMMs at prefill sizes)

@@ -65,9 +65,11 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         return [AttentionSpec(window, qkv_bias=bias) for window in layer_windows(config)]
 
     def make_mlp(self, index: int) -> nn.Module:
+        return self.moe_block() if sparse_layer(self.config, index) else super().make_mlp(index)
+
+    def moe_block(self) -> FusedMoE:
+        """The experts plus the shared expert gated per token (Qwen3-Next's too)."""
         c, shard = self.config, self.shard
-        if not sparse_layer(c, index):
-            return super().make_mlp(index)
         router = RouterSpec(num_experts(c), c.num_experts_per_tok, renormalize=c.norm_topk_prob)
         spec = MoESpec(router, c.moe_intermediate_size, activation_name(c))
         columns = balanced_range(c.shared_expert_intermediate_size, shard.size, shard.rank)
