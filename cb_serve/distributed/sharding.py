@@ -45,6 +45,15 @@ class TensorParallelShard:
         """The experts this rank holds: a contiguous run under expert parallelism, else all of them."""
         return balanced_range(num_experts, self.size, self.rank) if self.expert_parallel else range(num_experts)
 
+    def linear_key_heads(self, num_key_heads: int) -> range:
+        """A Gated DeltaNet layer's key heads this rank holds (with their value heads and their state)."""
+        if self.size > num_key_heads:
+            raise ValueError(
+                f"tensor_parallel_size={self.size} cannot split {num_key_heads} linear-attention key heads: it must "
+                "be at most their count."
+            )
+        return balanced_range(num_key_heads, self.size, self.rank)
+
     def expert_columns(self, intermediate_size: int) -> range:
         """The intermediate columns of each held expert: all under expert parallelism, else this rank's run."""
         if self.expert_parallel:

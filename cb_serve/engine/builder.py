@@ -150,7 +150,7 @@ def _make_executor(
             lora = LoRAManager(
                 model, LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras), setup.dtype
             )
-        num_blocks = _num_kv_blocks(config, setup, draft)
+        num_blocks = _num_kv_blocks(config, setup, draft, model)
         if workers is not None:
             workers.start(num_blocks)
         speculator: Speculator | NoSpeculation = NoSpeculation()
@@ -209,17 +209,20 @@ def _make_runner(
     return runner
 
 
-def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None) -> int:
-    """KV blocks in the memory the weights left (a draft model's weights loaded first, and its
-    cache, as many blocks as the target's, counted in)."""
+def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None, model) -> int:
+    """KV blocks in the memory the weights and the recurrent layers' state slots (``max_num_seqs`` and a
+    scratch one) left (a draft model's weights loaded first, and its cache, as many blocks as the
+    target's, counted in)."""
     if draft is not None:
         draft.load()  # before the KV cache is sized: its weights and its cache share the memory
     rank_config = per_rank_config(s.hf_config, config.tensor_parallel_size, s.device)
     d = draft and draft.setup
     mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype, d.kv_layout)
+    states = (config.max_num_seqs + 1) * sum(spec.bytes_per_slot for spec in model.state_specs().values())
     return num_kv_blocks(
-        config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror, s.kv_layout
-    )
+        config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror, s.kv_layout,
+        states,
+    )  # fmt: skip
 
 
 def _graph_sizes(config: EngineConfig, setup: ModelSetup, lora: LoRAManager | None) -> list[int] | None:

@@ -82,8 +82,10 @@ def num_kv_blocks(
     device: torch.device,
     mirror_bytes_per_block: int = 0,
     layout: KVCacheLayout | None = None,
+    state_bytes: int = 0,
 ) -> int:
-    """``num_gpu_blocks``, else ``kv_cache_memory``, else (CUDA) free device memory, else 1 GiB;
+    """``num_gpu_blocks``, else ``kv_cache_memory``, else (CUDA) free device memory, else 1 GiB, less
+    ``state_bytes`` (recurrent layers' state slots, ``engine/state_slots.py``), in blocks;
     raises if that cannot hold one ``max_model_len`` sequence (in each KV-cache group of ``layout``:
     a sliding group holds only its window and a step's chunk). ``mirror_bytes_per_block``: a second
     cache with as many blocks shares the memory (a draft model's, ``spec_decode.draft_model``)."""
@@ -92,13 +94,14 @@ def num_kv_blocks(
     if config.num_gpu_blocks:
         num = config.num_gpu_blocks
     elif config.kv_cache_memory:
-        num = config.kv_cache_memory // per_block
+        num = max(0, config.kv_cache_memory - state_bytes) // per_block
     elif device.type == "cuda":
         free, total = free_device_memory(device)
         activations = activation_bytes(hf_config, config, dtype.itemsize)
-        num = cuda_kv_cache_bytes(free, total, config.gpu_memory_utilization, activations) // per_block
+        budget = cuda_kv_cache_bytes(free, total, config.gpu_memory_utilization, activations)
+        num = max(0, budget - state_bytes) // per_block
     else:
-        num = CPU_DEFAULT_KV_CACHE_BYTES // per_block
+        num = max(0, CPU_DEFAULT_KV_CACHE_BYTES - state_bytes) // per_block
     need = layout.blocks_per_sequence(max_model_len, block_size, min(max_model_len, config.max_num_batched_tokens))
     if num < need:
         groups = f" over its {len(layout.groups)} KV-cache groups" if len(layout.groups) > 1 else ""

@@ -159,6 +159,21 @@ def test_mixtures_of_experts_over_two_ranks_equal_one(tmp_path, tokenizer, arch,
         tp.engine.shutdown()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_hybrid_models_over_two_ranks_equal_one(tmp_path, tokenizer, arch):
+    """Gated DeltaNet layers split by key head (one of 2 per rank, with its 2 value heads and their states),
+    attention by head, experts by column; Qwen3-Next's projections grouped per key head read as such."""
+    model = str(make_random_model(tmp_path, arch, tokenizer))
+    ref = generate(LLM(model, **STRESS_ENGINE_ARGS))
+    tp = LLM(model, tensor_parallel_size=2, **STRESS_ENGINE_ARGS)
+    try:
+        assert_same_greedy(generate(tp), ref, f"{arch} over two ranks")
+        assert_no_blocks_held(tp)
+        assert tp.engine.get_stats().state_slots_used == 0
+    finally:
+        tp.engine.shutdown()
+
+
 def test_expert_parallelism_needs_an_expert_per_rank(random_model_dir):
     with pytest.raises(ValueError, match="at least as many experts"):
         shard_for(SimpleNamespace(**vars(heads(4, 4)), num_experts=2), 0, 4, expert_parallel=True)

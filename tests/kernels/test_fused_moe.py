@@ -224,3 +224,15 @@ def test_amx_experts_are_float32_accurate():
     mixed = cpu_ops.grouped_gemm(x, offsets, packed, 70, bias, amx_min_rows=16)
     for count, s in zip(counts, spans):
         assert torch.equal(mixed[s], (amx if count >= 16 else fma)[s])
+
+
+@needs_kernels
+def test_the_reused_buffers_serve_inside_and_outside_inference_mode():
+    """The CPU backend's per-thread intermediates: a buffer made under ``inference_mode`` is an inference
+    tensor, which a forward under ``no_grad`` alone may not write into."""
+    config, block = hf_block("qwen3_moe", seed=3)
+    x = torch.randn(7, config.hidden_size)
+    with torch.inference_mode():
+        first = ours("qwen3_moe", config, block, x, CpuExpertGemm(), use_cpu_ops=True)
+    with torch.no_grad():
+        assert torch.equal(ours("qwen3_moe", config, block, x, CpuExpertGemm(), use_cpu_ops=True), first)

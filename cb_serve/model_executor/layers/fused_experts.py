@@ -158,9 +158,10 @@ class CpuExpertGemm(ExpertGemm):
         """Kept from layer to layer and step to step: a prefill's intermediates are tens of MB, and fresh
         ones cost a page fault per 4 KB on first touch (the allocator maps them anew each time)."""
         buffers = self._scratch.__dict__.setdefault("buffers", {})
-        buffer = buffers.get(slot)
+        key = (slot, torch.is_inference_mode_enabled())  # an inference tensor cannot be written outside the mode
+        buffer = buffers.get(key)
         if buffer is None or buffer.numel() < rows * cols or buffer.dtype != like.dtype:
-            buffer = buffers[slot] = like.new_empty(max(rows * cols, 1))
+            buffer = buffers[key] = like.new_empty(max(rows * cols, 1))
         return buffer[: rows * cols].view(rows, cols)
 
     def combine(self, y, routing, dtype):

@@ -11,6 +11,10 @@ runner zeroes a slot when its sequence starts (HF's zero initial state and zero 
 every row continues from its slot: decode rows (the first ``num_decodes``) in one recurrent step,
 each prefill chunk with the chunked rule, exactly where its previous chunk stopped.
 
+Tensor parallelism splits the key heads (``TensorParallelShard.linear_key_heads``), each rank holding their
+value heads, their convolution channels and their states; the output projection's partial sums are
+all-reduced.
+
 Checkpoints: Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, or Qwen3-Next's
 ``in_proj_qkvz`` / ``in_proj_ba`` whose rows are grouped per key head (``[q | k | v | z]`` of the head's
 value heads; ``[b | a]``), regrouped here into Qwen3.5's order.
@@ -18,6 +22,7 @@ value heads; ``[b | a]``), regrouped here into Qwen3.5's order.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -26,7 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cb_serve.attention.base import AttentionMetadata
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.kv_cache_interface import StateSpec
+from cb_serve.model_executor.checkpoint import materialize
 from cb_serve.model_executor.layers import delta_rule
 from cb_serve.model_executor.linear import Linear
 
@@ -89,9 +97,15 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, spec: DeltaNetSpec) -> None:
+    def __init__(
+        self, spec: DeltaNetSpec, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
-        self.spec = s = spec
+        self.full_spec, self.tp = spec, tp or TensorParallelGroup.single()
+        self.key_heads = shard.linear_key_heads(spec.num_k_heads) if shard else range(spec.num_k_heads)
+        ratio = spec.num_v_heads // spec.num_k_heads
+        local = len(self.key_heads)
+        self.spec = s = dataclasses.replace(spec, num_k_heads=local, num_v_heads=local * ratio)
         self.in_proj = Linear(s.hidden_size, s.conv_dim + s.value_dim + 2 * s.num_v_heads, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(s.conv_dim, s.conv_kernel), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads), requires_grad=False)
@@ -124,7 +138,7 @@ class GatedDeltaNet(nn.Module):
             )
             start = end
         out = self.norm(out, z.view(-1, s.num_v_heads, s.head_v_dim))
-        return self.out_proj(out.reshape(x.shape[0], s.value_dim))
+        return self.tp.all_reduce(self.out_proj(out.reshape(x.shape[0], s.value_dim)))
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -137,25 +151,33 @@ class GatedDeltaNet(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping, prefix: str) -> None:
-        """``prefix``: ``model.layers.{i}.linear_attn.``; Qwen3.5's or Qwen3-Next's projection layout."""
-        s = self.spec
+        """``prefix``: ``model.layers.{i}.linear_attn.``; Qwen3.5's or Qwen3-Next's projection layout; this
+        rank's key heads and their value heads."""
+        f, w = self.full_spec, lambda name: materialize(state[prefix + name])
         if prefix + "in_proj_qkv.weight" in state:
-            parts = [state[prefix + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")]
+            qkv, z, b, a = (w(f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a"))
         else:
-            r = s.num_v_heads // s.num_k_heads
-            qkvz = state[prefix + "in_proj_qkvz.weight"].view(s.num_k_heads, -1, s.hidden_size)
-            q, k, v, z = qkvz.split([s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], dim=1)
-            b, a = state[prefix + "in_proj_ba.weight"].view(s.num_k_heads, 2 * r, s.hidden_size).split([r, r], dim=1)
-            flat = [t.reshape(-1, s.hidden_size) for t in (q, k, v)]
-            parts = [
-                torch.cat(flat),
-                z.reshape(-1, s.hidden_size),
-                b.reshape(-1, s.hidden_size),
-                a.reshape(-1, s.hidden_size),
-            ]
-        self.in_proj.weight.copy_(torch.cat(parts))
-        self.conv_weight.copy_(state[prefix + "conv1d.weight"][:, 0])
-        self.dt_bias.copy_(state[prefix + "dt_bias"])
-        self.A_log.copy_(state[prefix + "A_log"])
-        self.norm.weight.copy_(state[prefix + "norm.weight"])
-        self.out_proj.weight.copy_(state[prefix + "out_proj.weight"])
+            r, h = f.num_v_heads // f.num_k_heads, f.hidden_size
+            qkvz = w("in_proj_qkvz.weight").view(f.num_k_heads, -1, h)
+            q, k, v, z = qkvz.split([f.head_k_dim, f.head_k_dim, r * f.head_v_dim, r * f.head_v_dim], dim=1)
+            b, a = w("in_proj_ba.weight").view(f.num_k_heads, 2 * r, h).split([r, r], dim=1)
+            qkv = torch.cat([t.reshape(-1, h) for t in (q, k, v)])
+            z, b, a = (t.reshape(-1, h) for t in (z, b, a))
+        channels, heads, columns = self._local_rows()
+        self.in_proj.weight.copy_(torch.cat([qkv[channels], z[columns], b[heads], a[heads]]))
+        self.conv_weight.copy_(w("conv1d.weight")[channels, 0])
+        self.dt_bias.copy_(w("dt_bias")[heads])
+        self.A_log.copy_(w("A_log")[heads])
+        self.norm.weight.copy_(w("norm.weight"))
+        self.out_proj.weight.copy_(w("out_proj.weight")[:, columns])
+
+    def _local_rows(self) -> tuple[torch.Tensor, slice, slice]:
+        """This rank's convolution channels (its key heads' q and k, its value heads' v), value heads, and
+        value columns, in the full layer's order."""
+        f, k = self.full_spec, self.key_heads
+        r = f.num_v_heads // f.num_k_heads
+        heads = slice(k.start * r, k.stop * r)
+        columns = slice(heads.start * f.head_v_dim, heads.stop * f.head_v_dim)
+        q = torch.arange(k.start * f.head_k_dim, k.stop * f.head_k_dim)
+        v = torch.arange(columns.start, columns.stop) + 2 * f.key_dim
+        return torch.cat([q, q + f.key_dim, v]), heads, columns

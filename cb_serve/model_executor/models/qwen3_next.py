@@ -70,7 +70,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, spec: AttentionSpec, backend: AttentionBackend) -> nn.Module:
         if index not in self.state_layers(self.config):
             return super().make_layer(index, spec, backend)
-        mixer = GatedDeltaNet(DeltaNetSpec.from_config(self.config))
+        mixer = GatedDeltaNet(DeltaNetSpec.from_config(self.config), self.shard, self.tp)
         return LinearAttentionLayer(self.config, mixer, self.make_mlp(index), self.use_cpu_ops)
 
     def state_specs(self) -> dict[int, StateSpec]:
