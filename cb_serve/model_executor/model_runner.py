@@ -216,16 +216,7 @@ class ModelRunner:
         row_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(cu_q[-1]) - cu_q[:-1][row_of_token] + np.asarray(starts)[row_of_token]
 
-        num_groups = len(self.kv_layout.groups)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((num_groups, len(seqs), max_blocks), dtype=np.int64)
-        for i, seq in enumerate(seqs):
-            for g, table in enumerate(seq.block_tables):
-                block_tables[g, i, : len(table)] = table
-        slot_mappings = block_tables[:, row_of_token, positions // self.block_size] * self.block_size
-        slot_mappings += positions % self.block_size
-        assert num_groups == 1 or slot_mappings.min(initial=0) >= 0, "a token written to a block out of its window"
-        np.maximum(block_tables, 0, out=block_tables)  # out-of-window entries (NULL_BLOCK): read, masked, never written
+        block_tables, slot_mappings = self._kv_arrays(seqs, row_of_token, positions)
 
         sampling = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens + len(s.spec_token_ids)]
         # A sampling row per sequence, its last token's; a speculating one's 1 + k last tokens.
@@ -252,6 +243,20 @@ class ModelRunner:
         inp.rows_per_seq = rows_of
         inp.prompt_plan = plan
         return inp
+
+    def _kv_arrays(self, seqs: list[Sequence], row_of_token: np.ndarray, positions: np.ndarray):
+        """Every KV-cache group's block tables ``[G, B, max_blocks]`` and each token's KV slot ``[G, T]``."""
+        num_groups = len(self.kv_layout.groups)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = np.zeros((num_groups, len(seqs), max_blocks), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            for g, table in enumerate(seq.block_tables):
+                block_tables[g, i, : len(table)] = table
+        slot_mappings = block_tables[:, row_of_token, positions // self.block_size] * self.block_size
+        slot_mappings += positions % self.block_size
+        assert num_groups == 1 or slot_mappings.min(initial=0) >= 0, "a token written to a block out of its window"
+        np.maximum(block_tables, 0, out=block_tables)  # out-of-window entries (NULL_BLOCK): read, masked, never written
+        return block_tables, slot_mappings
 
     def to_device(
         self, batch: StepBatch, seqs: list[Sequence] | None = None, sampling_seqs: list[Sequence] | None = None
