@@ -133,6 +133,32 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "norm_topk_prob": True,
         },
     ),
+    # Mamba2 layers (groups of heads sharing B and C, conv bias) around one attention layer, Granite's
+    # multipliers, experts plus a shared MLP; scan chunks of 16 so chunked prefill splits them
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["mamba", "attention", "mamba"],
+            "intermediate_size": 32,
+            "shared_intermediate_size": 48,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_n_heads": 8,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_head": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 16,
+            "position_embedding_type": "rope",
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.25,
+            "logits_scaling": 4.0,
+            "initializer_range": 0.1,
+        },
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         {

@@ -54,6 +54,20 @@ class TensorParallelShard:
             )
         return balanced_range(num_key_heads, self.size, self.rank)
 
+    def mamba_heads(self, num_heads: int, num_groups: int) -> tuple[range, range]:
+        """A Mamba2 layer's heads and B/C groups this rank holds: whole groups with their heads where the
+        groups divide over the ranks, else (one group) every rank the group and a run of heads."""
+        if num_groups % self.size == 0:
+            groups = balanced_range(num_groups, self.size, self.rank)
+            per = num_heads // num_groups
+            return range(groups.start * per, groups.stop * per), groups
+        if num_groups == 1 and self.size <= num_heads:
+            return balanced_range(num_heads, self.size, self.rank), range(1)
+        raise ValueError(
+            f"tensor_parallel_size={self.size} cannot split a Mamba2 layer of {num_heads} heads in {num_groups} "
+            "groups: the groups must divide over the ranks (or be one, with at least as many heads as ranks)."
+        )
+
     def expert_columns(self, intermediate_size: int) -> range:
         """The intermediate columns of each held expert: all under expert parallelism, else this rank's run."""
         if self.expert_parallel:

@@ -140,13 +140,15 @@ def _load_tokenizer(source: ModelSource, trust_remote_code: bool):
         raise ValueError(f"Could not load the tokenizer from {path!r}: {e}") from e
 
 
-def rope_tables(rotary: torch.nn.Module, max_positions: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(rotary: torch.nn.Module | None, max_positions: int, config) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[tables, max_positions, rotary dim]`` for positions ``0..max_positions-1``, from
     the HF model's own rotary module (so every rope scaling type transformers knows is computed
     exactly as it computes it): one table, or one per layer type the model's class names.
     LongRoPE: short factors below ``original_max_position_embeddings``, long ones from it on. Tables
     of different widths (per-layer-type head sizes) are zero-padded on the right to the widest."""
     positions = torch.arange(max_positions)[None]
+    if rotary is None:  # no position embedding (NoPE: Granite 4 hybrids): empty tables, RoPE a no-op
+        return torch.zeros(1, max_positions, 0), torch.zeros(1, max_positions, 0)
     x = torch.zeros(1, dtype=torch.float32)
     tables = []
     for t in model_class(config).rope_layer_types(config) or [None]:
@@ -166,14 +168,15 @@ def rope_tables(rotary: torch.nn.Module, max_positions: int, config) -> tuple[to
     return stack([cos for cos, _ in tables]), stack([sin for _, sin in tables])
 
 
-def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module:
+def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module | None:
     """The HF architecture's rotary module for ``config``, without its weights: the model is built
     on the meta device only to find the module's class."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return type(skeleton.model.rotary_emb)(config=config)
+    rotary = skeleton.model.rotary_emb
+    return None if rotary is None else type(rotary)(config=config)
 
 
 def build_module(make: Callable[[], torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -159,11 +159,20 @@ def test_mixtures_of_experts_over_two_ranks_equal_one(tmp_path, tokenizer, arch,
         tp.engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
-def test_hybrid_models_over_two_ranks_equal_one(tmp_path, tokenizer, arch):
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("qwen3_5_text", {}),
+        ("qwen3_next", {}),
+        ("granitemoehybrid", {"mamba_n_groups": 1, "position_embedding_type": None}),
+    ],
+)
+def test_hybrid_models_over_two_ranks_equal_one(tmp_path, tokenizer, arch, overrides):
     """Gated DeltaNet layers split by key head (one of 2 per rank, with its 2 value heads and their states),
-    attention by head, experts by column; Qwen3-Next's projections grouped per key head read as such."""
-    model = str(make_random_model(tmp_path, arch, tokenizer))
+    attention by head, experts by column; Qwen3-Next's projections grouped per key head read as such.
+    Mamba2 layers split by head, their one B/C group on both ranks and the gated norm's sum of squares
+    all-reduced (Granite 4, without position embedding)."""
+    model = str(make_random_model(tmp_path, arch, tokenizer, **overrides))
     ref = generate(LLM(model, **STRESS_ENGINE_ARGS))
     tp = LLM(model, tensor_parallel_size=2, **STRESS_ENGINE_ARGS)
     try:

@@ -1,4 +1,5 @@
-"""The gated delta rule and causal convolution of Gated DeltaNet layers (``layers/delta_rule.py``) against
+"""The gated delta rule and causal convolution of Gated DeltaNet layers (``layers/delta_rule.py``,
+``layers/causal_conv.py``) against
 HF transformers' own PyTorch functions (``modeling_qwen3_next``), bit for bit: the chunked form over a
 prefill chunk continuing from a state, the recurrent form over one token of several sequences at once,
 and the convolution in both forms."""
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cb_serve.model_executor.layers import delta_rule
+from cb_serve.model_executor.layers import causal_conv, delta_rule
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 KW = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -51,10 +52,10 @@ def test_convolution_continues_from_its_state_in_both_forms():
     weight, state, x = torch.randn(channels, width), torch.randn(channels, width), torch.randn(10, channels)
     full = torch.cat([state, x.T], dim=1)[None]
     ref = F.silu(F.conv1d(full, weight[:, None], padding=width - 1, groups=channels)[..., : full.shape[-1]])
-    out, new_state = delta_rule.causal_conv(x, state, weight)
+    out, new_state = causal_conv.causal_conv(x, state, weight)
     assert torch.equal(out, ref[0, :, -10:].T) and torch.equal(new_state, full[0, :, -width:])
     states, tokens = torch.randn(3, channels, width), torch.randn(3, channels)
-    out, new_states = delta_rule.causal_conv_step(tokens, states, weight)
+    out, new_states = causal_conv.causal_conv_step(tokens, states, weight)
     for i in range(3):
         s = states[i : i + 1].clone()
         ref = hf.causal_conv1d_update(tokens[i : i + 1, :, None], s, weight, None, "silu")

@@ -87,23 +87,3 @@ def recurrent_rule(
     delta = (v - kv_mem) * beta[..., None]
     s = s + k[..., None] * delta[..., None, :]
     return (s * q[..., None]).sum(-2).to(dtype), s
-
-
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's depthwise causal convolution (then SiLU) over ``x`` ``[T, C]``, continuing from
-    ``state`` ``[C, K]`` (its last ``K`` inputs; zeros at the start); ``weight`` ``[C, K]``. Returns the
-    outputs ``[T, C]`` and the new state (HF's ``causal_conv1d_fn`` over the state and the chunk)."""
-    length, width = x.shape[0], weight.shape[1]
-    full = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=1)
-    out = F.conv1d(full[None].to(weight.dtype), weight[:, None], padding=width - 1, groups=weight.shape[0])
-    out = F.silu(out[0, :, : full.shape[1]][:, -length:]).to(x.dtype)
-    return out.transpose(0, 1), full[:, -width:]
-
-
-def causal_conv_step(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of ``N`` sequences (``x`` ``[N, C]``, ``states`` ``[N, C, K]``): HF's
-    ``causal_conv1d_update``. Returns the outputs ``[N, C]`` and the new states."""
-    width = weight.shape[1]
-    full = torch.cat([states, x[:, :, None]], dim=-1).to(weight.dtype)
-    out = F.conv1d(full, weight[:, None], padding=0, groups=weight.shape[0])[:, :, -1]
-    return F.silu(out).to(x.dtype), full[:, :, -width:]

@@ -36,6 +36,8 @@ from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.kv_cache_interface import StateSpec
 from cb_serve.model_executor.checkpoint import materialize
 from cb_serve.model_executor.layers import delta_rule
+from cb_serve.model_executor.layers.causal_conv import causal_conv, causal_conv_step
+from cb_serve.model_executor.layers.recurrent_rows import decode_slots, prefill_rows
 from cb_serve.model_executor.linear import Linear
 
 
@@ -121,22 +123,16 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
         g, beta = delta_rule.gates(a, b, self.A_log, self.dt_bias)
         out = x.new_empty(x.shape[0], s.num_v_heads, s.head_v_dim)
-        slots = meta.state_slot_list
         n = meta.num_decodes
         if n:
-            idx = meta.state_slots[:n].long()
-            conv, conv_states[idx] = delta_rule.causal_conv_step(mixed[:n], conv_states[idx], self.conv_weight)
+            idx = decode_slots(meta)
+            conv, conv_states[idx] = causal_conv_step(mixed[:n], conv_states[idx], self.conv_weight)
             q, k, v = self._heads(conv)
             out[:n], ssm_states[idx] = delta_rule.recurrent_rule(q, k, v, g[:n], beta[:n], ssm_states[idx])
-        start = n
-        for row in range(n, meta.num_seqs):
-            end, slot = start + meta.query_lens[row], slots[row]
-            conv, conv_states[slot] = delta_rule.causal_conv(mixed[start:end], conv_states[slot], self.conv_weight)
+        for rows, slot in prefill_rows(meta):
+            conv, conv_states[slot] = causal_conv(mixed[rows], conv_states[slot], self.conv_weight)
             q, k, v = self._heads(conv)
-            out[start:end], ssm_states[slot] = delta_rule.chunk_rule(
-                q, k, v, g[start:end], beta[start:end], ssm_states[slot]
-            )
-            start = end
+            out[rows], ssm_states[slot] = delta_rule.chunk_rule(q, k, v, g[rows], beta[rows], ssm_states[slot])
         out = self.norm(out, z.view(-1, s.num_v_heads, s.head_v_dim))
         return self.tp.all_reduce(self.out_proj(out.reshape(x.shape[0], s.value_dim)))
 

@@ -28,6 +28,8 @@ class Rope:
         """``qk``: ``[T, heads, head_dim]`` (q and k heads together). Tables narrower than a head
         (partial rotary, Phi-3/4: ``partial_rotary_factor``) turn its first dims; the rest pass."""
         rotary_dim = self.cos.shape[-1]
+        if rotary_dim == 0:  # no position embedding (NoPE)
+            return qk
         if self.use_cpu_ops:  # the kernel works in place on a strided view of the rotary dims
             cpu_ops.rotary_embedding(qk[..., :rotary_dim], self.positions, self.cos, self.sin)
             return qk

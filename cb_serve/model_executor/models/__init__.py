@@ -8,6 +8,7 @@ from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from cb_serve.model_executor.models.gemma4 import Gemma4ForCausalLM
 from cb_serve.model_executor.models.gpt_oss import GptOssForCausalLM
 from cb_serve.model_executor.models.granite import GraniteForCausalLM
+from cb_serve.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.models.moe_models import (
     MixtralForCausalLM,
@@ -39,6 +40,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "gpt_oss": GptOssForCausalLM,
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "granitemoehybrid": GraniteMoeHybridForCausalLM,
 }
 
 

@@ -181,8 +181,10 @@ class LlamaForCausalLM(nn.Module):
             put("lm_head.weight", vocab_rows(head))
         for i, layer in enumerate(self.layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for name, _ in layer.named_parameters():  # every norm (Gemma has four per layer), by HF's name
-                if name.endswith("norm.weight"):
+            # every norm (Gemma has four per layer), by HF's name, but those of blocks that load themselves
+            loads_itself = tuple(n + "." for n, m in layer.named_modules() if n and hasattr(m, "load_hf_weights"))
+            for name, _ in layer.named_parameters():
+                if name.endswith("norm.weight") and not name.startswith(loads_itself):
                     put(dst + name, state[src + name])
             self.load_mixer_weights(layer, state, src, dst, put)
             self.load_mlp_weights(layer, state, src, dst, put)
