@@ -70,6 +70,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM, GraniteForCausalLM):
             view = {moe + ours: state[moe + theirs] for ours, theirs in names.items() if moe + theirs in state}
             mlp.block_sparse_moe.load_hf_weights(StateView(state, view), src)
 
+
 def shared_mlp(config, shard: TensorParallelShard, tp: TensorParallelGroup, use_cpu_ops: bool) -> GatedMLP:
     """The shared MLP, this rank's run of its ``shared_intermediate_size`` columns (``.columns``)."""
     columns = balanced_range(config.shared_intermediate_size, shard.size, shard.rank)
