@@ -25,6 +25,7 @@ from cb_serve.cpu_ops.expert_ops import (  # noqa: F401 (re-exported)
     moe_combine,
     pack_expert_weight,
 )
+from cb_serve.cpu_ops.recurrent_ops import gated_delta_rule_decode, mamba2_decode  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ EXTENSIONS = {
     ),
     # No FMA contraction: element-wise results equal eager PyTorch's bit for bit.
     "cb_serve_layer_ops": ("layer_ops.cpp", ["-ffp-contract=off"]),
+    "cb_serve_recurrent_ops": ("recurrent_ops.cpp", ["-ffp-contract=off"]),
     "cb_serve_gemm_ops": ("decode_gemm.cpp", ["-mprefer-vector-width=512"]),
     "cb_serve_lora_ops": ("lora_ops.cpp", ["-mprefer-vector-width=512"]),
 }
@@ -90,6 +92,8 @@ OPS = (
     "decode_gemm",
     "grouped_gemm",
     "lora_apply",
+    "gated_delta_rule_decode",
+    "mamba2_decode",
 )
 
 

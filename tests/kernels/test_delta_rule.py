@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cb_serve import cpu_ops
 from cb_serve.model_executor.layers import causal_conv, delta_rule
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
@@ -60,3 +61,19 @@ def test_convolution_continues_from_its_state_in_both_forms():
         s = states[i : i + 1].clone()
         ref = hf.causal_conv1d_update(tokens[i : i + 1, :, None], s, weight, None, "silu")
         assert torch.equal(out[i], ref[0, :, 0]) and torch.equal(new_states[i], s[0])
+
+
+@pytest.mark.parametrize("dk, dv", [(16, 32), (128, 128), (24, 20), (300, 48)])
+def test_the_cpu_kernel_steps_the_slots_in_place_bit_for_bit(dk, dv):
+    """``recurrent_step`` with the C++ kernel: the slots' states and the outputs are ``recurrent_rule``'s,
+    bit for bit (its sums over the key dim in torch's order), other slots untouched."""
+    if not cpu_ops.available():
+        pytest.skip("cb_serve CPU kernels did not build here")
+    q, k, v, g, beta, _ = inputs(3, 1, dk=dk, dv=dv, seed=3)
+    q, k, v, g, beta = (x[:, 0] for x in (q, k, v, g, beta))
+    states, slots = torch.randn(5, 4, dk, dv), torch.tensor([4, 0, 2])
+    ref, ref_states = delta_rule.recurrent_rule(q, k, v, g, beta, states[slots])
+    stepped = states.clone()
+    out = delta_rule.recurrent_step(q, k, v, g, beta, stepped, slots, use_cpu_ops=True)
+    assert torch.equal(out, ref) and torch.equal(stepped[slots], ref_states)
+    assert torch.equal(stepped[[1, 3]], states[[1, 3]])

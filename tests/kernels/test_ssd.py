@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cb_serve import cpu_ops
 from cb_serve.model_executor.layers import ssd
 
 hf = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
@@ -59,3 +60,18 @@ def test_split_prefills_and_decodes_continue_the_scan():
         outs.append(y)
     torch.testing.assert_close(torch.cat([first, rest, *outs]), whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s[0], final, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_kernel_steps_the_slots_in_place():
+    """``state_step`` with the C++ kernel: the slots' states are ``state_update``'s bit for bit, the outputs to
+    float32 rounding (the sum over the state dim in order, where ``bmm`` picks its own), other slots untouched."""
+    if not cpu_ops.available():
+        pytest.skip("cb_serve CPU kernels did not build here")
+    x, dt, a, b, c, d, dt_bias, _ = inputs(3, 1, seed=4)
+    x, dt, b, c = x[:, 0], dt[:, 0], b[:, 0], c[:, 0]
+    states, slots = torch.randn(5, HEADS, HEAD_DIM, STATE), torch.tensor([4, 0, 2])
+    ref, ref_states = ssd.state_update(x, dt, a, b, c, d, dt_bias, states[slots])
+    stepped = states.clone()
+    out = ssd.state_step(x, dt, a, b, c, d, dt_bias, stepped, slots, use_cpu_ops=True)
+    assert torch.equal(stepped[slots], ref_states) and torch.equal(stepped[[1, 3]], states[[1, 3]])
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cb_serve.model_executor.layers import recurrent_triton
+
 
 def causal_conv(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -31,3 +33,14 @@ def causal_conv_step(
     full = torch.cat([states, x[:, :, None]], dim=-1).to(weight.dtype)
     out = F.conv1d(full, weight[:, None], bias, padding=0, groups=weight.shape[0])[:, :, -1]
     return F.silu(out).to(x.dtype), full[:, :, -width:]
+
+
+def conv_step(
+    x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``causal_conv_step`` on ``states[slots]`` (int64 ``[N]``), in place; returns the outputs. The Triton
+    kernel on CUDA, else PyTorch."""
+    if states.is_cuda and recurrent_triton.is_available():
+        return recurrent_triton.causal_conv1d_update(x, states, weight, bias, slots.int())
+    out, states[slots] = causal_conv_step(x, states[slots], weight, bias)
+    return out

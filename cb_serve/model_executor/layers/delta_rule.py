@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cb_serve import cpu_ops
+from cb_serve.model_executor.layers import recurrent_triton
+
 CHUNK = 64  # HF's chunk size: tokens per block of the chunked form
 
 
@@ -87,3 +90,24 @@ def recurrent_rule(
     delta = (v - kv_mem) * beta[..., None]
     s = s + k[..., None] * delta[..., None, :]
     return (s * q[..., None]).sum(-2).to(dtype), s
+
+
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    use_cpu_ops: bool = False,
+) -> torch.Tensor:
+    """``recurrent_rule`` on ``states[slots]`` (int64 ``[N]``), in place; returns the outputs. The C++ kernel
+    where ``use_cpu_ops`` (float32: bit for bit this module's), the Triton kernel on CUDA, else PyTorch."""
+    if use_cpu_ops and v.dtype == torch.float32:
+        q, k = l2norm(q.float()), l2norm(k.float())
+        return cpu_ops.gated_delta_rule_decode(states, q / (q.shape[-1] ** 0.5), k, v, g.exp(), beta.float(), slots)
+    if states.is_cuda and recurrent_triton.is_available():
+        return recurrent_triton.fused_recurrent_gated_delta_rule(q, k, v, g, beta, states, slots.int())
+    out, states[slots] = recurrent_rule(q, k, v, g, beta, states[slots])
+    return out

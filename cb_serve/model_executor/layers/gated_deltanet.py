@@ -36,7 +36,7 @@ from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.kv_cache_interface import StateSpec
 from cb_serve.model_executor.checkpoint import materialize
 from cb_serve.model_executor.layers import delta_rule
-from cb_serve.model_executor.layers.causal_conv import causal_conv, causal_conv_step
+from cb_serve.model_executor.layers.causal_conv import causal_conv, conv_step
 from cb_serve.model_executor.layers.recurrent_rows import decode_slots, prefill_rows
 from cb_serve.model_executor.linear import Linear
 
@@ -100,10 +100,14 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     def __init__(
-        self, spec: DeltaNetSpec, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None
+        self,
+        spec: DeltaNetSpec,
+        shard: TensorParallelShard | None = None,
+        tp: TensorParallelGroup | None = None,
+        use_cpu_ops: bool = False,
     ) -> None:
         super().__init__()
-        self.full_spec, self.tp = spec, tp or TensorParallelGroup.single()
+        self.full_spec, self.tp, self.use_cpu_ops = spec, tp or TensorParallelGroup.single(), use_cpu_ops
         self.key_heads = shard.linear_key_heads(spec.num_k_heads) if shard else range(spec.num_k_heads)
         ratio = spec.num_v_heads // spec.num_k_heads
         local = len(self.key_heads)
@@ -126,9 +130,8 @@ class GatedDeltaNet(nn.Module):
         n = meta.num_decodes
         if n:
             idx = decode_slots(meta)
-            conv, conv_states[idx] = causal_conv_step(mixed[:n], conv_states[idx], self.conv_weight)
-            q, k, v = self._heads(conv)
-            out[:n], ssm_states[idx] = delta_rule.recurrent_rule(q, k, v, g[:n], beta[:n], ssm_states[idx])
+            q, k, v = self._heads(conv_step(mixed[:n], conv_states, idx, self.conv_weight))
+            out[:n] = delta_rule.recurrent_step(q, k, v, g[:n], beta[:n], ssm_states, idx, self.use_cpu_ops)
         for rows, slot in prefill_rows(meta):
             conv, conv_states[slot] = causal_conv(mixed[rows], conv_states[slot], self.conv_weight)
             q, k, v = self._heads(conv)

@@ -30,7 +30,7 @@ from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.kv_cache_interface import StateSpec
 from cb_serve.model_executor.checkpoint import materialize
 from cb_serve.model_executor.layers import ssd
-from cb_serve.model_executor.layers.causal_conv import causal_conv, causal_conv_step
+from cb_serve.model_executor.layers.causal_conv import causal_conv, conv_step
 from cb_serve.model_executor.layers.recurrent_rows import decode_slots, prefill_rows
 from cb_serve.model_executor.linear import Linear
 
@@ -111,10 +111,14 @@ class GroupedGatedRMSNorm(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     def __init__(
-        self, spec: Mamba2Spec, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None
+        self,
+        spec: Mamba2Spec,
+        shard: TensorParallelShard | None = None,
+        tp: TensorParallelGroup | None = None,
+        use_cpu_ops: bool = False,
     ) -> None:
         super().__init__()
-        self.full_spec, self.tp = spec, tp or TensorParallelGroup.single()
+        self.full_spec, self.tp, self.use_cpu_ops = spec, tp or TensorParallelGroup.single(), use_cpu_ops
         if shard is not None:
             self.heads, self.groups = shard.mamba_heads(spec.num_heads, spec.num_groups)
         else:
@@ -141,11 +145,9 @@ class Mamba2Mixer(nn.Module):
         n = meta.num_decodes
         if n:
             idx = decode_slots(meta)
-            conv, conv_states[idx] = causal_conv_step(xbc[:n], conv_states[idx], self.conv_weight, self.conv_bias)
-            h, bc = self._split(conv)
-            y, ssm_states[idx] = ssd.state_update(
-                h, dt[:n], a, bc[:, 0], bc[:, 1], self.D, self.dt_bias, ssm_states[idx]
-            )
+            h, bc = self._split(conv_step(xbc[:n], conv_states, idx, self.conv_weight, self.conv_bias))
+            b, c = bc[:, 0], bc[:, 1]
+            y = ssd.state_step(h, dt[:n], a, b, c, self.D, self.dt_bias, ssm_states, idx, self.use_cpu_ops)
             parts.append(self.norm(y.reshape(n, -1), z[:n]))  # HF: the decode scan's output in the model's dtype
         for rows, slot in prefill_rows(meta):
             conv, conv_states[slot] = causal_conv(xbc[rows], conv_states[slot], self.conv_weight, self.conv_bias)

@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cb_serve import cpu_ops
+from cb_serve.model_executor.layers import recurrent_triton
+
 
 def _segment_sum(x: torch.Tensor) -> torch.Tensor:
     """``[..., L]`` -> ``[..., L, L]``: entry ``(i, j)`` the sum of ``x[j+1..i]`` (-inf above the diagonal)."""
@@ -101,3 +104,35 @@ def state_update(
     out = out.view(n, heads, head_dim)
     out = (out + x * d[:, None].expand(-1, head_dim)).to(out.dtype)
     return out.to(x.dtype), new
+
+
+def state_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    use_cpu_ops: bool = False,
+) -> torch.Tensor:
+    """``state_update`` on ``states[slots]`` (int64 ``[N]``), in place; returns the outputs. The C++ kernel
+    where ``use_cpu_ops`` (float32: the state bit for bit, the output's sum over the state dim in order where
+    torch's ``bmm`` picks its own), the Triton kernel on CUDA, else PyTorch."""
+    if use_cpu_ops and x.dtype == torch.float32:
+        step = _vectorized(F.softplus, dt + dt_bias.to(dt.dtype)).float()
+        decay = _vectorized(torch.exp, step * a.float())
+        return cpu_ops.mamba2_decode(states, x, step, decay, b, c, d.float(), slots)
+    if states.is_cuda and recurrent_triton.is_available():
+        return recurrent_triton.selective_state_update(x, dt, a, b, c, d, dt_bias, states, slots.int())
+    out, states[slots] = state_update(x, dt, a, b, c, d, dt_bias, states[slots])
+    return out
+
+
+def _vectorized(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` with every element on torch's vectorized path (padded to whole vectors): where ``state_update``
+    computes it per head dim (``[N, H, P]``, ``[N, H, P, S]``: whole vectors), the same bits per head."""
+    flat = x.reshape(-1)
+    return fn(F.pad(flat, (0, -flat.numel() % 64)))[: flat.numel()].view(x.shape)

@@ -40,7 +40,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM, GraniteForCausalLM):
     mixer_prefix = "mamba."
 
     def make_mixer(self, index: int) -> nn.Module:
-        return Mamba2Mixer(Mamba2Spec.from_config(self.config), self.shard, self.tp)
+        return Mamba2Mixer(Mamba2Spec.from_config(self.config), self.shard, self.tp, self.use_cpu_ops)
 
     def make_mlp(self, index: int) -> nn.Module:
         c, shard = self.config, self.shard

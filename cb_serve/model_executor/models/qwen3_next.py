@@ -38,7 +38,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         return [spec] * config.num_hidden_layers
 
     def make_mixer(self, index: int) -> nn.Module:
-        return GatedDeltaNet(DeltaNetSpec.from_config(self.config), self.shard, self.tp)
+        return GatedDeltaNet(DeltaNetSpec.from_config(self.config), self.shard, self.tp, self.use_cpu_ops)
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
