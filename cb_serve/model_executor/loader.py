@@ -102,6 +102,11 @@ def memoized_per_gguf(load: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# Multimodal checkpoints served as their text model (the vision tower's weights unread): HF's own
+# ``AutoModelForCausalLM`` loads such a checkpoint so (``model.language_model.*`` read as ``model.*``).
+TEXT_MODEL_OF = frozenset({"qwen3_5"})
+
+
 @memoized_per_gguf
 def load_config(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoConfig
@@ -114,6 +119,8 @@ def load_config(source: ModelSource, trust_remote_code: bool = False):
         config = gguf_cache.cached(gguf_stamp(source), "config", parse, save, AutoConfig.from_pretrained)
     except (OSError, ValueError) as e:
         raise ValueError(f"Could not load model {source.path!r}: {e}") from e
+    if config.model_type in TEXT_MODEL_OF:  # a multimodal checkpoint: its language model, as HF's *ForCausalLM
+        config = config.text_config
     model_class(config)  # raises for an architecture no model serves
     return config
 

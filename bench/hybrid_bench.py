@@ -1,0 +1,281 @@
+"""Hybrid-model benchmark (issue 40): a random-weight Qwen3.5-shaped model (three Gated DeltaNet layers to one
+attention layer) at a long context, cb-serve against HF transformers.
+
+1. **Model.** Qwen3.5's proportions scaled to 2 cores (each settable below): 8 layers ``L L L F`` x 2, hidden
+   1024, attention 8 query / 2 KV heads of 256 with the output gate and partial RoPE (0.25), Gated DeltaNet 4
+   key / 8 value heads of 128, conv kernel 4, MLP 3072, untied LM head, the built-in tokenizer; random weights
+   (normal, ``--init-std``) saved in bf16 as Qwen3.5 ships, computed in float32 by both systems. Beside it, the
+   **all-attention model of the same shape** (every layer ``full_attention``) for the memory comparison.
+2. **Memory per sequence** at ``--context`` tokens, both as cb-serve allocates it (KV blocks of the attention
+   layers + one state slot: the engine's own cache tensors per block and per slot) and as HF's cache holds it
+   after a prefill (the bytes of every tensor in its ``past_key_values``), for both models.
+3. **Decode throughput.** ``--batch`` sequences of ``--context`` random tokens, then ``--new-tokens`` greedy
+   tokens each: cb-serve's engine stepped until every sequence has its first token (prefill), then timed to
+   the end; HF: one batched forward with its cache (prefill, no padding: equal lengths), then a greedy loop of
+   one-token forwards on that cache, timed. Tokens/s of the decode phase; the greedy tokens compared.
+4. **Against the physical limit:** a decode step reads the weights (as each ``Linear`` streams them), every
+   sequence's KV over its context, and reads and writes its recurrent state; the DRAM read bandwidth
+   (``bandwidth.read_bandwidth``) over those bytes is the step's floor.
+
+Run from the repository root:
+    .venv/bin/python bench/hybrid_bench.py --json bench/results/hybrid.json     # ~10 min on 2 cores
+    .venv/bin/python bench/hybrid_bench.py --context 512 --new-tokens 8 --num-layers 4   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cb_serve import LLM, SamplingParams
+from cb_serve.benchmarks.bandwidth import read_bandwidth, weight_bytes
+from cb_serve.benchmarks.llama_cpp import CACHE_ROOT
+from cb_serve.benchmarks.report import log, write_json
+from cb_serve.cpu_ops import cpu_model_and_flags
+from cb_serve.model_executor import loader
+
+CACHE_DIR = CACHE_ROOT.parent / "hybrid_bench"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shape = parser.add_argument_group("model shape (Qwen3.5)")
+    shape.add_argument("--hidden-size", type=int, default=1024)
+    shape.add_argument("--num-layers", type=int, default=8)
+    shape.add_argument("--full-attention-interval", type=int, default=4)
+    shape.add_argument("--num-heads", type=int, default=8)
+    shape.add_argument("--num-kv-heads", type=int, default=2)
+    shape.add_argument("--head-dim", type=int, default=256)
+    shape.add_argument("--linear-key-heads", type=int, default=4)
+    shape.add_argument("--linear-value-heads", type=int, default=8)
+    shape.add_argument("--linear-head-dim", type=int, default=128)
+    shape.add_argument("--intermediate-size", type=int, default=3072)
+    shape.add_argument("--init-std", type=float, default=0.02)
+    shape.add_argument("--model-seed", type=int, default=0)
+    run = parser.add_argument_group("run")
+    run.add_argument("--context", type=int, default=8192, help="Prompt tokens per sequence.")
+    run.add_argument("--batch", type=int, default=4, help="Sequences decoded together.")
+    run.add_argument("--new-tokens", type=int, default=64)
+    run.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    run.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
+    run.add_argument("--json", help="Write the results here.")
+    return parser.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace, tokenizer, all_attention: bool) -> dict[str, Any]:
+    interval = args.full_attention_interval
+    full = [all_attention or (i + 1) % interval == 0 for i in range(args.num_layers)]
+    return {
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_layers,
+        "layer_types": ["full_attention" if f else "linear_attention" for f in full],
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "linear_num_key_heads": args.linear_key_heads,
+        "linear_num_value_heads": args.linear_value_heads,
+        "linear_key_head_dim": args.linear_head_dim,
+        "linear_value_head_dim": args.linear_head_dim,
+        "linear_conv_kernel_dim": 4,
+        "intermediate_size": args.intermediate_size,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": args.context + args.new_tokens + 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        "rms_norm_eps": 1e-6,
+        "initializer_range": args.init_std,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def build_model(args: argparse.Namespace, all_attention: bool) -> Path:
+    """The HF directory of the shape (cached): random weights in bf16, the built-in tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    tokenizer = loader.load_tokenizer(loader.default_model_source())
+    config = model_config(args, tokenizer, all_attention)
+    key = hashlib.sha256(json.dumps([config, args.model_seed], sort_keys=True).encode()).hexdigest()[:12]
+    directory = args.cache_dir / key / "hf"
+    if (directory / "config.json").is_file():
+        return directory
+    torch.manual_seed(args.model_seed)
+    model = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**config), dtype=torch.float32)
+    tmp = directory.with_name("hf.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(directory)
+    return directory
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        max_model_len=args.context + args.new_tokens + 16,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype="float32",
+    )
+
+
+def cb_serve_memory(llm: LLM, context: int) -> dict[str, Any]:
+    """The bytes cb-serve holds for one sequence of ``context`` tokens: its KV blocks (per block, all KV-cache
+    tensors) and its state slot (per slot, every recurrent layer's state tensors)."""
+    runner = llm.engine.runner
+    blocks = runner.kv_layout.blocks_per_sequence(context, runner.block_size, 1)
+    kv = {id(t): t for i, t in enumerate(runner.kv_caches) if i not in runner.kv_layout.state_layers and t is not None}
+    per_block = sum(t.nbytes for t in kv.values()) // llm.engine.num_blocks
+    states = runner.state_cache.layers.values() if runner.state_cache else ()
+    per_slot = sum(c.nbytes + s.nbytes for c, s in states) // (runner.state_cache.num_slots if states else 1)
+    return {"kv_bytes": blocks * per_block, "state_bytes": per_slot, "total_bytes": blocks * per_block + per_slot}
+
+
+def hf_memory(model, context: int) -> int:
+    """The bytes of HF's cache after a ``context``-token prefill of one sequence: every tensor it holds
+    (attention layers' keys and values, linear-attention layers' conv and recurrent states)."""
+    ids = torch.randint(100, 4000, (1, context))
+    with torch.inference_mode():
+        cache = model(ids, use_cache=True).cache
+    seen: dict[int, int] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            seen[id(value)] = value.nbytes
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif hasattr(value, "__dict__") and not isinstance(value, (torch.device, torch.dtype)):
+            walk(vars(value))
+
+    walk(cache.layers)
+    return sum(seen.values())
+
+
+def run_cb_serve(model_dir: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    llm = LLM(str(model_dir), **engine_args(args))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+        llm.generate([p[:64] for p in prompts], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
+        engine, outputs = llm.engine, {}
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        first: dict[str, int] = {}
+        while len(first) < len(prompts):
+            for out in engine.step():
+                first.setdefault(out.request_id, len(out.outputs[0].token_ids))
+        prefill_s = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out.outputs[0].token_ids
+        decode_s = time.perf_counter() - start - prefill_s
+        decoded = sum(len(t) for t in outputs.values()) - sum(first.values())
+        return {
+            "prefill_s": prefill_s,
+            "prefill_tok_s": len(prompts) * args.context / prefill_s,
+            "decode_s": decode_s,
+            "decode_tokens": decoded,
+            "decode_tok_s": decoded / decode_s,
+            "tokens": [outputs[str(i)] for i in range(len(prompts))],
+            "memory": cb_serve_memory(llm, args.context),
+            "step_bytes": decode_step_bytes(llm, args),
+        }
+    finally:
+        llm.engine.shutdown()
+
+
+def decode_step_bytes(llm: LLM, args: argparse.Namespace) -> int:
+    """Bytes one decode step of the batch reads at the full context: weights, KV, states (read and written)."""
+    memory = cb_serve_memory(llm, args.context)
+    weights = weight_bytes(llm.engine.runner.model, args.batch, args.batch)
+    return weights + args.batch * (memory["kv_bytes"] + 2 * memory["state_bytes"])
+
+
+def run_hf(model_dir: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        model(ids[:, :64])  # warm
+        start = time.perf_counter()
+        out = model(ids, use_cache=True)
+        prefill_s = time.perf_counter() - start
+        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens = [token]
+        start = time.perf_counter()
+        for _ in range(args.new_tokens - 1):
+            out = model(token, cache=cache, use_cache=True)
+            cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+        decode_s = time.perf_counter() - start
+    decoded = len(prompts) * (args.new_tokens - 1)
+    return {
+        "prefill_s": prefill_s,
+        "prefill_tok_s": len(prompts) * args.context / prefill_s,
+        "decode_s": decode_s,
+        "decode_tokens": decoded,
+        "decode_tok_s": decoded / decode_s,
+        "tokens": torch.cat(tokens, dim=1).tolist(),
+        "memory_bytes": hf_memory(model, args.context),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    hybrid, dense = build_model(args, all_attention=False), build_model(args, all_attention=True)
+    log(f"models: {hybrid}, {dense}")
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(100, 40000, (args.batch, args.context), generator=gen).tolist()
+    ours = run_cb_serve(hybrid, args, prompts)
+    log(f"cb-serve: prefill {ours['prefill_tok_s']:.0f} tok/s, decode {ours['decode_tok_s']:.2f} tok/s")
+    hf = run_hf(hybrid, args, prompts)
+    log(f"HF: prefill {hf['prefill_tok_s']:.0f} tok/s, decode {hf['decode_tok_s']:.2f} tok/s")
+    dense_llm = LLM(str(dense), **engine_args(args))
+    dense_memory = cb_serve_memory(dense_llm, args.context)
+    dense_llm.engine.shutdown()
+    from transformers import AutoModelForCausalLM
+
+    dense_hf = hf_memory(AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval(), args.context)
+    bandwidth = read_bandwidth()
+    floor_s = ours["step_bytes"] / (bandwidth["gb_s"] * 1e9)
+    same = sum(a == b[: len(a)] for a, b in zip(ours["tokens"], hf["tokens"]))
+    result = {
+        "cpu": cpu_model_and_flags()[0],
+        "threads": torch.get_num_threads(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "memory_per_sequence": {
+            "context": args.context,
+            "cb_serve_hybrid": ours["memory"],
+            "cb_serve_all_attention": dense_memory,
+            "hf_hybrid_bytes": hf["memory_bytes"],
+            "hf_all_attention_bytes": dense_hf,
+            "all_attention_over_hybrid": dense_memory["total_bytes"] / ours["memory"]["total_bytes"],
+        },
+        "cb_serve": {k: v for k, v in ours.items() if k not in ("tokens", "memory")},
+        "hf": {k: v for k, v in hf.items() if k != "tokens"},
+        "decode_ratio_vs_hf": ours["decode_tok_s"] / hf["decode_tok_s"],
+        "prefill_ratio_vs_hf": ours["prefill_tok_s"] / hf["prefill_tok_s"],
+        "greedy_sequences_equal_to_hf": f"{same}/{len(prompts)}",
+        "read_bandwidth_gb_s": bandwidth["gb_s"],
+        "decode_floor_tok_s": args.batch / floor_s,
+        "decode_fraction_of_floor": ours["decode_tok_s"] / (args.batch / floor_s),
+    }
+    log(json.dumps(result, indent=2))
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
