@@ -82,3 +82,25 @@ def churn(engine, rng: random.Random, live: set[str], outputs: dict[str, list[in
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out.outputs[0].token_ids
+
+
+def test_a_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path, tokenizer):
+    """A ``qwen3_5`` checkpoint (``model.language_model.*`` beside a vision tower) loads as its text model,
+    as HF's ``AutoModelForCausalLM`` loads it, and decodes what HF decodes."""
+    import torch
+    from models import hf_greedy, tiny_config
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    config = Qwen3_5Config(text_config=tiny_config("qwen3_5_text", len(tokenizer)).to_dict(), vision_config=vision)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), max_model_len=256)
+    try:
+        prompts = [list(range(100, 140)), list(range(300, 317))]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert ours == [list(tokens) for tokens, _ in hf_greedy(tmp_path, prompts, [8, 8])]
+    finally:
+        llm.engine.shutdown()
