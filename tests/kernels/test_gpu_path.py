@@ -215,6 +215,17 @@ def test_mixtures_of_experts_in_cuda_graphs_match_hf_greedy(arch, random_model_d
     assert_matches_hf_greedy(llm, model, tokenizer, 12)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs CUDA and triton")
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+def test_hybrid_models_on_cuda_match_hf_greedy(arch, random_model_dir, tokenizer):
+    """Recurrent layers on CUDA: the Triton decode steps on state slots, the PyTorch chunked forms (eager: no
+    CUDA graphs for hybrid models)."""
+    model = str(random_model_dir(arch))
+    llm = LLM(model, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_gpu_blocks=256)
+    assert llm.engine.backend.name == "triton" and llm.engine.runner.graph_runner is None
+    assert_matches_hf_greedy(llm, model, tokenizer, 12)
+
 def test_flash_attn_decode_is_graph_capturable():
     """Issue 24 (5): flash-attn decode steps run in CUDA graphs; its KV write is the Triton kernel,
     which skips a graph padding row's slot -1 (``index_copy_`` would fault on it)."""
