@@ -226,6 +226,7 @@ def test_hybrid_models_on_cuda_match_hf_greedy(arch, random_model_dir, tokenizer
     assert llm.engine.backend.name == "triton" and llm.engine.runner.graph_runner is None
     assert_matches_hf_greedy(llm, model, tokenizer, 12)
 
+
 def test_flash_attn_decode_is_graph_capturable():
     """Issue 24 (5): flash-attn decode steps run in CUDA graphs; its KV write is the Triton kernel,
     which skips a graph padding row's slot -1 (``index_copy_`` would fault on it)."""
