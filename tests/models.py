@@ -133,6 +133,17 @@ ARCHS: dict[str, tuple[str, dict]] = {
             "norm_topk_prob": True,
         },
     ),
+    # every layer sparse, the top k always renormalized (no such config fields)
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        {
+            **HYBRID,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),  # fmt: skip
     # Mamba2 layers (groups of heads sharing B and C, conv bias) around one attention layer, Granite's
     # multipliers, experts plus a shared MLP; scan chunks of 16 so chunked prefill splits them
     "granitemoehybrid": (

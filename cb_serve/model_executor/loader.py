@@ -104,7 +104,7 @@ def memoized_per_gguf(load: Callable[..., Any]) -> Callable[..., Any]:
 
 # Multimodal checkpoints served as their text model (the vision tower's weights unread): HF's own
 # ``AutoModelForCausalLM`` loads such a checkpoint so (``model.language_model.*`` read as ``model.*``).
-TEXT_MODEL_OF = frozenset({"qwen3_5"})
+TEXT_MODEL_OF = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 
 @memoized_per_gguf

@@ -20,7 +20,7 @@ from cb_serve.model_executor.models.olmo2 import Olmo2ForCausalLM
 from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
-from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
+from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -40,6 +40,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "gpt_oss": GptOssForCausalLM,
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
 }
 

@@ -70,7 +70,8 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     def moe_block(self) -> FusedMoE:
         """The experts plus the shared expert gated per token (Qwen3-Next's too)."""
         c, shard = self.config, self.shard
-        router = RouterSpec(num_experts(c), c.num_experts_per_tok, renormalize=c.norm_topk_prob)
+        renormalize = getattr(c, "norm_topk_prob", True)  # Qwen3.5-MoE: no such field, always renormalized
+        router = RouterSpec(num_experts(c), c.num_experts_per_tok, renormalize=renormalize)
         spec = MoESpec(router, c.moe_intermediate_size, activation_name(c))
         columns = balanced_range(c.shared_expert_intermediate_size, shard.size, shard.rank)
         shared = GatedMLP(c, dataclasses.replace(shard, intermediate=columns), self.tp, self.use_cpu_ops)
