@@ -18,340 +18,12 @@ import functools
 import numpy as np
 import torch
 
+from cb_serve.attention import triton_kernels as kernels
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only without triton
-    triton = tl = None
-
-_LOG2E = 1.4426950408889634
-_MAX_HEAD_DIM = 256
 
 
 def is_available() -> bool:
-    return triton is not None and torch.cuda.is_available()
-
-
-if triton is not None:
-
-    @triton.jit
-    def _write_kv_kernel(
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        stride_cb,
-        stride_ct,
-        stride_ch,
-        NUM_KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        H_PAD: tl.constexpr,
-        D_PAD: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-    ):
-        """Token ``program_id`` -> cache slot ``slot_mapping[t]`` (all KV heads); negative slots write nothing."""
-        t = tl.program_id(0)
-        slot = tl.load(slot_mapping + t).to(tl.int64)
-        offs_h = tl.arange(0, H_PAD)[:, None]
-        offs_d = tl.arange(0, D_PAD)[None, :]
-        mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM) & (offs_d * 0 + slot >= 0)  # no scalar masks: interpreter
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h * stride_ch + offs_d
-        tl.store(k_cache + dst, tl.load(k + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask), mask=mask)
-        tl.store(v_cache + dst, tl.load(v + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask), mask=mask)
-
-    @triton.jit
-    def _attend_tile(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_cache,
-        v_cache,
-        bt_row,
-        j,
-        seq_len,
-        q_pos,
-        window,
-        qk_scale,
-        softcap,
-        stride_cb,
-        stride_ct,
-        offs_d,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        MASKED: tl.constexpr,
-        PAD_D: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        """One online-softmax step over keys ``j * BLOCK_N ...``; ``MASKED`` applies causal/window/length masks."""
-        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        if MASKED:
-            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < seq_len, other=0)
-        else:
-            blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
-        ptrs = (blk.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct)[:, None] + offs_d[None, :]
-        if MASKED or PAD_D:
-            kv_ok = (offs_n < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            k = tl.load(k_cache + ptrs, mask=kv_ok, other=0.0)
-            v = tl.load(v_cache + ptrs, mask=kv_ok, other=0.0)
-        else:
-            k = tl.load(k_cache + ptrs)
-            v = tl.load(v_cache + ptrs)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if HAS_SOFTCAP:  # cap * tanh(s / cap) (both in log2 units), tanh(y) = 1 - 2 / (e^2y + 1)
-            s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
-        if MASKED:
-            ok = offs_n[None, :] <= q_pos[:, None]
-            if HAS_WINDOW:
-                ok = ok & (offs_n[None, :] > q_pos[:, None] - window)
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        return acc, l_i, m_new
-
-    # Over 60 lines: one fused program per tile (its 40 parameters alone take 45); more @triton.jit
-    # helpers would only move lines, and each split makes the compiler's inlining harder to check.
-    @triton.jit
-    def _paged_attention_kernel(
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seqused_k,
-        cu_seqlens_q,
-        plan,
-        part_m,
-        part_l,
-        part_acc,
-        sinks,
-        qk_scale,
-        softcap,
-        window,
-        num_splits,
-        num_heads,
-        stride_qt,
-        stride_qh,
-        stride_ot,
-        stride_oh,
-        stride_bt,
-        stride_cb,
-        stride_ct,
-        stride_ch,
-        GROUP: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        IS_DECODE: tl.constexpr,
-        SPLIT: tl.constexpr,
-        HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr,
-        HAS_SINKS: tl.constexpr,
-        PAD_D: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        """Grid ``(kv_heads, tiles, splits)``. Decode: tile = row = sequence. Else ``plan[tile]`` holds
-        (sequence, query offset) of a tile of up to ``BLOCK_Q`` tokens."""
-        kvh = tl.program_id(0)
-        tile = tl.program_id(1)
-        split = tl.program_id(2)
-        if IS_DECODE:
-            seq = tile
-            q_off = 0
-            q_len = 1
-            tok0 = tile
-        else:
-            seq = tl.load(plan + 2 * tile)
-            q_off = tl.load(plan + 2 * tile + 1)
-            q_start = tl.load(cu_seqlens_q + seq)
-            q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-            tok0 = q_start + q_off
-        seq_len = tl.load(seqused_k + seq)
-        ctx = seq_len - q_len  # cached tokens = position of the sequence's first query token
-
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D_PAD)
-        r_tok = offs_m // GROUP
-        head = kvh * GROUP + offs_m % GROUP
-        row_ok = (r_tok < BLOCK_Q) & (q_off + r_tok < q_len)
-        rd_ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        q_pos = ctx + q_off + r_tok
-        qt = tl.load(
-            q + (tok0 + r_tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=rd_ok, other=0.0
-        )
-
-        # Key blocks [j_lo, j_hi) split into masked [j_lo, j_a), unmasked [j_a, j_b), masked [j_b, j_hi).
-        p_lo = ctx + q_off
-        if IS_DECODE:
-            p_hi = p_lo
-        else:
-            p_hi = ctx + tl.minimum(q_off + BLOCK_Q, q_len) - 1
-        j_hi = (p_hi + BLOCK_N) // BLOCK_N
-        if HAS_WINDOW:
-            j_lo = tl.maximum(p_lo - window + 1, 0) // BLOCK_N
-            j_a = (tl.maximum(p_hi - window + 1, 0) + BLOCK_N - 1) // BLOCK_N
-        else:
-            j_lo = p_lo * 0
-            j_a = j_lo
-        j_a = tl.minimum(tl.maximum(j_a, j_lo), j_hi)
-        j_b = tl.minimum(tl.maximum((p_lo + 1) // BLOCK_N, j_a), j_hi)
-        if SPLIT:
-            per = (j_hi - j_lo + num_splits - 1) // num_splits
-            s_lo = j_lo + split * per
-            s_hi = tl.minimum(s_lo + per, j_hi)
-        else:
-            s_lo = j_lo
-            s_hi = j_hi
-
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay NaN-free
-        if HAS_SINKS:  # the sink column (no value), counted once: in split 0
-            first = (offs_m * 0 + split) == 0
-            m_i = tl.where(first, tl.load(sinks + head).to(tl.float32) * 1.4426950408889634, m_i)
-            l_i = tl.where(first, 1.0, l_i)
-        bt_row = block_table + seq * stride_bt
-        k_base = k_cache + kvh * stride_ch
-        v_base = v_cache + kvh * stride_ch
-        for j in range(tl.maximum(j_lo, s_lo), tl.minimum(j_a, s_hi)):
-            acc, l_i, m_i = _attend_tile(
-                acc,
-                l_i,
-                m_i,
-                qt,
-                k_base,
-                v_base,
-                bt_row,
-                j,
-                seq_len,
-                q_pos,
-                window,
-                qk_scale,
-                softcap,
-                stride_cb,
-                stride_ct,
-                offs_d,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_SIZE,
-                True,
-                PAD_D,
-                HAS_WINDOW,
-                HAS_SOFTCAP,
-                DOT_PRECISION,
-            )
-        for j in range(tl.maximum(j_a, s_lo), tl.minimum(j_b, s_hi)):
-            acc, l_i, m_i = _attend_tile(
-                acc,
-                l_i,
-                m_i,
-                qt,
-                k_base,
-                v_base,
-                bt_row,
-                j,
-                seq_len,
-                q_pos,
-                window,
-                qk_scale,
-                softcap,
-                stride_cb,
-                stride_ct,
-                offs_d,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_SIZE,
-                False,
-                PAD_D,
-                HAS_WINDOW,
-                HAS_SOFTCAP,
-                DOT_PRECISION,
-            )
-        for j in range(tl.maximum(j_b, s_lo), s_hi):
-            acc, l_i, m_i = _attend_tile(
-                acc,
-                l_i,
-                m_i,
-                qt,
-                k_base,
-                v_base,
-                bt_row,
-                j,
-                seq_len,
-                q_pos,
-                window,
-                qk_scale,
-                softcap,
-                stride_cb,
-                stride_ct,
-                offs_d,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_SIZE,
-                True,
-                PAD_D,
-                HAS_WINDOW,
-                HAS_SOFTCAP,
-                DOT_PRECISION,
-            )
-
-        if SPLIT:  # unnormalized partial state, combined by _combine_splits_kernel
-            part = ((tok0 + r_tok) * num_heads + head) * num_splits + split
-            tl.store(part_m + part, m_i, mask=row_ok)
-            tl.store(part_l + part, l_i, mask=row_ok)
-            tl.store(part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rd_ok)
-        else:
-            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows without keys (padding): zeros
-            o_ptrs = out + (tok0 + r_tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=rd_ok)
-
-    @triton.jit
-    def _combine_splits_kernel(
-        out,
-        part_m,
-        part_l,
-        part_acc,
-        num_splits,
-        num_heads,
-        stride_ot,
-        stride_oh,
-        HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr,
-        S_PAD: tl.constexpr,
-    ):
-        """Grid ``(rows, heads)``: merges the ``num_splits`` partial softmax states of one row and head."""
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        offs_s = tl.arange(0, S_PAD)
-        offs_d = tl.arange(0, D_PAD)
-        s_ok = offs_s < num_splits
-        part = (t * num_heads + h) * num_splits + offs_s
-        m = tl.load(part_m + part, mask=s_ok, other=float("-inf"))
-        l_s = tl.load(part_l + part, mask=s_ok, other=0.0)
-        d_ok = offs_d < HEAD_DIM
-        acc = tl.load(
-            part_acc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        w = tl.exp2(m - tl.max(m, 0))
-        denom = tl.sum(w * l_s, 0)
-        o = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-        tl.store(out + t * stride_ot + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=d_ok)
+    return kernels.triton is not None and torch.cuda.is_available()
 
 
 def _pow2(n: int) -> int:
@@ -395,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
 
     def __init__(self, num_splits: int | None = None, max_splits: int = 16) -> None:
-        if triton is None:
+        if kernels.triton is None:
             raise RuntimeError("The triton attention backend needs the triton package.")
         self.num_splits = num_splits
         self.max_splits = max_splits
@@ -417,14 +89,14 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_heads = kv_cache.shape[-2]
         if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype:
             raise ValueError(f"triton attention supports fp32/fp16/bf16 q and cache of one dtype, got {q.dtype}.")
-        if head_dim > _MAX_HEAD_DIM or kv_cache.shape[-1] != head_dim or num_heads % num_kv_heads:
+        if head_dim > kernels.MAX_HEAD_DIM or kv_cache.shape[-1] != head_dim or num_heads % num_kv_heads:
             raise ValueError(f"triton attention: unsupported head_dim {head_dim} or {num_heads}/{num_kv_heads} heads.")
         if k is not None:  # None: a KV-shared layer, whose K/V an earlier layer wrote
             self.write_kv(k, v, kv_cache, meta.slot_mapping)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        extra = (softcap * _LOG2E if softcap else None, None if sinks is None else sinks.float())
-        args = (kv_cache, meta, scale * _LOG2E, sliding_window, *extra)
+        extra = (softcap * kernels.LOG2E if softcap else None, None if sinks is None else sinks.float())
+        args = (kv_cache, meta, scale * kernels.LOG2E, sliding_window, *extra)
         if meta.max_seqlen_q == 1:  # decode only: grid and arguments depend on shapes alone (graph capturable)
             self._launch(out, q, *args)
             return out
@@ -478,7 +150,7 @@ class TritonAttentionBackend(AttentionBackend):
             part_l = torch.empty_like(part_m)
             part_acc = torch.empty((*part_m.shape, head_dim), dtype=torch.float32, device=q.device)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        _paged_attention_kernel[(num_kv_heads, num_tiles, splits)](
+        kernels._paged_attention_kernel[(num_kv_heads, num_tiles, splits)](
             out, q, k_cache, v_cache, meta.block_table, meta.seqused_k, meta.cu_seqlens_q,
             meta.seqused_k if plan is None else plan, part_m, part_l, part_acc, out if sinks is None else sinks,
             qk_scale, softcap or 1.0, sliding_window or 0, splits, num_heads,
@@ -506,7 +178,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Merges the per-split partial softmax results of rows ``first_row ..`` into ``out``."""
         rows = slice(first_row, None)
         num_heads, splits, head_dim = part_acc.shape[1:]
-        _combine_splits_kernel[(out.shape[0] - first_row, num_heads)](
+        kernels._combine_splits_kernel[(out.shape[0] - first_row, num_heads)](
             out[rows],
             part_m[rows],
             part_l[rows],
@@ -530,7 +202,7 @@ class TritonAttentionBackend(AttentionBackend):
         v = v if v.stride(-1) == 1 else v.contiguous()
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        _write_kv_kernel[(k.shape[0],)](
+        kernels._write_kv_kernel[(k.shape[0],)](
             k,
             v,
             k_cache,
