@@ -57,6 +57,8 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks in use (0 to 1)."),
     "kv_cache_blocks_used": ("gauge", "KV-cache blocks in use."),
     "kv_cache_blocks_total": ("gauge", "KV-cache blocks of the replica."),
+    "state_slots_used": ("gauge", "Recurrent layers (hybrid models): state slots held by running sequences."),
+    "state_slots_total": ("gauge", "Recurrent layers: state slots (max_num_seqs; 0 without recurrent layers)."),
     "prompt_tokens": ("counter", "Prompt tokens of requests that produced their first token (once per request)."),
     "generation_tokens": ("counter", "Tokens generated."),
     "num_preemptions": ("counter", "Sequences preempted (their KV blocks freed, recomputed later)."),
@@ -307,6 +309,8 @@ class EngineMetrics:
         m["kv_cache_usage_perc"].set(s.kv_cache_usage)
         m["kv_cache_blocks_used"].set(s.kv_blocks_used)
         m["kv_cache_blocks_total"].set(s.kv_blocks_total)
+        m["state_slots_used"].set(s.state_slots_used)
+        m["state_slots_total"].set(s.state_slots_total)
         m["num_requests_waiting_grammar"].set(s.num_requests_waiting_grammar)
         m["lora_slots_used"].set(s.lora_slots_used)
         m["lora_slots_total"].set(s.max_loras)
