@@ -28,6 +28,7 @@ serve = pytest.importorskip("ray.serve")
 PORT = 8323
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "kv-routing"
+ROUTING_STATS_PERIOD_S = 0.5
 ENGINE = {
     "max_model_len": 1024,
     "num_gpu_blocks": 96,  # 1536 tokens: a few long prompts evict a conversation
@@ -51,7 +52,7 @@ def app(model_dir):
             {
                 "model": str(model_dir),
                 "engine": ENGINE,
-                "routing_stats_period_s": 0.5,
+                "routing_stats_period_s": ROUTING_STATS_PERIOD_S,
                 "engine_replica": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
             },
             APP,
@@ -124,10 +125,13 @@ def probe(encoder, messages: list[dict]) -> dict[str, int]:
 
 
 def wait_until_known(encoder, messages: list[dict], replica: str, tokens: int) -> None:
-    """Until the request routers' reports say ``replica`` holds ``tokens`` of ``messages``."""
+    """Until the request routers' reports say ``replica`` holds ``tokens`` of ``messages``: this process's
+    router hears it, then a grace of a few report periods for the Router deployment's, which gets the same
+    report by its own long poll, up to a period apart."""
     wait_for(
         f"{replica} to report {tokens} cached tokens", lambda: probe(encoder, messages).get(replica, 0) >= tokens, 60
     )
+    time.sleep(3 * ROUTING_STATS_PERIOD_S)
 
 
 @pytest.mark.timeout(600)
