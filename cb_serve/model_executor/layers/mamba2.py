@@ -156,7 +156,7 @@ class Mamba2Mixer(nn.Module):
                 h, dt[rows], a, bc[:, 0], bc[:, 1], self.D, self.dt_bias, ssm_states[slot], s.chunk_size, s.dt_limit
             )
             parts.append(self.norm(y.reshape(y.shape[0], -1), z[rows]))  # the chunked scan's float32 output
-        out = torch.cat(parts).to(x.dtype) if len(parts) > 1 else parts[0].to(x.dtype)
+        out = torch.cat(parts).to(x.dtype)
         return self.tp.all_reduce(self.out_proj(out))
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
