@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # (installed from the local wheel cache on our CI machines in seconds). Override: make install TORCH=...
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test-deps serve test lint format bench generate mutation clean
+.PHONY: install test-deps serve test test-dispatch lint format bench generate mutation clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,21 @@ test-deps:
 # the other computes the rest; a module's tests stay together (tests/conftest.py's scheduler).
 test: install test-deps
 	$(PY) -m pytest -q --durations=10 -n 2 --dist loadscope
+	$(MAKE) --no-print-directory test-dispatch
+
+# The kernel tests' bit-for-bit equalities that involve torch's, MKL's or oneDNN's kernels (marker `bitwise`)
+# once more under another dispatch than this CPU's own: torch's vector kernels and oneDNN one instruction set
+# lower (AVX-512 -> AVX2, AVX2 -> none / SSE4.1), and MKL's vendor-neutral code path (MKL_CBWR=COMPATIBLE, the
+# same bits on every x86 CPU and a path MKL takes on none by itself; MKL_ENABLE_INSTRUCTIONS=AVX2 would change
+# nothing on AMD, where MKL already runs its AVX2 path). An equality that holds on some CPU kinds only, or at
+# some thread counts only, then fails here on any machine.
+LOWER_DISPATCH = $(PY) -c "import torch; aten, onednn = {'AVX512': ('avx2', 'AVX2')}.get( \
+  torch.backends.cpu.get_cpu_capability(), ('default', 'SSE41')); \
+  print(f'ATEN_CPU_CAPABILITY={aten} ONEDNN_MAX_CPU_ISA={onednn} MKL_CBWR=COMPATIBLE')"
+
+test-dispatch: install
+	@dispatch="$$($(LOWER_DISPATCH))" && echo "== the bitwise kernel tests under $$dispatch" && \
+	  env $$dispatch $(PY) -m pytest -q -n 2 -m bitwise tests/kernels
 
 lint: install
 	$(VENV)/bin/ruff check cb_serve tests bench k8s

@@ -117,11 +117,13 @@ OPS = (
 
 
 def build_directory(name: str, source: str | tuple[str, ...], flags: list[str]) -> Path:
-    """A build directory per content (sources, headers, flags, torch version), holding its own
-    copy of the sources: checkouts at different paths then share one build instead of rebuilding
-    (ninja rebuilds whenever a source path changes)."""
+    """A build directory per content (sources, headers, flags, torch version) and CPU (``-march=native``
+    builds for this one: a home directory that outlives a change of CPU must not load another's build),
+    holding its own copy of the sources: checkouts at different paths then share one build instead of
+    rebuilding (ninja rebuilds whenever a source path changes)."""
     files = sorted(CSRC.glob("*.h")) + [CSRC / s for s in sources(source)]
-    digest = hashlib.sha256(repr((flags, torch.__version__)).encode())
+    model, cpu_flags = cpu_model_and_flags()
+    digest = hashlib.sha256(repr((flags, torch.__version__, model, sorted(cpu_flags))).encode())
     for path in files:
         digest.update(path.read_bytes())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")

@@ -154,6 +154,7 @@ def test_prefill_kernel_takes_the_cases_it_covers(dtype, cache_dtype, head_dim, 
     assert written.all() if applies else not written.any()
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 256, 32])  # the AVX-512 path, the wide one and the generic one
 def test_attention_over_a_narrower_kv_cache(cache_dtype, head_dim):
@@ -177,6 +178,7 @@ def test_attention_over_a_narrower_kv_cache(cache_dtype, head_dim):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 34, 700])
 def test_layer_ops_match_eager(dtype, tokens):
@@ -293,6 +295,7 @@ def argmax_cases(rows: int, vocab: int, gen: torch.Generator) -> dict[str, torch
     return {**cases, "ties at the edges": edge_ties, "nan after the max": edge_nan, "mixed rows": mixed}
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("rows, vocab", [(1, 262144), (33, 262144), (3, 100003), (5, 2049), (7, 17), (2, 7), (4, 1)])
 def test_argmax_rows_equals_torch_max(rows, vocab):
     """``argmax_rows`` (blocked AVX-512 / AVX2 / scalar max, the best block scanned again) equals
@@ -316,6 +319,7 @@ def test_greedy_sampler_takes_the_kernel_with_torch_picks():
     assert greedy_tokens(logits.double()).tolist() == [7] * 6
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("tokens", [1, 33])
 def test_gemma_norm_kernel_matches_hf(tokens):
     """``GemmaRMSNorm`` with the C++ kernel (float32: Llama's kernel with weight ``1 + w``) against HF's

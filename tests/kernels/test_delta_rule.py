@@ -24,12 +24,14 @@ def inputs(n: int, t: int, nk: int = 2, nv: int = 4, dk: int = 16, dv: int = 32,
     return q, k, v, g, beta, torch.randn(n, nv, dk, dv)
 
 
+@pytest.mark.bitwise
 def test_gates_are_hfs():
     a, b, a_log, dt_bias = torch.randn(5, 4), torch.randn(5, 4), torch.randn(4), torch.randn(4)
     g, beta = delta_rule.gates(a, b, a_log, dt_bias)
     assert torch.equal(g, -a_log.float().exp() * F.softplus(a.float() + dt_bias)) and torch.equal(beta, b.sigmoid())
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("length", [1, 63, 64, 150])
 def test_chunk_rule_is_hfs_from_a_state(length):
     q, k, v, g, beta, state = inputs(1, length)
@@ -38,6 +40,7 @@ def test_chunk_rule_is_hfs_from_a_state(length):
     assert torch.equal(out, ref[0]) and torch.equal(new_state, ref_state[0])
 
 
+@pytest.mark.bitwise
 def test_recurrent_rule_batches_sequences_as_hf_runs_each():
     q, k, v, g, beta, state = inputs(3, 1, seed=1)
     out, new_state = delta_rule.recurrent_rule(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
@@ -47,6 +50,7 @@ def test_recurrent_rule_batches_sequences_as_hf_runs_each():
         assert torch.equal(out[i], ref[0, 0]) and torch.equal(new_state[i], ref_state[0])
 
 
+@pytest.mark.bitwise
 def test_convolution_continues_from_its_state_in_both_forms():
     torch.manual_seed(2)
     channels, width = 40, 4
@@ -63,6 +67,7 @@ def test_convolution_continues_from_its_state_in_both_forms():
         assert torch.equal(out[i], ref[0, :, 0]) and torch.equal(new_states[i], s[0])
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("dk, dv", [(16, 32), (128, 128), (24, 20), (300, 48)])
 def test_the_cpu_kernel_steps_the_slots_in_place_bit_for_bit(dk, dv):
     """``recurrent_step`` with the C++ kernel: the slots' states and the outputs are ``recurrent_rule``'s,

@@ -59,6 +59,7 @@ def shape_for(shape: tuple[int, int], qtype: GGMLQuantizationType) -> tuple[int,
     return (n, -(-k // 256) * 256) if qtype in (Q4_K, Q6_K) else shape
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("shape", [(17, 64), (200, 96), (960, 576), (64, 1536)])  # (out, in)
 def test_gguf_weights_are_recognized_exactly(shape, qtype):
@@ -78,6 +79,7 @@ def test_gguf_weights_are_recognized_exactly(shape, qtype):
         assert torch.equal(groups.d, groups.d.half().float())  # float16 scales: d * q is exact
 
 
+@pytest.mark.bitwise
 def test_a_projection_fused_from_parts_in_different_formats_is_recognized():
     """Gemma 3's qkv_proj: Q5_0 q and k, a Q8_0 v (8 bits per group, whichever format each group came from)."""
     weight = torch.cat([gguf_weight(128, 640, Q5_0), gguf_weight(32, 640, Q5_0, 1), gguf_weight(32, 640, Q8_0)])
@@ -85,6 +87,7 @@ def test_a_projection_fused_from_parts_in_different_formats_is_recognized():
     assert groups is not None and groups.q.dtype == torch.int8 and torch.equal(groups.dequantize(), weight)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_row_permutations_and_constant_groups_are_still_recognized(qtype):
     weight = gguf_weight(*shape_for((96, 64), qtype), qtype)
@@ -158,9 +161,12 @@ def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
     assert plain.decode_weight.dtype == torch.float32 and plain.split_weight is None
 
 
+@pytest.mark.bitwise
 @needs_kernels
 def test_linear_runs_a_q6_k_weight_from_8_bits_at_decode_sizes():
-    """Scales per 16 inputs: decode_gemm only (no split kernel), bit for bit the float32 path; MKL above."""
+    """Scales per 16 inputs: decode_gemm only (no split kernel), bit for bit the float32 path; MKL above (the
+    weight as the layer stores it, bit for bit; against a contiguous copy, another GEMM layout, within
+    float32 summation-order error)."""
     layer = Linear(512, 96, bias=False)
     with torch.no_grad():
         layer.weight.copy_(gguf_weight(96, 512, Q6_K))
@@ -174,7 +180,8 @@ def test_linear_runs_a_q6_k_weight_from_8_bits_at_decode_sizes():
             x = torch.randn(rows, 512)
             assert torch.equal(layer(x), cpu_ops.decode_gemm(x, reference, 96, None))
         x = torch.randn(DECODE_MAX_ROWS + 1, 512)
-        assert torch.equal(layer(x), F.linear(x, weight))
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+        torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels

@@ -83,6 +83,7 @@ def test_decode_gemm_builds_agree_bit_for_bit(shape, bits):
         assert all(torch.equal(outs[0], out) for out in outs[1:]), rows
 
 
+@pytest.mark.bitwise
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8, 6])
 def test_decode_gemm_is_the_fma_chain_reference(bits):
@@ -95,6 +96,7 @@ def test_decode_gemm_is_the_fma_chain_reference(bits):
         assert torch.equal(cpu_ops.decode_gemm(x, packed, n, bias, isa), reference), isa
 
 
+@pytest.mark.bitwise
 @needs_kernels
 def test_decode_gemm_on_float32_tiles_is_the_fma_chain_reference():
     """Unquantized tiles, k not a multiple of the chunk, a partial last tile, rows in every block size."""
@@ -114,6 +116,7 @@ def test_the_native_decode_gemm_names_its_instruction_set():
     assert cpu_ops.decode_gemm_isa() in ("avx512", "avx2", "scalar")
 
 
+@pytest.mark.bitwise
 @needs_bf16
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -195,3 +198,15 @@ def test_an_optional_build_is_never_loaded_on_a_cpu_without_its_instructions(nam
     """Loading a library built for instructions the CPU lacks kills the process (SIGILL) in its
     initializers, before any check inside it could run."""
     assert (not cpu_ops.missing_flags(name, flags)) is loadable
+
+
+def test_a_build_is_kept_per_cpu(monkeypatch, tmp_path):
+    """The builds are ``-march=native``: a build cache that outlives a change of CPU (a home directory moved to
+    a Zen 3 from an AVX-512 machine) keeps one build per CPU, never loading another CPU's (SIGILL)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name, source = cpu_ops.variant_extension("scalar"), "decode_gemm.cpp"
+    dirs = {}
+    for cpu, flags in [("AMD EPYC 7B13", ZEN3_FLAGS), ("Intel Xeon", SPR_FLAGS), ("Intel Xeon", SPR_FLAGS)]:
+        monkeypatch.setattr(cpu_ops, "cpu_model_and_flags", lambda cpu=cpu, flags=flags: (cpu, frozenset(flags)))
+        dirs.setdefault(cpu, set()).add(cpu_ops.build_directory(name, source, ["-O3"]))
+    assert len(dirs["Intel Xeon"]) == 1 and dirs["Intel Xeon"] != dirs["AMD EPYC 7B13"]

@@ -23,6 +23,7 @@ def inputs(n: int, t: int, seed: int = 0):
     return x, dt, a, b, c, d, dt_bias, torch.randn(n, HEADS, HEAD_DIM, STATE)
 
 
+@pytest.mark.bitwise
 @pytest.mark.parametrize("length", [1, 7, 16, 45])
 def test_chunk_scan_is_hfs(length):
     x, dt, a, b, c, d, dt_bias, state = inputs(1, length)
@@ -35,6 +36,7 @@ def test_chunk_scan_is_hfs(length):
     assert torch.equal(out, ref[0]) and torch.equal(new_state, ref_state[0])
 
 
+@pytest.mark.bitwise
 def test_state_update_is_hfs_for_each_sequence():
     x, dt, a, b, c, d, dt_bias, states = inputs(3, 1, seed=1)
     out, new_states = ssd.state_update(x[:, 0], dt[:, 0], a, b[:, 0], c[:, 0], d, dt_bias, states)
@@ -62,6 +64,7 @@ def test_split_prefills_and_decodes_continue_the_scan():
     torch.testing.assert_close(s[0], final, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.bitwise
 def test_the_cpu_kernel_steps_the_slots_in_place():
     """``state_step`` with the C++ kernel: the slots' states are ``state_update``'s bit for bit, the outputs to
     float32 rounding (the sum over the state dim in order, where ``bmm`` picks its own), other slots untouched."""
