@@ -1,6 +1,6 @@
 """llguidance vs xgrammar on this CPU, for issue 23's choice of a structured-outputs backend.
 
-Schemas: ``cb_serve.benchmarks.json_schemas.SCHEMAS`` (``--schemas N``: the first N), plus with
+Schemas: ``tests/json_schemas.py``'s ``SCHEMAS`` (``--schemas N``: the first N), plus with
 ``--extra-vendored`` a few real-world schemas that the ``check-jsonschema`` package vendors from
 schemastore.org (when it is installed; cb-serve does not depend on it), plus with ``--hostile`` the
 ``HOSTILE_SCHEMAS`` (compile phase only, reported apart). Tokenizer and model: the built-in default
@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     args = p.parse_args(argv)
 
-    from cb_serve.benchmarks.json_schemas import HOSTILE_SCHEMAS, SCHEMAS
+    from schemas import HOSTILE_SCHEMAS, SCHEMAS
 
     schemas = list(SCHEMAS[: args.schemas] if args.schemas is not None else SCHEMAS)
     if args.extra_vendored:

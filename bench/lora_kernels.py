@@ -20,7 +20,7 @@ from cb_serve import cpu_ops
 from cb_serve.benchmarks.report import log, run_info, write_json
 from cb_serve.cpu_ops import cpu_model_and_flags
 from cb_serve.lora.layers import LoRABatch, LoRALinear
-from cb_serve.model_executor.linear import Linear
+from cb_serve.model_executor.layers.linear import Linear
 
 # (in, out, sub-projections) of SmolLM2-135M's fused projections
 PROJECTIONS = {"qkv": (576, 960, 3), "o": (576, 576, 1), "gate_up": (576, 3072, 2), "down": (1536, 576, 1)}

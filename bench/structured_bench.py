@@ -2,7 +2,7 @@
 one workload, with the built-in model (SmolLM2-135M-Instruct) through ``LLM.generate``.
 
 Workload: ``--num-requests`` chat prompts (64; ``--quick``: 8), request ``i`` asking for a realistic JSON
-instance of schema ``i % 41`` of ``cb_serve.benchmarks.json_schemas.SCHEMAS`` (its title or name and its
+instance of schema ``i % 41`` of ``tests/json_schemas.py``'s ``SCHEMAS`` (its title or name and its
 top-level keys; the schema itself is not in the prompt, so prefill stays small and the decode steps, where
 the masks are, dominate), rendered by the model's chat template once; greedy, ``--max-tokens`` (128) each,
 all submitted at once. Three variants of the same prompts:
@@ -59,12 +59,12 @@ import numpy as np
 import torch
 from cb_offline import engine_kwargs, summarize_steps
 from grammar_backends import summary, validate
+from schemas import SCHEMAS
 from step_phases import PHASES, breakdown
 
 import cb_serve.model_executor.sampler as sampler_module
 from cb_serve import LLM, SamplingParams, StepStats
 from cb_serve.benchmarks.cpu_accounting import CONTENTION_WARNING, Timer
-from cb_serve.benchmarks.json_schemas import SCHEMAS
 from cb_serve.benchmarks.report import cb_serve_source, log, run_info, write_json
 from cb_serve.config import EngineConfig
 from cb_serve.cpu_ops import cpu_model_and_flags

@@ -2,9 +2,9 @@
 
 The public API: what ``cb_serve.serve`` and users import (``from cb_serve import ...``)."""
 
+from cb_serve.chat_template import PromptEncoder
 from cb_serve.config import EngineConfig
 from cb_serve.engine.async_llm import AsyncLLM
-from cb_serve.engine.processor import PromptEncoder
 from cb_serve.errors import (
     EngineDeadError,
     EngineError,

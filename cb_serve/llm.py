@@ -8,9 +8,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from cb_serve.chat_template import apply_chat_template
 from cb_serve.config import EngineConfig
 from cb_serve.engine.llm_engine import LLMEngine
-from cb_serve.engine.processor import apply_chat_template
 from cb_serve.inputs import PromptType, is_single_prompt
 from cb_serve.lora_request import LoRARequest
 from cb_serve.outputs import RequestOutput
@@ -110,7 +110,7 @@ class LLM:
         **options: Any,
     ) -> list[int]:
         """``options``: ``chat_template``, ``chat_template_kwargs``, ``continue_final_message``,
-        ``reasoning_effort`` (``processor.apply_chat_template``)."""
+        ``reasoning_effort`` (``chat_template.apply_chat_template``)."""
         return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, tools, **options)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

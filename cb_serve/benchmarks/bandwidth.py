@@ -26,8 +26,8 @@ from torch import nn
 
 from cb_serve import StepStats
 from cb_serve.benchmarks.report import log
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.moe import FusedMoE
-from cb_serve.model_executor.linear import Linear
 from cb_serve.stats import ExpertLoad
 
 READ_BYTES = 1 << 30

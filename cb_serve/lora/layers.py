@@ -50,7 +50,7 @@ def group_tokens(token_slots: np.ndarray, device: torch.device) -> list[tuple[in
 
 
 class LoRALinear(nn.Module):
-    """A base projection (``model_executor.linear.Linear``, its exact-weight paths unchanged) plus
+    """A base projection (``model_executor.layers.linear.Linear``, its exact-weight paths unchanged) plus
     ``max_loras`` adapter slots: ``lora_a[s]`` is ``[max_rank_rows, in]``, ``lora_b[s]``
     ``[max_rank_rows, out]``, of which the first ``ranks[s]`` rows hold the adapter in slot ``s``
     (``peft_adapter`` layout; 0: none)."""

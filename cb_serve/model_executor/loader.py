@@ -19,7 +19,7 @@ from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor import gguf_cache, weight_cache
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
-from cb_serve.model_executor.checkpoint import LazyCheckpoint, safetensors_files
+from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, safetensors_files
 from cb_serve.model_executor.layers.rotary import longrope_switch
 from cb_serve.model_executor.models import LlamaForCausalLM, model_class
 

@@ -28,7 +28,8 @@ import torch
 
 from cb_serve.cpu_ops import exact_quant
 from cb_serve.model_executor import gguf_cache
-from cb_serve.model_executor.checkpoint import LazyCheckpoint
+from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint
+from cb_serve.model_executor.layers.linear import quant_groups_from
 
 logger = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
@@ -50,10 +51,12 @@ _CACHED = contextvars.ContextVar("cb_serve_cached_quant_groups", default=False)
 
 @contextlib.contextmanager
 def cached_quant_groups() -> Iterator[None]:
-    """Within it, ``find_quant_groups`` reads and writes the disk cache."""
+    """Within it, ``find_quant_groups`` reads and writes the disk cache, and ``Linear.prepare_for_cpu`` finds
+    a weight's groups through it."""
     token = _CACHED.set(True)
     try:
-        yield
+        with quant_groups_from(find_quant_groups):
+            yield
     finally:
         _CACHED.reset(token)
 

@@ -4,9 +4,10 @@ the content (with tools: whole calls, each in the delta where its block closes).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from cb_serve import ToolCallParser
+from cb_serve.serve.engine_chunk import EngineChunk
 from cb_serve.serve.frontend_base import ChoiceDelta, ChoiceResult
 
 
@@ -45,9 +46,9 @@ class ChoiceAssembler:
         self.stop_reason: int | str | None = None
         self.num_calls = 0
 
-    def feed(self, chunk: dict[str, Any]) -> ChoiceDelta:
-        text, reasoning = chunk["text"], ""
-        finished = chunk["finish_reason"] is not None
+    def feed(self, chunk: EngineChunk) -> ChoiceDelta:
+        text, reasoning = chunk.text, ""
+        finished = chunk.finish_reason is not None
         if self.splitter is not None:
             reasoning, text = self.splitter.feed(text)
             if finished:
@@ -65,9 +66,9 @@ class ChoiceAssembler:
         self.reasoning += reasoning
         if finished:
             self.finish_reason = (
-                "tool_calls" if chunk["finish_reason"] == "stop" and self.num_calls else chunk["finish_reason"]
+                "tool_calls" if chunk.finish_reason == "stop" and self.num_calls else chunk.finish_reason
             )
-            self.stop_reason = chunk.get("stop_reason")
+            self.stop_reason = chunk.stop_reason
         return ChoiceDelta(self.index, text, reasoning, calls, self.finish_reason if finished else None,
                            self.stop_reason if finished else None)  # fmt: skip
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from ray import serve
 
-from cb_serve import AsyncLLM, EngineConfig, EngineError, Logprob, LoRARequest, RequestOutput
+from cb_serve import AsyncLLM, EngineConfig, EngineError, LoRARequest, RequestOutput
+from cb_serve.serve.engine_chunk import EngineChunk
 from cb_serve.serve.engine_request import EngineRequest, InspectRequest
 from cb_serve.serve.lora_registry import LoRARegistry
 from cb_serve.serve.metrics import EngineMetrics
@@ -28,30 +29,6 @@ def log_to_serve() -> None:
             ours.addHandler(handler)
         ours.setLevel(logging.INFO)
         ours.propagate = False
-
-
-def token_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> list[dict] | None:
-    """Per token: its text, its logprob and the alternatives (text, logprob), best first."""
-    if entries is None:
-        return None
-    return [
-        {
-            "token": entry[tok].decoded_token,
-            "logprob": entry[tok].logprob,
-            "top": [(lp.decoded_token, lp.logprob) for lp in sorted(entry.values(), key=lambda lp: -lp.logprob)],
-        }
-        for tok, entry in zip(token_ids, entries)
-    ]
-
-
-def prompt_logprobs_chunk(out: RequestOutput) -> dict[str, Any]:
-    """A request's prompt logprobs as plain data: per prompt token None (the first) or
-    ``{token_id: (logprob, rank, text)}``."""
-    if out.prompt_logprobs is None:
-        return {}
-    raw = [None if e is None else {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()}
-           for e in out.prompt_logprobs]  # fmt: skip
-    return {"prompt_logprobs": raw}
 
 
 def log_finished(out: RequestOutput, num_output_tokens: int) -> None:
@@ -77,7 +54,7 @@ def log_finished(out: RequestOutput, num_output_tokens: int) -> None:
     max_ongoing_requests=256, health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=30
 )
 class EngineReplica:
-    """Streams plain-dict chunks (no tensors cross this boundary) and reports its load."""
+    """Streams ``EngineChunk``s (plain data: no tensors cross this boundary) and reports its load."""
 
     def __init__(
         self, engine_args: dict[str, Any], log_requests: bool = True, lora_modules: dict[str, str] | None = None
@@ -98,9 +75,9 @@ class EngineReplica:
         await self.engine.add_lora(lora_request)
         return self.replica_id
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[dict[str, Any]]]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineChunk]]:
         """Streams ``request`` (token ids: the router tokenized it). Yields, per engine output, a
-        list with one dict per completion index that advanced (one stream item per step,
+        list with one chunk per completion index that advanced (one stream item per step,
         whatever ``n``), with the prefix-hit tokens served beside those the request router
         expected of this replica (None: it had no fresh report)."""
         request_id = request.request_id
@@ -119,23 +96,7 @@ class EngineReplica:
                     timeline = await self._final_timeline(request_id)
                 if out.finished and self.log_requests:
                     log_finished(out, num_output_tokens)
-                yield [
-                    {
-                        "index": c.index,
-                        "text": c.text,
-                        "num_tokens": len(c.token_ids),
-                        "logprobs": token_logprobs(c.token_ids, c.logprobs),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                        "prompt_tokens": len(out.prompt_token_ids),
-                        "cached_tokens": out.num_cached_tokens,
-                        "expected_cached_tokens": expected,
-                        "replica": self.replica_id,
-                        **({"timeline": timeline} if timeline else {}),
-                        **prompt_logprobs_chunk(out),
-                    }
-                    for c in out.outputs
-                ]
+                yield [EngineChunk.of(out, c, self.replica_id, expected, timeline) for c in out.outputs]
         except EngineError as e:
             e.replica = self.replica_id  # the router avoids this replica if it retries
             raise

@@ -14,6 +14,7 @@ from ray.serve.handle import DeploymentHandle
 
 from cb_serve import EngineDeadError, EngineShutdownError, EngineUnavailableError
 from cb_serve.serve.api_error import engine_error, root_cause
+from cb_serve.serve.engine_chunk import EngineChunk
 from cb_serve.serve.engine_request import EngineRequest
 from cb_serve.serve.replica_health import mark_unavailable
 
@@ -28,14 +29,14 @@ class Started:
     """A request running on an engine replica: its first output (a list of chunks, None when it
     ended with none) and the stream of the rest."""
 
-    def __init__(self, gen: Any, first: list[dict[str, Any]] | None) -> None:
+    def __init__(self, gen: Any, first: list[EngineChunk] | None) -> None:
         self.gen, self.first = gen, first
 
     @property
     def replica(self) -> str | None:
-        return self.first[0]["replica"] if self.first else None
+        return self.first[0].replica if self.first else None
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def chunks(self) -> AsyncIterator[EngineChunk]:
         """The engine replica's chunks one by one (it sends them a step's worth at a time)."""
         try:
             for chunk in self.first or []:
@@ -85,7 +86,7 @@ async def start_all(engine: DeploymentHandle, payloads: list[EngineRequest]) -> 
     return started
 
 
-async def merged(streams: list[Started], index_offsets: list[int]) -> AsyncIterator[dict[str, Any]]:
+async def merged(streams: list[Started], index_offsets: list[int]) -> AsyncIterator[EngineChunk]:
     """The chunks of several requests as they come, each chunk's ``index`` shifted by its request's
     offset (the choices of prompt i are ``offset_i .. offset_i + n - 1``)."""
     if len(streams) == 1 and not index_offsets[0]:
@@ -97,7 +98,7 @@ async def merged(streams: list[Started], index_offsets: list[int]) -> AsyncItera
     async def pump(stream: Started, offset: int) -> None:
         try:
             async for chunk in stream.chunks():
-                await queue.put({**chunk, "index": chunk["index"] + offset})
+                await queue.put(chunk.replace(index=chunk.index + offset))
         except BaseException as e:  # noqa: BLE001 - handed to the reader
             await queue.put(e)
         finally:

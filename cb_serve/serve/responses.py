@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cb_serve.serve.choice_assembler import ChoiceAssembler, ReasoningSplitter
+from cb_serve.serve.engine_chunk import EngineChunk
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,11 @@ class Usage:
         self.cached = 0
         self.timeline: dict[str, Any] | None = None
 
-    def add(self, chunk: dict[str, Any]) -> None:
-        self.timeline = chunk.get("timeline") or self.timeline
-        self.prompt_tokens = chunk["prompt_tokens"]
-        self.cached = chunk["cached_tokens"]
-        self.completion[chunk["index"]] += chunk["num_tokens"]
+    def add(self, chunk: EngineChunk) -> None:
+        self.timeline = chunk.timeline or self.timeline
+        self.prompt_tokens = chunk.prompt_tokens
+        self.cached = chunk.cached_tokens
+        self.completion[chunk.index] += chunk.num_tokens
 
     def body(self) -> dict[str, Any]:
         total = sum(self.completion)
@@ -94,25 +95,24 @@ class EchoedPrompt:
 
 
 async def echo_chunks(
-    chunks: AsyncIterator[dict[str, Any]], prompts: list[EchoedPrompt], n: int, echo_only: bool
-) -> AsyncIterator[dict[str, Any]]:
+    chunks: AsyncIterator[EngineChunk], prompts: list[EchoedPrompt], n: int, echo_only: bool
+) -> AsyncIterator[EngineChunk]:
     """``echo``: each choice's first chunk starts with its prompt's text (and, with logprobs, its
     prompt's logprob entries); ``echo_only`` (``max_tokens: 0``) drops what was generated."""
     started: set[int] = set()
     raw: dict[int, list] = {}  # prompt -> its prompt logprobs (sent with one of its choices' chunks)
     async for c in chunks:
-        c = dict(c)
-        p = c["index"] // n
-        if c.get("prompt_logprobs") is not None:
-            raw[p] = c["prompt_logprobs"]
+        p = c.index // n
+        if c.prompt_logprobs is not None:
+            raw[p] = c.prompt_logprobs
         if echo_only:
-            c["text"], c["num_tokens"] = "", 0
-            c["logprobs"] = [] if c["logprobs"] is not None else None
-        if c["index"] not in started:
-            started.add(c["index"])
-            c["text"] = prompts[p].text + c["text"]
-            if c["logprobs"] is not None and p in raw:
-                c["logprobs"] = echo_entries(raw[p], prompts[p].token_ids, prompts[p].first_token) + c["logprobs"]
+            c = c.replace(text="", num_tokens=0, logprobs=[] if c.logprobs is not None else None)
+        if c.index not in started:
+            started.add(c.index)
+            logprobs = c.logprobs
+            if logprobs is not None and p in raw:
+                logprobs = echo_entries(raw[p], prompts[p].token_ids, prompts[p].first_token) + logprobs
+            c = c.replace(text=prompts[p].text + c.text, logprobs=logprobs)
         yield c
 
 
@@ -153,18 +153,18 @@ class Choice:
         self.prompt_logprobs: list[dict | None] | None = None  # vLLM's extra, when asked for
         self._sent_role = False
 
-    def delta(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+    def delta(self, chunk: EngineChunk) -> dict[str, Any] | None:
         """The stream choice for one chunk; None when there is nothing to send yet (text held
         back while it may be a tool call or a think tag)."""
         d = self.assembler.feed(chunk)
-        self.logprobs += chunk["logprobs"] or []
+        self.logprobs += chunk.logprobs or []
         choice: dict[str, Any] = {"index": self.index, "finish_reason": d.finish_reason}
-        if chunk.get("prompt_logprobs") is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_body(chunk["prompt_logprobs"])
+        if chunk.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(chunk.prompt_logprobs)
         if not self.chat:
-            return {**choice, "text": d.content, "logprobs": completion_logprobs(chunk["logprobs"])}
+            return {**choice, "text": d.content, "logprobs": completion_logprobs(chunk.logprobs)}
         if self.held_back and not (
-            d.content or d.reasoning or d.tool_calls or d.finish_reason or chunk["logprobs"] or not self._sent_role
+            d.content or d.reasoning or d.tool_calls or d.finish_reason or chunk.logprobs or not self._sent_role
         ):
             return None
         delta: dict[str, Any] = {}
@@ -177,13 +177,13 @@ class Choice:
         if not self._sent_role:
             self._sent_role = True
             delta["role"] = "assistant"
-        return {**choice, "delta": delta, "logprobs": chat_logprobs(chunk["logprobs"])}
+        return {**choice, "delta": delta, "logprobs": chat_logprobs(chunk.logprobs)}
 
-    def add(self, chunk: dict[str, Any]) -> None:
+    def add(self, chunk: EngineChunk) -> None:
         self.assembler.feed(chunk)
-        self.logprobs += chunk["logprobs"] or []
-        if chunk.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = prompt_logprobs_body(chunk["prompt_logprobs"])
+        self.logprobs += chunk.logprobs or []
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_body(chunk.prompt_logprobs)
 
     @property
     def text(self) -> str:

@@ -24,9 +24,9 @@ from cb_serve.benchmarks.bandwidth import (
 )
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.moe import FusedMoE, MoESpec
 from cb_serve.model_executor.layers.moe_router import RouterSpec
-from cb_serve.model_executor.linear import Linear
 from cb_serve.stats import ExpertLoad
 
 

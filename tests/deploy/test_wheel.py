@@ -57,6 +57,13 @@ def test_the_wheel_ships_every_file_the_kernels_and_pages_need(wheel):
                 assert f"cb_serve/cpu_ops/csrc/{header}" in names, f"{source.name} includes {header}"
 
 
+def test_the_wheel_ships_no_test_data(wheel):
+    """Test and benchmark data (the JSON schema suite: ``tests/json_schemas.py``) stays in the repository."""
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if "json_schemas" in n or n.startswith(("tests/", "bench/"))]
+    assert max(zipfile.ZipFile(wheel).getinfo(n).file_size for n in names if n.endswith(".py")) < 40_000
+
+
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
 def test_a_non_editable_install_builds_the_kernels_and_generates(wheel, tmp_path):
     venv = tmp_path / "venv"

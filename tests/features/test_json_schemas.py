@@ -1,4 +1,4 @@
-"""The structured-outputs schema suite (cb_serve/benchmarks/json_schemas.py): valid, well-formed, and covering
+"""The structured-outputs schema suite (tests/json_schemas.py): valid, well-formed, and covering
 the features issue 23's acceptance lists; the hostile schemas are what their names say."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from typing import Any
 
 import jsonschema
 import pytest
+from json_schemas import HOSTILE_SCHEMAS, SCHEMAS
 from jsonschema.validators import validator_for
-
-from cb_serve.benchmarks.json_schemas import HOSTILE_SCHEMAS, SCHEMAS
 
 _MAP_KEYWORDS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _ONE_KEYWORDS = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames")

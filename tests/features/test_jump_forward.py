@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import jsonschema
 import pytest
+from json_schemas import SCHEMAS
 
 from cb_serve import LLM, SamplingParams, StructuredOutputsParams
-from cb_serve.benchmarks.json_schemas import SCHEMAS
 
 llguidance = pytest.importorskip("llguidance")
 

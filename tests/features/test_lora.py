@@ -271,7 +271,7 @@ def test_the_cpu_kernel_and_the_gemm_path_add_the_same():
     three adapters (one contiguous run, two scattered), base tokens and an empty slot."""
     from cb_serve import cpu_ops
     from cb_serve.lora.layers import LoRABatch, LoRALinear
-    from cb_serve.model_executor.linear import Linear
+    from cb_serve.model_executor.layers.linear import Linear
 
     if not cpu_ops.available():
         pytest.skip("no C++ toolchain: the CPU kernels did not build")

@@ -17,8 +17,8 @@ import pytest
 from scripted_model import CONTENT, SCRIPT, THINK_END, THINK_START, make_scripted_model
 
 from cb_serve import LLM, InvalidRequestError, SamplingParams
+from cb_serve.chat_template import PromptEncoder, apply_chat_template, check_template_kwargs, thinking_kwargs
 from cb_serve.config.engine import REASONING_PARSERS
-from cb_serve.engine.processor import PromptEncoder, apply_chat_template, check_template_kwargs, thinking_kwargs
 from cb_serve.reasoning import PARSERS, ReasoningParser, reasoning_parser
 from cb_serve.spec_decode.proposer import DraftProposer
 from cb_serve.structured_outputs import StructuredOutputsParams

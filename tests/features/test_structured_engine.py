@@ -157,12 +157,12 @@ def test_preemption_keeps_each_sequences_grammar_state(llama):
 
 
 def test_every_suite_schema_completed_by_smollm2_validates(smol_llm):
-    """The schemas of ``cb_serve/benchmarks/json_schemas.py`` in one batch on the real SmolLM2
+    """The schemas of ``tests/json_schemas.py`` in one batch on the real SmolLM2
     (greedy, chat template): every output the grammar completed validates against its schema, formats
     included. By default every ``SCHEMA_STRIDE``-th schema (CI time); ``CB_SERVE_SCHEMA_STRIDE=1`` runs
     all 41. The 135M model loops inside some long strings until max_tokens: the floor (15 of 41) is
     well under what completes, leaving room for other CPUs' kernels."""
-    from cb_serve.benchmarks.json_schemas import SCHEMAS as ALL_SCHEMAS
+    from json_schemas import SCHEMAS as ALL_SCHEMAS
 
     SCHEMAS = ALL_SCHEMAS[::SCHEMA_STRIDE]
 

@@ -419,7 +419,8 @@ def test_a_rank_reads_only_its_slices_of_a_safetensors_checkpoint(tmp_path, toke
 
     from cb_serve.attention import TorchAttentionBackend
     from cb_serve.distributed.group import TensorParallelGroup
-    from cb_serve.model_executor import checkpoint, loader
+    from cb_serve.model_executor import loader
+    from cb_serve.model_executor.layers import checkpoint
 
     model_dir = make_random_model(tmp_path, "qwen2", tokenizer)  # biases on q/k/v
     source = loader.resolve_model_source(str(model_dir))

@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 from cb_serve import InvalidRequestError, ToolCallParser, tool_call_constraint
-from cb_serve.engine.processor import apply_chat_template
+from cb_serve.chat_template import apply_chat_template
+from cb_serve.serve.engine_chunk import EngineChunk
 from cb_serve.serve.protocol import ChatCompletionRequest
 from cb_serve.serve.responses import Choice
 from cb_serve.tool_format import closed, render_builtin, template_supports_tools, tool_call_schema
@@ -196,10 +197,11 @@ def test_history_with_tool_calls_and_results_is_accepted():
     assert request(messages=[{"role": "function", "name": "f", "content": "x"}]).unsupported()
 
 
-def chunks(text: str, finish: str = "stop", size: int = 7) -> list[dict]:
+def chunks(text: str, finish: str = "stop", size: int = 7) -> list[EngineChunk]:
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    last = len(pieces) - 1
     return [
-        {"index": 0, "text": p, "logprobs": None, "finish_reason": finish if i == len(pieces) - 1 else None}
+        EngineChunk(0, p, 1, None, finish if i == last else None, None, 5, 0, None, "replica")
         for i, p in enumerate(pieces)
     ]
 

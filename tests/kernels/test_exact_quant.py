@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, quants
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant, group_recovery
 from cb_serve.cpu_ops.kernel_choice import kernel_choice
-from cb_serve.model_executor.linear import DECODE_MAX_ROWS, Linear
+from cb_serve.model_executor.layers.linear import DECODE_MAX_ROWS, Linear
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
 needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 here (or its kernel did not build)")
@@ -266,7 +266,7 @@ def test_recovered_groups_and_dequantized_gguf_weights_are_cached_on_disk(tmp_pa
     A GGUF file's dequantized state dict is made once per file and dtype, then read back lazily, equal, tied
     tensors once."""
     from cb_serve.model_executor import gguf_cache, weight_cache
-    from cb_serve.model_executor.checkpoint import materialize
+    from cb_serve.model_executor.layers.checkpoint import materialize
 
     monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path))
     weight = gguf_weight(64, 256, GGMLQuantizationType.Q4_K)

@@ -13,8 +13,9 @@ pytest.importorskip("triton", reason="the triton expert GEMM needs the triton pa
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not set before triton was imported", allow_module_level=True)
 
-from cb_serve.model_executor.layers.fused_experts import TorchExpertGemm, expert_gemm  # noqa: E402
+from cb_serve.model_executor.layers.fused_experts import TorchExpertGemm  # noqa: E402
 from cb_serve.model_executor.layers.fused_experts_triton import TritonExpertGemm, block_table  # noqa: E402
+from cb_serve.model_executor.layers.moe import expert_gemm  # noqa: E402
 
 # As in test_triton_attention.py: CPU tensors need the interpreter, which a CUDA host has off unless
 # TRITON_INTERPRET=1 was set before triton was imported; there the CUDA tests below cover the kernel.

@@ -9,8 +9,8 @@ import torch
 from test_exact_quant import Q4_K, Q5_0, Q8_0, gguf_weight, needs_amx
 
 from cb_serve import cpu_ops
-from cb_serve.model_executor.greedy_head import GreedyHead
-from cb_serve.model_executor.linear import Linear
+from cb_serve.model_executor.layers.greedy_head import GreedyHead
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.sampler import takes_raw_argmax
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from cb_serve import cpu_ops
-from cb_serve.model_executor.linear import DECODE_MAX_ROWS, Linear
+from cb_serve.model_executor.layers.linear import DECODE_MAX_ROWS, Linear
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
 

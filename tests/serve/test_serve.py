@@ -843,14 +843,13 @@ def test_tool_calls_through_the_openai_client(server):
 
 
 def test_the_schema_suite_through_serve(server):
-    """Issue 23, acceptance 1: the 41 real-world schemas of ``cb_serve/benchmarks/json_schemas.py``
+    """Issue 23, acceptance 1: the 41 real-world schemas of ``tests/json_schemas.py``
     as ``response_format`` json_schema, concurrently, three sampled choices each: every output
     that completed validates against its schema (formats included), and at least 30 schemas have
     one. (The 135M model loops inside some long strings until ``max_tokens``: those choices end
     with ``length``.)"""
     import jsonschema
-
-    from cb_serve.benchmarks.json_schemas import SCHEMAS
+    from json_schemas import SCHEMAS
 
     model = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0).models.list().data[0].id
     client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=600, max_retries=0)

@@ -13,9 +13,9 @@ from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.layers.full_width_norm import full_width_qk_norms
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
-from cb_serve.model_executor.linear import Linear
 
 
 @dataclass(frozen=True)

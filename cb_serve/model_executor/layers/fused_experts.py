@@ -171,19 +171,6 @@ class CpuExpertGemm(ExpertGemm):
         return cpu_ops.moe_combine(y, routing.slot_rows, routing.slot_weights.contiguous()).to(dtype)
 
 
-def expert_gemm(device: torch.device, dtype: torch.dtype, use_cpu_ops: bool) -> ExpertGemm:
-    """The grouped GEMM for a layer: C++ on CPU for float32 weights where the kernels built, Triton on CUDA
-    where it imports, else the reference."""
-    if device.type == "cpu" and dtype == torch.float32 and use_cpu_ops and cpu_ops.available():
-        return CpuExpertGemm()
-    if device.type == "cuda":
-        from cb_serve.model_executor.layers import fused_experts_triton as ft  # imports this module
-
-        if ft.triton is not None and dtype in ft.DTYPES:
-            return ft.TritonExpertGemm()
-    return TorchExpertGemm()
-
-
 def fused_experts(
     x: torch.Tensor,
     routing: ExpertRouting,

@@ -34,11 +34,11 @@ from cb_serve.attention.base import AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.kv_cache_interface import StateSpec
-from cb_serve.model_executor.checkpoint import materialize
 from cb_serve.model_executor.layers import delta_rule
 from cb_serve.model_executor.layers.causal_conv import causal_conv, conv_step
+from cb_serve.model_executor.layers.checkpoint import materialize
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.recurrent_rows import decode_slots, prefill_rows
-from cb_serve.model_executor.linear import Linear
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from torch import nn
 from cb_serve import cpu_ops
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
-from cb_serve.model_executor.linear import Linear
+from cb_serve.model_executor.layers.linear import Linear
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 FUSED = {"silu": cpu_ops.silu_and_mul, "gelu_pytorch_tanh": cpu_ops.gelu_tanh_and_mul}  # act(gate) * up in C++

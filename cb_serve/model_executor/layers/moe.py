@@ -21,13 +21,13 @@ from torch import nn
 from cb_serve import cpu_ops
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
-from cb_serve.model_executor.checkpoint import materialize
+from cb_serve.model_executor.layers import fused_experts_triton
+from cb_serve.model_executor.layers.checkpoint import materialize
 from cb_serve.model_executor.layers.fused_experts import (
     CpuExpertGemm,
     ExpertGemm,
     TorchExpertGemm,
     count_per_expert,
-    expert_gemm,
     fused_experts,
     route_pairs,
 )
@@ -77,6 +77,16 @@ def activation_fn(spec: MoESpec, use_cpu_ops: bool) -> Callable[[torch.Tensor], 
         return cpu_ops.silu_and_mul if spec.activation == "silu" else cpu_ops.gelu_tanh_and_mul
     act = F.silu if spec.activation == "silu" else functools.partial(F.gelu, approximate="tanh")
     return functools.partial(gated, act)
+
+
+def expert_gemm(device: torch.device, dtype: torch.dtype, use_cpu_ops: bool) -> ExpertGemm:
+    """The grouped GEMM for a layer: C++ on CPU for float32 weights where the kernels built, Triton on CUDA
+    where it imports, else the reference."""
+    if device.type == "cpu" and dtype == torch.float32 and use_cpu_ops and cpu_ops.available():
+        return CpuExpertGemm()
+    if device.type == "cuda" and fused_experts_triton.triton is not None and dtype in fused_experts_triton.DTYPES:
+        return fused_experts_triton.TritonExpertGemm()
+    return TorchExpertGemm()
 
 
 class FusedMoE(nn.Module):

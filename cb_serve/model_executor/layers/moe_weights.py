@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from cb_serve.model_executor.checkpoint import LazyTensor, materialize
+from cb_serve.model_executor.layers.checkpoint import LazyTensor, materialize
 
 State = Mapping[str, "torch.Tensor | LazyTensor"]
 

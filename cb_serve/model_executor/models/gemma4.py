@@ -26,14 +26,14 @@ from torch import nn
 
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.sharding import single_shard
-from cb_serve.model_executor.checkpoint import LazyTensor, materialize
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
+from cb_serve.model_executor.layers.checkpoint import LazyTensor, materialize
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.mlp import ACTIVATIONS, GatedMLP, activation_name
 from cb_serve.model_executor.layers.moe import FusedMoE, MoESpec
 from cb_serve.model_executor.layers.moe_router import RouterSpec
 from cb_serve.model_executor.layers.norm import Gemma4RMSNorm, Gemma4UnscaledRMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
-from cb_serve.model_executor.linear import Linear
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 
 

@@ -15,10 +15,10 @@ from torch import nn
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.kv_cache_interface import StateSpec
 from cb_serve.model_executor.layers.attention import AttentionSpec
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
-from cb_serve.model_executor.linear import Linear
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 
 

@@ -18,15 +18,15 @@ from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard, single_shard
 from cb_serve.kv_cache_interface import StateSpec
-from cb_serve.model_executor.checkpoint import LazyTensor, materialize
-from cb_serve.model_executor.greedy_head import GreedyHead
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
+from cb_serve.model_executor.layers.checkpoint import LazyTensor, materialize
 from cb_serve.model_executor.layers.embedding import VocabParallelEmbedding
+from cb_serve.model_executor.layers.greedy_head import GreedyHead
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.mlp import GatedMLP
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
-from cb_serve.model_executor.linear import Linear
 
 
 class DecoderLayer(nn.Module):

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from cb_serve.model_executor.checkpoint import LazyTensor
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
+from cb_serve.model_executor.layers.checkpoint import LazyTensor
 from cb_serve.model_executor.layers.mlp import GatedMLP
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.models.llama import LlamaForCausalLM

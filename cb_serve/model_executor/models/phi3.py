@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
-from cb_serve.model_executor.checkpoint import LazyTensor
 from cb_serve.model_executor.layers.attention import head_dim
+from cb_serve.model_executor.layers.checkpoint import LazyTensor
 from cb_serve.model_executor.layers.rotary import longrope_switch
 from cb_serve.model_executor.models.llama import LlamaForCausalLM
 from cb_serve.model_executor.models.state_views import Rows, StateView

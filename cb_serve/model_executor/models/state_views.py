@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from cb_serve.model_executor.checkpoint import LazyTensor
+from cb_serve.model_executor.layers.checkpoint import LazyTensor
 
 
 class Rows:

@@ -23,11 +23,19 @@ from __future__ import annotations
 import torch
 
 from cb_serve import cpu_ops
-from cb_serve.model_executor.linear import Linear
-from cb_serve.model_executor.sampler import greedy_tokens
+from cb_serve.model_executor.layers.linear import Linear
 
 BF16_ROUNDING = 2.0**-8  # relative: round to nearest with 8 significant bits
 NORM_SLACK = 1.0 + 2.0**-10  # float32 norms' own rounding
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (``logits.max(dim=-1).indices``, like argmax and faster on CPU), in
+    one read of the row in C++ for contiguous float32 logits on the CPU."""
+    cpu_float32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if cpu_float32 and logits.dim() == 2 and logits.is_contiguous() and cpu_ops.available():
+        return cpu_ops.argmax_rows(logits)
+    return logits.max(dim=-1).indices
 
 
 class GreedyHead:

@@ -1,0 +1,163 @@
+"""``nn.Linear`` behind a linear-method seam (vLLM's ``LinearMethodBase``): a ``Linear`` holds its weight, a
+``LinearMethod`` decides how it is kept after loading and multiplied. ``UnquantizedLinearMethod`` (float
+weights) is the one today, with CPU fast paths for the batch sizes the engine runs; quantized checkpoints
+add methods beside it.
+
+- **Decode-sized batches** (up to ``DECODE_MAX_ROWS`` rows): MKL's float32 GEMM spends much of its
+  time on packing and blocking made for large batches, so ``Linear.prepare_for_cpu`` keeps a copy
+  of the weight packed for ``cpu_ops.decode_gemm`` (tiles of 32 output columns, each one contiguous
+  stream, the next tile prefetched while the current one computes).
+- **Exactly low-bit weights** (dequantized GGUF Q4_1 / Q4_0 / Q4_K as 4 bits, Q8_0 / Q5_0 / Q6_K as 8,
+  recognized by ``cpu_ops.exact_quant``) are kept low-bit and dequantized per tile into the same
+  float32 values: a fraction of the memory traffic, the same results.
+- **Larger batches of low-bit weights** run a split-bf16 kernel where ``cpu_ops.kernel_choice`` picks one:
+  ``amx_gemm`` on AMX CPUs from ``AMX_MIN_ROWS`` rows up, ``bf16_gemm`` (AVX512-BF16) where it measured
+  faster than the float32 GEMM; both float32-accurate from the same 4/8 bits, prefill-sized batches included.
+- **Weights exact in bf16** (a bf16 checkpoint served in float32) are packed as bf16 for the experts' grouped
+  GEMM with one group: decode rows on its FMA tiles (bit for bit ``decode_gemm`` on the float32 copy, half
+  the bytes), larger batches on AMX tiles where ``kernel_choice`` picks AMX (float32-accurate).
+- Anything else (prefill on other CPUs, GPUs) runs ``F.linear`` on the weight stored transposed.
+
+The measured effect of each path is in ``bench/HISTORY.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cb_serve import cpu_ops
+from cb_serve.cpu_ops import exact_quant
+from cb_serve.cpu_ops.kernel_choice import AMX_MIN_ROWS, kernel_choice
+from cb_serve.model_executor.layers.fused_experts import CpuExpertGemm
+
+__all__ = ["AMX_MIN_ROWS", "DECODE_MAX_ROWS", "Linear", "LinearMethod", "UnquantizedLinearMethod"]
+DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
+SPLIT_KERNELS = {"amx": cpu_ops.amx_gemm, "avx512_bf16": cpu_ops.bf16_gemm}
+QuantGroupFinder = Callable[[torch.Tensor], "exact_quant.QuantGroups | None"]
+_FIND_QUANT_GROUPS: contextvars.ContextVar[QuantGroupFinder] = contextvars.ContextVar(
+    "cb_serve_find_quant_groups", default=exact_quant.find_quant_groups
+)
+
+
+@contextlib.contextmanager
+def quant_groups_from(finder: QuantGroupFinder) -> Iterator[None]:
+    """Within it, ``prepare_for_cpu`` asks ``finder`` for a weight's exact low-bit groups (the loader's disk
+    cache, ``weight_cache.find_quant_groups``) instead of ``exact_quant.find_quant_groups``."""
+    token = _FIND_QUANT_GROUPS.set(finder)
+    try:
+        yield
+    finally:
+        _FIND_QUANT_GROUPS.reset(token)
+
+
+class LinearMethod(ABC):
+    """How a ``Linear``'s weight is kept after loading and multiplied (vLLM's ``LinearMethodBase``). A method
+    keeps no state of its own: what it derives from the weight (packed copies) lives on the layer."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight^T + bias`` as ``layer`` keeps its weight."""
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: Linear, pack: bool, transpose: bool) -> None:
+        """Derive the layouts ``apply`` reads from the loaded weight (``pack``: the CPU kernels' copies;
+        ``transpose``: the weight stored transposed for plain NN GEMMs)."""
+
+    def bytes_read(self, layer: Linear, rows: int) -> int:
+        """Bytes of weight (and bias) that ``apply`` streams for a batch of ``rows`` rows."""
+        bias = 0 if layer.bias is None else layer.bias.nbytes
+        return layer.weight.nbytes + bias
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Float weights: ``F.linear``, and on CPU the packed copies ``process_weights_after_loading`` adds for
+    decode-sized batches, exactly low-bit weights and weights exact in bf16 (the module docstring)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if layer.bf16_weight is not None and 0 < rows and (rows <= DECODE_MAX_ROWS or layer.split_kernel == "amx"):
+            amx = layer.split_kernel == "amx" and layer.in_features % 32 == 0
+            offsets = torch.tensor([0, rows])
+            min_rows = CpuExpertGemm.AMX_MIN_ROWS if amx else None
+            weight, n = layer.bf16_weight, layer.out_features
+            return cpu_ops.grouped_gemm(x.contiguous(), offsets, weight, n, layer.bias, min_rows)
+        if layer.split_weight is not None and rows >= layer.split_min_rows:
+            kernel = SPLIT_KERNELS[layer.split_kernel]
+            return kernel(x.contiguous(), layer.split_weight, layer.out_features, layer.bias)
+        if layer.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
+            return cpu_ops.decode_gemm(x.contiguous(), layer.decode_weight, layer.out_features, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def bytes_read(self, layer: Linear, rows: int) -> int:
+        if layer.bf16_weight is not None and 0 < rows and (rows <= DECODE_MAX_ROWS or layer.split_kernel == "amx"):
+            weight = layer.bf16_weight
+        elif layer.split_weight is not None and rows >= layer.split_min_rows:
+            weight = layer.split_weight
+        elif layer.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
+            weight = layer.decode_weight
+        else:
+            weight = layer.weight
+        bias = 0 if layer.bias is None else layer.bias.nbytes
+        return weight.nbytes + bias
+
+    def process_weights_after_loading(self, layer: Linear, pack: bool, transpose: bool) -> None:
+        """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight when the
+        weight is exactly a dequantized GGUF one of the formats ``cpu_ops.exact_quant`` knows, else a second
+        float32 copy; for such a low-bit weight, where ``kernel_choice()`` picks a split-bf16 kernel (and it
+        takes the weight's groups: not Q6_K's scales per 16), also the layout it runs larger batches from.
+        ``transpose``: store the weight transposed (still an ``[out, in]`` parameter) so ``F.linear`` runs an
+        NN GEMM, ~10% faster on CPU; left off for a weight shared with an embedding (row lookups want the
+        plain layout)."""
+        if transpose:
+            layer.weight.data = layer.weight.data.t().contiguous().t()
+        if pack and layer.weight.dtype == torch.float32 and cpu_ops.available():
+            groups = _FIND_QUANT_GROUPS.get()(layer.weight)  # exact_quant's, or the loader's disk cache of them
+            if groups is not None:
+                layer.decode_weight = exact_quant.pack_decode_weight_quantized(groups)
+                choice = kernel_choice()
+                if choice is not None and choice.split in SPLIT_KERNELS:
+                    layer.split_weight = exact_quant.pack_amx_weight(groups)  # None: decode_gemm, then F.linear
+                    layer.split_kernel, layer.split_min_rows = choice.split, choice.split_min_rows
+            elif cpu_ops.exact_in_bf16(layer.weight):
+                layer.bf16_weight = cpu_ops.pack_expert_weight(layer.weight[None])
+                choice = kernel_choice()
+                layer.split_kernel = "amx" if choice is not None and choice.split == "amx" else "mkl"
+            else:
+                layer.decode_weight = cpu_ops.pack_decode_weight(layer.weight)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
+class Linear(nn.Linear):
+    """A linear layer whose ``method`` keeps and multiplies its weight (``UnquantizedLinearMethod`` by
+    default); the packed copies a method derives live here, beside the weight."""
+
+    decode_weight: torch.Tensor | None = None
+    split_weight: torch.Tensor | None = None  # exact_quant.pack_amx_weight's layout, for split_kernel
+    bf16_weight: torch.Tensor | None = None  # cpu_ops.pack_expert_weight's bf16 layout, one group
+    split_kernel: str = "mkl"
+    split_min_rows: int = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, method: LinearMethod | None = None):
+        super().__init__(in_features, out_features, bias)
+        self.method = method or UNQUANTIZED
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def bytes_read(self, rows: int) -> int:
+        """Bytes of weight (and bias) that ``forward`` streams for a batch of ``rows`` rows."""
+        return self.method.bytes_read(self, rows)
+
+    @torch.no_grad()
+    def prepare_for_cpu(self, pack: bool, transpose: bool = True) -> None:
+        """The method's layouts after loading (``LinearMethod.process_weights_after_loading``)."""
+        self.method.process_weights_after_loading(self, pack, transpose)
