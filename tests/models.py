@@ -109,6 +109,18 @@ ARCHS: dict[str, tuple[str, dict]] = {
     ),
     # post-norms only, q/k norms over all heads' width
     "olmo2": ("Olmo2Config", {}),
+    # no RoPE on every 2nd layer (NoPE), those layers sliding, biases on the attention projections
+    "smollm3": (
+        "SmolLM3Config",
+        {
+            "num_hidden_layers": 4,
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 48,
+            "attention_bias": True,
+            "pad_token_id": None,  # (its default is past the tiny vocabulary: HF's embedding would refuse it)
+        },
+    ),
     # the four multipliers: embedding, residual, score scale, logits
     "granite": (
         "GraniteConfig",

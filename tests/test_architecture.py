@@ -217,3 +217,35 @@ def test_one_grammar_mask_producer():
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fill_bitmask"
     ]
     assert set(callers) == {"cb_serve.structured_outputs.manager"}
+
+
+# Model families, which the shared parts of the model wing name none of.
+FAMILY_NAMES = ("llama", "mistral", "qwen", "gemma", "olmo", "granite", "phi", "mixtral", "gpt-oss", "gpt_oss")
+
+
+def test_attention_spec_names_no_family():
+    """``AttentionSpec`` is composed of orthogonal features (window, soft-cap, sinks, norms, scale, RoPE table,
+    biases, ...): no field, default or comment of it names a model family."""
+    module = "cb_serve.model_executor.layers.attention"
+    source = (PACKAGE / "model_executor" / "layers" / "attention.py").read_text()
+    (spec,) = [n for n in SOURCES[module].body if isinstance(n, ast.ClassDef) and n.name == "AttentionSpec"]
+    text = "\n".join(source.splitlines()[spec.lineno - 1 : spec.end_lineno]).lower()
+    assert not [name for name in FAMILY_NAMES if name in text]
+
+
+def test_every_family_is_a_plan_over_the_neutral_base():
+    """Each served class derives from ``CausalLM`` itself, not from another family's class (a variant such as
+    Mistral is served by its family's class, named in the registry), and declares its plan."""
+    from cb_serve.model_executor.models import MODELS, CausalLM
+
+    for model_type, cls in MODELS.items():
+        assert cls.__bases__ == (CausalLM,), f"{model_type}: {cls.__name__} derives from {cls.__bases__}"
+        assert "plan" in vars(cls), f"{model_type}: {cls.__name__} declares no plan"
+    classes = [
+        (m, n.name, [ast.unparse(b) for b in n.bases])
+        for m, tree in SOURCES.items()
+        if m.startswith("cb_serve.model_executor.models.")
+        for n in tree.body
+        if isinstance(n, ast.ClassDef) and n.name.endswith("ForCausalLM")
+    ]
+    assert classes and all(bases == ["CausalLM"] for _, _, bases in classes), classes

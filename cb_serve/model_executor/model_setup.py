@@ -18,7 +18,7 @@ from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.model_executor import loader
 from cb_serve.model_executor.device_context import concrete_device
-from cb_serve.model_executor.models import LlamaForCausalLM, model_class
+from cb_serve.model_executor.models import CausalLM, model_class
 
 MAX_DEFAULT_MODEL_LEN = 8192
 DEVICE_ENV = "CB_SERVE_DEVICE"  # what device="auto" means in this process and its workers (the tests: cpu)
@@ -86,16 +86,11 @@ class ModelSetup:
 
     @property
     def kv_layout(self) -> KVCacheLayout:
-        """The model's KV-cache groups, from its layers' attention (``kv_cache_interface``)."""
-        model = model_class(self.hf_config)
-        windows = [spec.sliding_window for spec in model.attention_specs(self.hf_config)]
-        hybrid, shared = not self.config.disable_hybrid_kv_cache_manager, model.kv_shared_layers(self.hf_config)
-        states = model.state_layers(self.hf_config)
-        return KVCacheLayout.from_windows(windows, hybrid=hybrid, shared_from=shared, state_layers=states)
+        """The model's KV-cache groups and state layers, from its plan (``kv_cache_interface``)."""
+        plan = model_class(self.hf_config).plan(self.hf_config)
+        return plan.kv_layout(hybrid=not self.config.disable_hybrid_kv_cache_manager)
 
-    def load_model(
-        self, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None
-    ) -> LlamaForCausalLM:
+    def load_model(self, shard: TensorParallelShard | None = None, tp: TensorParallelGroup | None = None) -> CausalLM:
         return loader.load_model(
             self.source,
             self.hf_config,

@@ -119,11 +119,12 @@ def test_sinks_are_a_per_rank_parameter_loaded_from_the_checkpoint():
     from cb_serve.distributed.sharding import shard_for
     from cb_serve.model_executor.layers.attention import AttentionSpec
     from cb_serve.model_executor.models.llama import LlamaForCausalLM
+    from cb_serve.model_executor.models.plan import LayerPlan, ModelPlan
 
     class SinkLlama(LlamaForCausalLM):
         @classmethod
-        def attention_specs(cls, config):
-            return [AttentionSpec(softcap=3.0, sinks=True)] * config.num_hidden_layers
+        def plan(cls, config):
+            return ModelPlan((LayerPlan(AttentionSpec(softcap=3.0, sinks=True)),) * config.num_hidden_layers)
 
     config = tiny_llama_config()
     state = HFLlama(config).state_dict()

@@ -1,9 +1,11 @@
-"""The attention layer: fused q/k/v projection, optional per-head q/k norms, RoPE, the attention
-backend over the paged KV cache, and the output projection. Each layer is configured on its own
-(``AttentionSpec``: its sliding window, biases, q/k norms), as a model's layers may differ."""
+"""The attention layer: fused q/k/v projection, optional q/k norms, RoPE, the attention backend over the
+paged KV cache, and the output projection. Each layer is configured on its own (``AttentionSpec``: its
+sliding window, biases, norms, ...), as a model's layers may differ; it loads its own weights, this
+rank's heads of them, from q/k/v projections or a fused ``qkv_proj`` (``load_hf_weights``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.layers.checkpoint import Rows, copy_parts, materialize
 from cb_serve.model_executor.layers.full_width_norm import full_width_qk_norms
 from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.norm import RMSNorm
@@ -20,30 +23,38 @@ from cb_serve.model_executor.layers.rotary import Rope
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What differs between architectures' (and layers') attention."""
+    """One attention layer's features, each independent of the others: a model's attention is a choice
+    of them (``models/plan.py``), and its layers may choose differently."""
 
-    sliding_window: int | None = None  # None: every earlier token
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: type[RMSNorm] | None = None  # a norm over each q and k head before RoPE (Qwen3, Gemma 3)
-    full_width_qk_norm: bool = False  # one norm over all q heads, one over all k heads (OLMo 2)
+    sliding_window: int | None = None  # the last ``sliding_window`` tokens only; None: every earlier token
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    o_bias: bool = False  # a bias on the output projection
+    qk_norm: type[RMSNorm] | None = None  # a norm over each q and each k head, before RoPE
+    full_width_qk_norm: bool = False  # instead: one norm over all q heads' width, one over all k heads'
+    v_norm: type[RMSNorm] | None = None  # a norm over each V head
     scale: float | None = None  # of the scores; None: head_dim ** -0.5
-    rope_table: int = 0  # which of the model's RoPE tables (Gemma 3: local and global layers differ)
-    softcap: float | None = None  # scores cap * tanh(scores / cap) before the softmax (Gemma 2)
-    sinks: bool = False  # a learned logit per head in the softmax denominator (gpt-oss: ``self_attn.sinks``)
-    # Gemma 4: a KV-shared layer projects q alone and attends over an earlier layer's KV cache, which
-    # that layer wrote this step (``LlamaForCausalLM.kv_shared_layers``); it writes none
-    kv_shared: bool = False
+    softcap: float | None = None  # the scores capped, cap * tanh(scores / cap), before the softmax
+    sinks: bool = False  # a learned logit per head in the softmax denominator (checkpoint ``self_attn.sinks``)
+    rope_table: int | None = 0  # which of the model's RoPE tables turns q and k; None: no RoPE on this layer
+    # Reads that earlier layer's KV cache (the layer wrote it this step), writes none, and projects q alone.
+    shares_kv_of: int | None = None
     k_eq_v: bool = False  # no v projection: V is the K projection's output, before k's norm and RoPE
-    v_norm: type[RMSNorm] | None = None  # a norm over each V head (Gemma 4's, without a weight)
-    clip_qkv: float | None = None  # q, k and v clamped to +-clip after the projection and full-width norms (OLMoE)
-    output_gate: bool = False  # a per-head gate projected with q; the output times sigmoid(gate) (Qwen3.5, Qwen3-Next)
+    clip_qkv: float | None = None  # q, k and v clamped to +-clip after the projection (and full-width norms)
+    output_gate: bool = False  # a per-head gate projected with q; the output times sigmoid(gate)
 
     def __post_init__(self) -> None:
         assert self.sliding_window is None or self.sliding_window > 0, self.sliding_window
         assert self.scale is None or self.scale > 0, self.scale
         assert self.softcap is None or self.softcap > 0, self.softcap
         assert self.clip_qkv is None or self.clip_qkv > 0, self.clip_qkv
+        assert self.rope_table is None or self.rope_table >= 0, self.rope_table
+        assert self.shares_kv_of is None or self.shares_kv_of >= 0, self.shares_kv_of
+        assert not (self.qk_norm and self.full_width_qk_norm), "one kind of q/k norm"
+
+    @property
+    def kv_shared(self) -> bool:
+        """Reads another layer's KV cache and keeps none of its own."""
+        return self.shares_kv_of is not None
 
 
 def head_dim(config) -> int:
@@ -76,21 +87,23 @@ class Attention(nn.Module):
         self.head_dim = head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.full_q_size = config.num_attention_heads * self.head_dim  # every rank's, as a checkpoint has them
+        self.full_kv_size = config.num_key_value_heads * self.head_dim
         self.scale = spec.scale or self.head_dim**-0.5
         self.sliding_window = spec.sliding_window
-        self.rope_table = spec.rope_table
-        self.backend = backend
+        self.rope, self.rope_table = spec.rope_table is not None, spec.rope_table or 0
+        self.backend, self.shard = backend, shard
         self.use_cpu_ops = backend.supports_fused_cpu_ops
-        self.kv_shared, self.k_eq_v = spec.kv_shared, spec.k_eq_v
-        kv_projections = 0 if spec.kv_shared else 1 if spec.k_eq_v else 2
+        self.kv_shared, self.k_eq_v = spec.shares_kv_of is not None, spec.k_eq_v
+        kv_projections = 0 if self.kv_shared else 1 if spec.k_eq_v else 2
         self.qkv_sizes = (self.q_size,) + (self.kv_size,) * kv_projections  # the fused projection's parts
         self.output_gate = spec.output_gate
         if spec.output_gate:
             self.qkv_sizes += (self.q_size,)  # the gate, after v
         self.qkv_proj = Linear(config.hidden_size, sum(self.qkv_sizes), bias=spec.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_bias and shard.is_driver)  # added once
-        eps, own_kv = config.rms_norm_eps, not spec.kv_shared
-        fused = self.use_cpu_ops  # Gemma 3's q/k norms take the C++ kernel (RMSNorm's: 2-D inputs only)
+        eps, own_kv = config.rms_norm_eps, not self.kv_shared
+        fused = self.use_cpu_ops  # a per-head (1 + w) norm takes the C++ kernel (RMSNorm's: 2-D inputs only)
         self.q_norm = spec.qk_norm(self.head_dim, eps, fused) if spec.qk_norm else None
         self.k_norm = spec.qk_norm(self.head_dim, eps, fused) if spec.qk_norm and own_kv else None
         self.v_norm = spec.v_norm(self.head_dim, eps) if spec.v_norm and own_kv else None
@@ -114,7 +127,8 @@ class Attention(nn.Module):
             qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
         if self.kv_shared:  # q alone: the KV is the source layer's, already in the cache
             q = qkv.view(-1, self.num_heads, self.head_dim)
-            q = rope.apply(self.q_norm(q) if self.q_norm is not None else q)
+            q = self.q_norm(q) if self.q_norm is not None else q
+            q = rope.apply(q) if self.rope else q
             o = self.backend.forward(q, None, None, kv_cache, meta, self.scale, self.sliding_window, **extra)
             return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
         v_start = self.q_size + (0 if self.k_eq_v else self.kv_size)
@@ -127,10 +141,49 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.full_width_qk_norm:  # per head: no other rank's statistics
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = rope.apply(qk)  # on q and k heads at once
+        if self.rope:
+            qk = rope.apply(qk)  # on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
         o = o.reshape(-1, self.q_size)
         if self.output_gate:  # HF: attn_output * sigmoid(gate), in the model's dtype, before o_proj
             o = o * torch.sigmoid(qkv[:, -self.q_size :])
         return self.tp.all_reduce(self.o_proj(o))
+
+    @torch.no_grad()
+    def load_hf_weights(self, state: Mapping, prefix: str) -> None:
+        """This rank's heads of the attention under ``prefix`` (``model.layers.{i}.self_attn.``): q, k and v
+        (or the rows of a fused ``qkv_proj``) into the fused projection, with the gate of each head where
+        ``output_gate``; the output projection's columns; biases, sinks and q/k norms."""
+        d, shard = self.head_dim, self.shard
+        q = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
+        kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+        own = () if self.kv_shared else ("k",) if self.k_eq_v else ("k", "v")
+        q_weight, gate = self._projection(state, prefix, "q", "weight"), ()
+        if self.output_gate:  # rows [q_h | gate_h] per head
+            both = materialize(q_weight).view(-1, 2, d, q_weight.shape[-1])
+            q_weight, gate = both[:, 0].flatten(0, 1), (both[:, 1].flatten(0, 1)[q],)
+        kv_weights = [self._projection(state, prefix, n, "weight")[kv] for n in own]
+        copy_parts(self.qkv_proj.weight, q_weight[q], *kv_weights, *gate)
+        copy_parts(self.o_proj.weight, state[prefix + "o_proj.weight"][:, q])
+        if self.qkv_proj.bias is not None:
+            assert not self.output_gate, "a gated q projection with biases"
+            biases = [self._projection(state, prefix, n, "bias")[kv] for n in own]
+            copy_parts(self.qkv_proj.bias, self._projection(state, prefix, "q", "bias")[q], *biases)
+        if self.o_proj.bias is not None:  # the driver's alone: added once
+            copy_parts(self.o_proj.bias, state[prefix + "o_proj.bias"])
+        if self.sinks is not None:  # one logit per query head: this rank's heads
+            copy_parts(self.sinks, state[prefix + "sinks"][shard.q_heads.start : shard.q_heads.stop])
+        rows = {"q_norm": q, "k_norm": kv} if self.full_width_qk_norm else {}  # full width: this rank's columns
+        for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm), ("v_norm", self.v_norm)):
+            if norm is not None and getattr(norm, "weight", None) is not None:
+                copy_parts(norm.weight, state[f"{prefix}{name}.weight"][rows.get(name, slice(None))])
+
+    def _projection(self, state: Mapping, prefix: str, name: str, kind: str):
+        """Projection ``name`` (q, k or v)'s weight or bias, from its own tensor or a fused ``qkv_proj``'s rows."""
+        own = f"{prefix}{name}_proj.{kind}"
+        if own in state:
+            return state[own]
+        start = {"q": 0, "k": self.full_q_size, "v": self.full_q_size + self.full_kv_size}[name]
+        size = self.full_q_size if name == "q" else self.full_kv_size
+        return Rows(state[f"{prefix}qkv_proj.{kind}"], start, start + size)

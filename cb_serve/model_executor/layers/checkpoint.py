@@ -1,6 +1,8 @@
 """A local safetensors checkpoint read lazily: a tensor-parallel rank reads only its slices of
 each weight (``safetensors``' ``get_slice``), never the whole model, so N ranks on one host hold
-one model's weights in all rather than N."""
+one model's weights in all rather than N. Views over a state dict give a checkpoint the names and slices a
+layer reads (``Rows``: a fused projection's part; ``StateView``: other names), still read only when indexed;
+``copy_parts`` reads and copies them into a parameter."""
 
 from __future__ import annotations
 
@@ -61,3 +63,46 @@ class LazyCheckpoint(Mapping[str, LazyTensor]):
 
 def materialize(value: torch.Tensor | LazyTensor) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else value[:]
+
+
+def copy_parts(target: torch.Tensor, *parts: torch.Tensor | LazyTensor | Rows) -> None:
+    """``target`` <- the parts, read here and stacked along the first dimension."""
+    target.copy_(torch.cat([materialize(p) for p in parts], dim=0))
+
+
+class Rows:
+    """Rows ``start:stop`` of a checkpoint tensor: indexing by a row slice reads just those rows."""
+
+    def __init__(self, tensor: torch.Tensor | LazyTensor, start: int, stop: int) -> None:
+        self.tensor, self.start, self.stop = tensor, start, stop
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"Rows supports row slices only, not {index!r}")
+        begin, end, _ = index.indices(self.stop - self.start)
+        return self.tensor[self.start + begin : self.start + end]
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.stop - self.start, *list(self.tensor.shape)[1:]]
+
+
+class StateView(Mapping):
+    """``state`` with the entries of ``extra`` (name -> tensor, ``LazyTensor`` or ``Rows``) added,
+    or replacing its own."""
+
+    def __init__(self, state: Mapping, extra: Mapping) -> None:
+        self.state, self.extra = state, extra
+
+    def __getitem__(self, name: str):
+        return self.extra[name] if name in self.extra else self.state[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.extra or name in self.state
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.extra
+        yield from (name for name in self.state if name not in self.extra)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -154,12 +154,8 @@ class FusedMoE(nn.Module):
             self.gate.bias.copy_(bias)
         self.load_experts(state, prefix)
         if self.shared_expert is not None:
-            block, c = prefix + "mlp.", slice(self.shared_columns.start, self.shared_columns.stop)
-            names = [f"{block}shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
-            gate_up = torch.cat([materialize(state[names[0]][c]), materialize(state[names[1]][c])])
-            self.shared_expert.gate_up_proj.weight.copy_(gate_up)
-            self.shared_expert.down_proj.weight.copy_(materialize(state[names[2]][:, c]))
-            self.shared_expert_gate.weight.copy_(materialize(state[block + "shared_expert_gate.weight"]))
+            self.shared_expert.load_hf_weights(state, prefix + "mlp.shared_expert.")
+            self.shared_expert_gate.weight.copy_(materialize(state[prefix + "mlp.shared_expert_gate.weight"]))
 
     @torch.no_grad()
     def load_experts(self, state: Mapping, prefix: str, block: str | None = None) -> None:

@@ -1,8 +1,9 @@
-"""One file per model family over the shared layers (``model_executor/layers``); ``MODELS`` maps
-an HF config's ``model_type`` to the class that serves it."""
+"""One file per model family, each a plan over the shared layers (``base.py``, ``plan.py``); ``MODELS`` maps
+an HF config's ``model_type`` to the class that serves it (``docs/architecture.md``: adding a family)."""
 
 from __future__ import annotations
 
+from cb_serve.model_executor.models.base import CausalLM
 from cb_serve.model_executor.models.gemma2 import Gemma2ForCausalLM
 from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from cb_serve.model_executor.models.gemma4 import Gemma4ForCausalLM
@@ -21,10 +22,13 @@ from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
 from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+from cb_serve.model_executor.models.smollm3 import SmolLM3ForCausalLM
 
-MODELS: dict[str, type[LlamaForCausalLM]] = {
+__all__ = ["MODELS", "CausalLM", "model_class"]
+
+MODELS: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,  # Llama's plan: its sliding window comes from the config
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
@@ -42,10 +46,11 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,
 }
 
 
-def model_class(config) -> type[LlamaForCausalLM]:
+def model_class(config) -> type[CausalLM]:
     """The class serving ``config``; a clear error naming the architecture where none does."""
     if config.model_type not in MODELS:
         raise ValueError(

@@ -34,7 +34,8 @@ from cb_serve.model_executor.layers.moe import FusedMoE, MoESpec
 from cb_serve.model_executor.layers.moe_router import RouterSpec
 from cb_serve.model_executor.layers.norm import Gemma4RMSNorm, Gemma4UnscaledRMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
-from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.models.base import CausalLM
+from cb_serve.model_executor.models.plan import LayerPlan, ModelPlan
 
 
 class Gemma4Router(nn.Module):
@@ -90,15 +91,48 @@ class Gemma4DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-class Gemma4ForCausalLM(LlamaForCausalLM):
-    decoder_layer = Gemma4DecoderLayer
-    norm_class = Gemma4RMSNorm
-    refused_features = {"use_bidirectional_attention": "bidirectional attention"}
+def kv_shared_layers(config) -> dict[int, int]:
+    """HF's ``kv_sharing_modes``: from ``num_hidden_layers - num_kv_shared_layers`` on, each layer reads the KV
+    of the last earlier layer of its type."""
+    types, first = config.layer_types, config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+    if first <= 0:
+        raise ValueError("Gemma 4 with every layer KV-shared (no layer computing a KV cache) is not supported.")
+    config.kv_sharing_modes  # noqa: B018 - HF's own check: every shared layer type has a source
+    return {i: max(j for j in range(first) if types[j] == types[i]) for i in range(first, len(types))}
+
+
+class Gemma4ForCausalLM(CausalLM):
+    """The plan declares each layer's attention and KV kind (the engine reads them); the layers are Gemma 4's
+    own (``make_layer``: each from its per-layer config, with per-layer inputs and the MoE block)."""
+
+    @classmethod
+    def plan(cls, config) -> ModelPlan:
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError(
+                f"Gemma 4 with use_bidirectional_attention={config.use_bidirectional_attention!r} (bidirectional "
+                "attention) is not supported."
+            )
+        tables, shared = tuple(sorted(set(config.layer_types))), kv_shared_layers(config)
+        bias = getattr(config, "attention_bias", False)
+        specs = [
+            AttentionSpec(
+                window,
+                bias,
+                bias,
+                qk_norm=Gemma4RMSNorm,
+                scale=1.0,
+                rope_table=tables.index(kind),
+                shares_kv_of=shared.get(i),
+                k_eq_v=bool(config.attention_k_eq_v) and kind != "sliding_attention",
+                v_norm=Gemma4UnscaledRMSNorm,
+            )
+            for i, (window, kind) in enumerate(zip(layer_windows(config), config.layer_types))
+        ]
+        layers = tuple(LayerPlan(spec, norm=Gemma4RMSNorm, placement="sandwich") for spec in specs)
+        softcap = getattr(config, "final_logit_softcapping", None) or None
+        return ModelPlan(layers, Gemma4RMSNorm, logits_softcap=softcap, rope_layer_types=tables)
 
     def __init__(self, config, backend: AttentionBackend, *args, **kwargs) -> None:
-        for feature, what in self.refused_features.items():
-            if getattr(config, feature, None):
-                raise ValueError(f"Gemma 4 with {feature}={getattr(config, feature)!r} ({what}) is not supported.")
         super().__init__(config, backend, *args, **kwargs)
         hidden, layers, per_layer = config.hidden_size, config.num_hidden_layers, config.hidden_size_per_layer_input
         self.per_layer_size = per_layer or 0
@@ -109,44 +143,11 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         self.rope_widths = {layer.self_attn.rope_table: layer.self_attn.head_dim for layer in self.layers}
         self.narrow_tables: dict = {}  # (table, its storage) -> contiguous narrowed cos/sin, for the C++ RoPE
 
-    @classmethod
-    def rope_layer_types(cls, config) -> list[str]:
-        return sorted(set(config.layer_types))
-
-    @classmethod
-    def kv_shared_layers(cls, config) -> dict[int, int]:
-        """HF's ``kv_sharing_modes``: from ``num_hidden_layers - num_kv_shared_layers`` on, each layer reads
-        the KV of the last earlier layer of its type."""
-        types, first = config.layer_types, config.num_hidden_layers - (config.num_kv_shared_layers or 0)
-        if first <= 0:
-            raise ValueError("Gemma 4 with every layer KV-shared (no layer computing a KV cache) is not supported.")
-        config.kv_sharing_modes  # noqa: B018 - HF's own check: every shared layer type has a source
-        return {i: max(j for j in range(first) if types[j] == types[i]) for i in range(first, len(types))}
-
-    @classmethod
-    def attention_specs(cls, config) -> list[AttentionSpec]:
-        tables, shared = cls.rope_layer_types(config), cls.kv_shared_layers(config)
-        bias = getattr(config, "attention_bias", False)
-        return [
-            AttentionSpec(
-                window,
-                bias,
-                bias,
-                qk_norm=Gemma4RMSNorm,
-                scale=1.0,
-                rope_table=tables.index(kind),
-                kv_shared=i in shared,
-                k_eq_v=bool(config.attention_k_eq_v) and kind != "sliding_attention",
-                v_norm=Gemma4UnscaledRMSNorm,
-            )
-            for i, (window, kind) in enumerate(zip(layer_windows(config), config.layer_types))
-        ]
-
-    def make_layer(self, index: int, spec: AttentionSpec, backend: AttentionBackend) -> nn.Module:
+    def make_layer(self, index: int, layer: LayerPlan, backend: AttentionBackend) -> nn.Module:
         """Layer ``index`` from its own config (head size, KV heads); one rank holds all its heads."""
-        config = self.config.per_layer_config[index]
+        config, spec = self.config.per_layer_config[index], layer.mixer
         shard = single_shard(config)
-        if spec.kv_shared and config.use_double_wide_mlp:
+        if spec.shares_kv_of is not None and config.use_double_wide_mlp:
             shard = dataclasses.replace(shard, intermediate=range(2 * config.intermediate_size))
         attention = Attention(config, backend, spec, shard, self.tp)
         mlp = GatedMLP(config, shard, self.tp, self.use_cpu_ops)
@@ -228,18 +229,12 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
             for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"):
                 put(f"{name}.weight", w(f"model.{name}.weight"))
         for i, layer in enumerate(self.layers):
-            src, dst, attn = f"model.layers.{i}.", f"layers.{i}.", layer.self_attn
-            for name, _ in layer.named_parameters():  # norms and per-layer-input projections, by HF's names
-                if name.endswith("norm.weight") or name.startswith("per_layer_"):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for name, _ in layer.named_parameters():  # the layer's own norms and per-layer-input projections
+                if (name.endswith("norm.weight") or name.startswith("per_layer_")) and name.count(".") == 1:
                     put(dst + name, w(src + name))
-            parts = ["q_proj"] + ([] if attn.kv_shared else ["k_proj"] if attn.k_eq_v else ["k_proj", "v_proj"])
-            for kind in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
-                put(f"{dst}self_attn.qkv_proj.{kind}", *(w(f"{src}self_attn.{p}.{kind}") for p in parts))
-            put(dst + "self_attn.o_proj.weight", w(src + "self_attn.o_proj.weight"))
-            if attn.o_proj.bias is not None:
-                put(dst + "self_attn.o_proj.bias", w(src + "self_attn.o_proj.bias"))
-            put(dst + "mlp.gate_up_proj.weight", w(src + "mlp.gate_proj.weight"), w(src + "mlp.up_proj.weight"))
-            put(dst + "mlp.down_proj.weight", w(src + "mlp.down_proj.weight"))
+            layer.self_attn.load_hf_weights(state, src + "self_attn.")
+            layer.mlp.load_hf_weights(state, src + "mlp.")
             put(dst + "layer_scalar", w(src + "layer_scalar"))
             if layer.moe is not None:
                 for name in (
@@ -252,14 +247,3 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                     put(f"{dst}moe.{ours}", w(f"{src}router.{theirs}"))
                 put(f"{dst}moe.per_expert_scale", w(f"{src}router.per_expert_scale"))
                 layer.moe.load_experts(state, src, block=src)
-
-    def prepare_for_cpu(self) -> None:
-        super().prepare_for_cpu()
-        for layer in self.layers:
-            if layer.moe is not None:
-                layer.moe.prepare_for_cpu(pack=self.use_cpu_ops)
-        if self.per_layer_size:
-            linears = [self.per_layer_model_projection]
-            linears += [m for layer in self.layers for m in (layer.per_layer_input_gate, layer.per_layer_projection)]
-            for linear in linears:
-                linear.prepare_for_cpu(pack=self.use_cpu_ops)

@@ -8,34 +8,21 @@ Follows ``transformers.models.gpt_oss.modeling_gpt_oss`` op for op."""
 
 from __future__ import annotations
 
-from torch import nn
-
 from cb_serve.model_executor.layers.attention import AttentionSpec, layer_windows
-from cb_serve.model_executor.layers.moe import FusedMoE, MoESpec
+from cb_serve.model_executor.layers.moe import MoESpec
 from cb_serve.model_executor.layers.moe_router import RouterSpec
 from cb_serve.model_executor.layers.norm import Float32WeightRMSNorm
-from cb_serve.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
+from cb_serve.model_executor.models.base import CausalLM
 from cb_serve.model_executor.models.moe_models import num_experts
+from cb_serve.model_executor.models.plan import Experts, LayerPlan, ModelPlan
 
 
-class GptOssDecoderLayer(DecoderLayer):
-    norm = Float32WeightRMSNorm
-
-
-class GptOssForCausalLM(LlamaForCausalLM):
-    decoder_layer = GptOssDecoderLayer
-    norm_class = Float32WeightRMSNorm
-    rope_half_tables = True
-
+class GptOssForCausalLM(CausalLM):
     @classmethod
-    def attention_specs(cls, config) -> list[AttentionSpec]:
-        bias = getattr(config, "attention_bias", True)
-        return [AttentionSpec(window, bias, bias, sinks=True) for window in layer_windows(config)]
-
-    def make_mlp(self, index: int) -> nn.Module:
-        c = self.config
+    def plan(cls, config) -> ModelPlan:
+        c, bias = config, getattr(config, "attention_bias", True)
         router = RouterSpec(num_experts(c), c.num_experts_per_tok, scoring="topk_softmax", bias=True)
-        spec = MoESpec(
+        moe = MoESpec(
             router,
             c.intermediate_size,
             "swiglu_oai",
@@ -44,4 +31,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             swiglu_alpha=getattr(c, "swiglu_alpha", 1.702),
             swiglu_limit=getattr(c, "swiglu_limit", 7.0),
         )
-        return FusedMoE(c.hidden_size, spec, self.shard, self.tp, self.use_cpu_ops)
+        layers = tuple(
+            LayerPlan(AttentionSpec(window, bias, bias, sinks=True), Experts(moe), Float32WeightRMSNorm)
+            for window in layer_windows(config)
+        )
+        return ModelPlan(layers, final_norm=Float32WeightRMSNorm, rope_half_tables=True)

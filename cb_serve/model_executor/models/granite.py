@@ -1,4 +1,4 @@
-"""IBM Granite (3.x dense): Llama with four multipliers from the config:
+"""IBM Granite (3.x dense): Llama's layer with four multipliers from the config:
 - ``embedding_multiplier`` on the token embedding;
 - ``residual_multiplier`` on each sublayer's output before its residual add;
 - ``attention_multiplier`` as the score scale (in place of ``head_dim ** -0.5``);
@@ -9,46 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from cb_serve.model_executor.layers.attention import Attention, AttentionSpec
-from cb_serve.model_executor.layers.mlp import GatedMLP
-from cb_serve.model_executor.models.llama import DecoderLayer, LlamaForCausalLM
-
-
-class GraniteDecoderLayer(DecoderLayer):
-    """Llama's layer with each sublayer's output scaled before the residual add inside the next norm."""
-
-    def __init__(self, config, attention: Attention, mlp: GatedMLP) -> None:
-        super().__init__(config, attention, mlp)
-        self.residual_multiplier = config.residual_multiplier
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, kv_cache, meta):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta) * self.residual_multiplier
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x) * self.residual_multiplier, residual
+from cb_serve.model_executor.layers.attention import AttentionSpec
+from cb_serve.model_executor.models.base import CausalLM
+from cb_serve.model_executor.models.llama import llama_attention
+from cb_serve.model_executor.models.plan import LayerPlan, ModelPlan
 
 
-class GraniteForCausalLM(LlamaForCausalLM):
-    decoder_layer = GraniteDecoderLayer
+def granite_attention(config) -> list[AttentionSpec]:
+    return [dataclasses.replace(spec, scale=config.attention_multiplier) for spec in llama_attention(config)]
 
-    def __init__(self, config, *args, **kwargs) -> None:
-        super().__init__(config, *args, **kwargs)
-        self.embedding_multiplier = config.embedding_multiplier
-        self.logits_scaling = config.logits_scaling
 
+def granite_plan(config, layers: list[LayerPlan]) -> ModelPlan:
+    """Granite's multipliers around ``layers``."""
+    scaled = tuple(dataclasses.replace(layer, residual_multiplier=config.residual_multiplier) for layer in layers)
+    return ModelPlan(scaled, embed_scale=config.embedding_multiplier, logits_divisor=config.logits_scaling)
+
+
+class GraniteForCausalLM(CausalLM):
     @classmethod
-    def attention_specs(cls, config) -> list[AttentionSpec]:
-        scale = config.attention_multiplier
-        return [dataclasses.replace(spec, scale=scale) for spec in super().attention_specs(config)]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(self.lm_head(self.norm(hidden))) / self.logits_scaling  # in the model's dtype
-        return logits[:, : self.config.vocab_size].float()
+    def plan(cls, config) -> ModelPlan:
+        return granite_plan(config, [LayerPlan(spec) for spec in granite_attention(config)])

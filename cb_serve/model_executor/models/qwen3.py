@@ -1,5 +1,5 @@
-"""Qwen3 (dense): Llama with an RMSNorm over each q and k head before RoPE; ``attention_bias``
-puts biases on all four projections, as in Llama; sliding-window layers where ``layer_types`` says."""
+"""Qwen3 (dense): Llama's layer with an RMSNorm over each q and k head before RoPE; ``attention_bias`` puts
+biases on all four projections; sliding-window layers where ``layer_types`` says."""
 
 from __future__ import annotations
 
@@ -7,10 +7,16 @@ import dataclasses
 
 from cb_serve.model_executor.layers.attention import AttentionSpec
 from cb_serve.model_executor.layers.norm import RMSNorm
-from cb_serve.model_executor.models.llama import LlamaForCausalLM
+from cb_serve.model_executor.models.base import CausalLM
+from cb_serve.model_executor.models.llama import llama_attention
+from cb_serve.model_executor.models.plan import LayerPlan, ModelPlan
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+def qwen3_attention(config) -> list[AttentionSpec]:
+    return [dataclasses.replace(spec, qk_norm=RMSNorm) for spec in llama_attention(config)]
+
+
+class Qwen3ForCausalLM(CausalLM):
     @classmethod
-    def attention_specs(cls, config) -> list[AttentionSpec]:
-        return [dataclasses.replace(spec, qk_norm=RMSNorm) for spec in super().attention_specs(config)]
+    def plan(cls, config) -> ModelPlan:
+        return ModelPlan(tuple(LayerPlan(spec) for spec in qwen3_attention(config)))

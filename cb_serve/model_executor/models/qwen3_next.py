@@ -7,49 +7,53 @@ with a shared expert, dense layers where ``mlp_only_layers`` / ``decoder_sparse_
   RoPE on the first ``partial_rotary_factor`` of each head.
 - Every RMSNorm but the DeltaNet's gated one is zero-centred: ``(1 + w)`` applied in float32
   (``GemmaRMSNorm``).
-- Recurrent layers keep a state slot per sequence instead of KV (``models/hybrid.py``).
+- Recurrent layers keep a state slot per sequence instead of KV (``LayerPlan.recurrent``).
 Each follows ``transformers.models.qwen3_next`` / ``qwen3_5`` / ``qwen3_5_moe`` op for op.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Callable
 
 from cb_serve.model_executor.layers.attention import AttentionSpec
-from cb_serve.model_executor.layers.gated_deltanet import DeltaNetSpec, GatedDeltaNet
+from cb_serve.model_executor.layers.gated_deltanet import DeltaNetSpec
 from cb_serve.model_executor.layers.norm import GemmaRMSNorm
-from cb_serve.model_executor.models.hybrid import HybridForCausalLM
-from cb_serve.model_executor.models.llama import DecoderLayer
-from cb_serve.model_executor.models.moe_models import Qwen2MoeForCausalLM, sparse_layer
+from cb_serve.model_executor.models.base import CausalLM
+from cb_serve.model_executor.models.moe_models import qwen_experts, sparse_layer
+from cb_serve.model_executor.models.plan import DenseMLP, FeedForward, LayerPlan, ModelPlan
 
 
-class GatedAttentionLayer(DecoderLayer):
-    norm = GemmaRMSNorm
+def qwen3_5_plan(config, ffn: Callable[[int], FeedForward]) -> ModelPlan:
+    """Gated DeltaNet where ``layer_types`` says ``linear_attention``, gated attention elsewhere; layer ``i``'s
+    feed-forward ``ffn(i)``."""
+    bias = getattr(config, "attention_bias", False)
+    attention = AttentionSpec(None, bias, bias, qk_norm=GemmaRMSNorm, output_gate=True)
+    delta_net = DeltaNetSpec.from_config(config)
+    layers = tuple(
+        LayerPlan(delta_net, ffn(i), GemmaRMSNorm, mixer_prefix="linear_attn.")
+        if kind == "linear_attention"
+        else LayerPlan(attention, ffn(i), GemmaRMSNorm)
+        for i, kind in enumerate(config.layer_types)
+    )
+    return ModelPlan(layers, final_norm=GemmaRMSNorm)
 
 
-class Qwen3_5ForCausalLM(HybridForCausalLM):
-    decoder_layer = GatedAttentionLayer
-    norm_class = GemmaRMSNorm
-    mixer_prefix = "linear_attn."
-
+class Qwen3_5ForCausalLM(CausalLM):
     @classmethod
-    def attention_specs(cls, config) -> list[AttentionSpec]:
-        bias = getattr(config, "attention_bias", False)
-        spec = AttentionSpec(None, bias, bias, qk_norm=GemmaRMSNorm, output_gate=True)
-        return [spec] * config.num_hidden_layers
-
-    def make_mixer(self, index: int) -> nn.Module:
-        return GatedDeltaNet(DeltaNetSpec.from_config(self.config), self.shard, self.tp, self.use_cpu_ops)
+    def plan(cls, config) -> ModelPlan:
+        return qwen3_5_plan(config, lambda i: DenseMLP())
 
 
-class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
-    def make_mlp(self, index: int) -> nn.Module:
+class Qwen3NextForCausalLM(CausalLM):
+    @classmethod
+    def plan(cls, config) -> ModelPlan:
         """Qwen2-MoE's block (experts, a gated shared expert) where the layer is sparse, else the dense MLP."""
-        if not sparse_layer(self.config, index):
-            return super().make_mlp(index)
-        return Qwen2MoeForCausalLM.moe_block(self)
+        experts = qwen_experts(config, shared=True)
+        return qwen3_5_plan(config, lambda i: experts if sparse_layer(config, i) else DenseMLP())
 
 
-class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    def make_mlp(self, index: int) -> nn.Module:
-        return Qwen2MoeForCausalLM.moe_block(self)
+class Qwen3_5MoeForCausalLM(CausalLM):
+    @classmethod
+    def plan(cls, config) -> ModelPlan:
+        experts = qwen_experts(config, shared=True)
+        return qwen3_5_plan(config, lambda i: experts)
