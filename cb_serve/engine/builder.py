@@ -227,7 +227,7 @@ def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None
 
 def _graph_sizes(config: EngineConfig, setup: ModelSetup, lora: LoRAManager | None) -> list[int] | None:
     """Decode batch sizes to capture CUDA graphs for (None: eager). Graphs are captured by one
-    process; tensor-parallel ranks run eagerly (see the README), and so do adapters (their
+    process; tensor-parallel ranks run eagerly (docs/engine.md), and so do adapters (their
     token groups change every step)."""
     graphable = config.tensor_parallel_size == 1 and lora is None and not config.enforce_eager
     graphable = graphable and not setup.kv_layout.state_layers  # recurrent layers: eager for now
