@@ -461,8 +461,8 @@ def test_secrets_come_from_secret_refs_and_are_not_in_the_repo():
             for env in env_of(group).values():
                 if SECRET_ENV.search(env["name"]):
                     assert "value" not in env and "secretKeyRef" in env["valueFrom"], f"{name}: {env['name']} inline"
-    # The routers read the key from this variable (cb_serve/serve/router.py).
-    assert "CB_SERVE_API_KEY" in (ROOT / "cb_serve" / "serve" / "router.py").read_text()
+    # The routers read the key from this variable (cb_serve/serve/pipeline.py, the Router's request pipeline).
+    assert "CB_SERVE_API_KEY" in (ROOT / "cb_serve" / "serve" / "pipeline.py").read_text()
     for manifest, group in worker_groups():  # the routers and engine replicas run on the GPU workers
         env = env_of(group)
         api_key = env["CB_SERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
