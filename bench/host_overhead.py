@@ -66,14 +66,15 @@ def tiny_model(directory: Path) -> tuple[Path, int]:
     return directory, token
 
 
-def stub_the_model(engine: Any, token: int) -> None:
-    """The loaded model's forward returns zeros, its logits and greedy head the fixed ``token``."""
+def stub_the_model(engine: Any, token: int, max_rows: int) -> None:
+    """The loaded model's forward returns zeros, its logits and greedy head the fixed ``token`` (for up to
+    ``max_rows`` sampled rows a step)."""
     model = engine.runner.model
-    vocab = model.config.vocab_size
-    logits = torch.zeros(4096, vocab)
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    logits = torch.zeros(max_rows, vocab)
     logits[:, token] = 1.0
-    ids = torch.full((4096,), token, dtype=torch.long)
-    model.forward = lambda input_ids, positions, kv_caches, meta: torch.zeros(input_ids.shape[0], 64)
+    ids = torch.full((max_rows,), token, dtype=torch.long)
+    model.forward = lambda input_ids, positions, kv_caches, meta: torch.zeros(input_ids.shape[0], hidden)
     model.compute_logits = lambda hidden: logits[: hidden.shape[0]]
     model.greedy_token_ids = lambda hidden: ids[: hidden.shape[0]]
 
@@ -127,7 +128,7 @@ async def serve_streams(engine: AsyncLLM, token: int, streams: int, max_tokens: 
 def serving(model_dir: Path, token: int, streams: int, max_tokens: int, engine_args: dict) -> dict[str, Any]:
     engine = AsyncLLM(EngineConfig.from_kwargs(model=str(model_dir), **engine_args))
     try:
-        stub_the_model(engine.engine, token)
+        stub_the_model(engine.engine, token, engine_args["max_num_seqs"])
         asyncio.run(serve_streams(engine, token, streams, 4))
         steps: list[StepStats] = []
         engine.add_step_listener(lambda stats, _outputs: steps.append(stats))
@@ -169,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, token = tiny_model(Path(tmp))
         llm = LLM(model=str(model_dir), **engine_args)
-        stub_the_model(llm.engine, token)
+        stub_the_model(llm.engine, token, engine_args["max_num_seqs"])
         results = [offline(llm, token, r, args.max_tokens) for r in rows]
         del llm
         serve = serving(model_dir, token, args.streams, args.max_tokens, engine_args)

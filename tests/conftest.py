@@ -113,18 +113,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """The CPU and the instruction-set dispatch this run computes under: bit-for-bit results of torch's
     vector kernels and MKL's GEMMs are per CPU kind and per dispatch (``make test-dispatch``)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
+    from cb_serve.cpu_ops import cpu_model_and_flags
+
+    model, flags = cpu_model_and_flags()
     isa = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "-"
     mkl = [f"{k}={os.environ[k]}" for k in ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ]
     return [
-        f"cpu: {fields.get('model name', 'unknown')}, family {fields.get('cpu family', '?')} model "
-        f"{fields.get('model', '?')} ({isa}), {os.cpu_count()} cores",
+        f"cpu: {model} ({isa}), {os.cpu_count()} cores",
         f"dispatch: torch {torch.backends.cpu.get_cpu_capability()}, MKL {' '.join(mkl) or 'its own choice'}",
     ]

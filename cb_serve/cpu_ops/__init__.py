@@ -141,18 +141,19 @@ def build_directory(name: str, source: str | tuple[str, ...], flags: list[str]) 
 
 @functools.cache
 def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
-    """The CPU's model name and feature flags (Linux ``/proc/cpuinfo``; "unknown" and none elsewhere)."""
-    model, flags = "", frozenset()
+    """The CPU's model name with its family and model numbers (a virtual machine's name, "AMD EPYC", says
+    neither Zen 3 nor Zen 5) and its feature flags (Linux ``/proc/cpuinfo``; "unknown" and none elsewhere)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = frozenset(value.split())
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return model or platform.processor() or "unknown", flags
+    model = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        model += f" (family {fields['cpu family']} model {fields['model']})"
+    return model, frozenset(fields.get("flags", "").split())
 
 
 def missing_flags(name: str, cpu_flags: frozenset[str]) -> frozenset[str]:

@@ -27,7 +27,7 @@ from torch import nn
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.sharding import single_shard
 from cb_serve.model_executor.layers.attention import Attention, AttentionSpec, layer_windows
-from cb_serve.model_executor.layers.checkpoint import LazyTensor, materialize
+from cb_serve.model_executor.layers.checkpoint import LazyTensor, copy_parts
 from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.mlp import ACTIVATIONS, GatedMLP, activation_name
 from cb_serve.model_executor.layers.moe import FusedMoE, MoESpec
@@ -35,7 +35,7 @@ from cb_serve.model_executor.layers.moe_router import RouterSpec
 from cb_serve.model_executor.layers.norm import Gemma4RMSNorm, Gemma4UnscaledRMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
 from cb_serve.model_executor.models.base import CausalLM
-from cb_serve.model_executor.models.plan import LayerPlan, ModelPlan
+from cb_serve.model_executor.models.plan import LayerPlan, ModelPlan, refuse
 
 
 class Gemma4Router(nn.Module):
@@ -90,6 +90,23 @@ class Gemma4DecoderLayer(nn.Module):
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar
 
+    @torch.no_grad()
+    def load_hf_weights(self, state: Mapping, prefix: str) -> None:
+        """Layer ``prefix`` (``model.layers.{i}.``; one rank: no slicing): its own norms, per-layer-input
+        projections and scalar by HF's names, the attention and MLP from theirs, the router under ``router.``
+        and the experts beside it."""
+        for name, child in self.named_children():  # the norms and per-layer-input projections
+            if name not in ("self_attn", "mlp", "moe"):
+                copy_parts(child.weight, state[f"{prefix}{name}.weight"])
+        copy_parts(self.layer_scalar, state[prefix + "layer_scalar"])
+        self.self_attn.load_hf_weights(state, prefix + "self_attn.")
+        self.mlp.load_hf_weights(state, prefix + "mlp.")
+        if self.moe is not None:
+            for ours, theirs in (("gate.proj.weight", "proj.weight"), ("gate.scale", "scale")):
+                copy_parts(self.moe.get_parameter(ours), state[f"{prefix}router.{theirs}"])
+            copy_parts(self.moe.per_expert_scale, state[f"{prefix}router.per_expert_scale"])
+            self.moe.load_experts(state, prefix, block=prefix)
+
 
 def kv_shared_layers(config) -> dict[int, int]:
     """HF's ``kv_sharing_modes``: from ``num_hidden_layers - num_kv_shared_layers`` on, each layer reads the KV
@@ -107,11 +124,7 @@ class Gemma4ForCausalLM(CausalLM):
 
     @classmethod
     def plan(cls, config) -> ModelPlan:
-        if getattr(config, "use_bidirectional_attention", None):
-            raise ValueError(
-                f"Gemma 4 with use_bidirectional_attention={config.use_bidirectional_attention!r} (bidirectional "
-                "attention) is not supported."
-            )
+        refuse("Gemma 4", config, ("use_bidirectional_attention",))
         tables, shared = tuple(sorted(set(config.layer_types))), kv_shared_layers(config)
         bias = getattr(config, "attention_bias", False)
         specs = [
@@ -214,36 +227,8 @@ class Gemma4ForCausalLM(CausalLM):
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor | LazyTensor]) -> None:
-        """The weights by HF's names (one rank: no slicing), q/k/v fused as each layer has them."""
-        own = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        w = state.__getitem__
-
-        def put(name: str, *parts: torch.Tensor) -> None:
-            own[name].copy_(torch.cat([materialize(p) for p in parts], dim=0))
-
-        put("embed_tokens.weight", w("model.embed_tokens.weight"))
-        put("norm.weight", w("model.norm.weight"))
-        if not getattr(self.config, "tie_word_embeddings", False):
-            put("lm_head.weight", w("lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"))
+        """The base's loading (every layer loads itself), then the per-layer-input embedding and projection."""
+        super().load_hf_state_dict(state)
         if self.per_layer_size:
             for name in ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"):
-                put(f"{name}.weight", w(f"model.{name}.weight"))
-        for i, layer in enumerate(self.layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for name, _ in layer.named_parameters():  # the layer's own norms and per-layer-input projections
-                if (name.endswith("norm.weight") or name.startswith("per_layer_")) and name.count(".") == 1:
-                    put(dst + name, w(src + name))
-            layer.self_attn.load_hf_weights(state, src + "self_attn.")
-            layer.mlp.load_hf_weights(state, src + "mlp.")
-            put(dst + "layer_scalar", w(src + "layer_scalar"))
-            if layer.moe is not None:
-                for name in (
-                    "pre_feedforward_layernorm_2",
-                    "post_feedforward_layernorm_1",
-                    "post_feedforward_layernorm_2",
-                ):
-                    put(f"{dst}{name}.weight", w(f"{src}{name}.weight"))
-                for ours, theirs in (("gate.proj.weight", "proj.weight"), ("gate.scale", "scale")):
-                    put(f"{dst}moe.{ours}", w(f"{src}router.{theirs}"))
-                put(f"{dst}moe.per_expert_scale", w(f"{src}router.per_expert_scale"))
-                layer.moe.load_experts(state, src, block=src)
+                copy_parts(getattr(self, name).weight, state[f"model.{name}.weight"])
