@@ -9,10 +9,12 @@ ordinary word (` the`): every step decodes, detokenizes and checks stops as usua
 
 For each batch size R (``--rows``): R requests with 32-token prompts and ``--max-tokens`` output tokens,
 all at once; the decode-only steps that ran all R sequences are timed by the engine itself
-(``StepStats``: schedule, prepare, execute, output). Reported per R: ms per step, **host µs per sequence
-per step** (step time / R), and each phase's share; and the marginal cost, the slope of step time over
+(``StepStats``: schedule, prepare, execute, output). Reported per R: the median and mean ms per step
+(the mean with the garbage collector's pauses), **host µs per sequence per step** (median step time / R),
+and each phase's share; and the marginal cost, the slope of step time over
 R between the smallest and largest R. Two paths: ``LLM.generate`` (offline) and serving, ``AsyncLLM``
-with ``--streams`` concurrent streams read by asyncio consumers, as a Ray Serve replica reads them.
+with ``--streams`` concurrent streams read by asyncio consumers, as a Ray Serve replica reads them, where
+the wall time per token of a stream (its inter-token latency) counts delivery to the consumers too.
 
 Run from the repository root on an otherwise idle machine (about 1 minute):
     .venv/bin/python bench/host_overhead.py --json bench/results/host_overhead.json
@@ -79,9 +81,9 @@ def stub_the_model(engine: Any, token: int, max_rows: int) -> None:
     model.greedy_token_ids = lambda hidden: ids[: hidden.shape[0]]
 
 
-def prompts(rows: int, token: int) -> list[dict[str, list[int]]]:
-    """``rows`` prompts of ``PROMPT_LEN`` token ids, each distinct (no prefix-cache hits between them)."""
-    return [{"prompt_token_ids": [1000 + i % 30000, *[token] * (PROMPT_LEN - 1)]} for i in range(rows)]
+def prompts(rows: int, token: int, length: int = PROMPT_LEN) -> list[dict[str, list[int]]]:
+    """``rows`` prompts of ``length`` token ids, each distinct (no prefix-cache hits between them)."""
+    return [{"prompt_token_ids": [1000 + i % 30000, *[token] * (length - 1)]} for i in range(rows)]
 
 
 def full_decode_steps(steps: list[StepStats], rows: int) -> list[StepStats]:
@@ -99,19 +101,20 @@ def summary(steps: list[StepStats], rows: int) -> dict[str, Any]:
         "rows": rows,
         "steps": len(full),
         "step_ms": round(step_ms, 3),
+        "mean_step_ms": round(total * 1e3 / len(full), 3),  # with the collector's pauses
         "us_per_seq_per_step": round(step_ms * 1e3 / rows, 2),
         "phase_share": shares,
     }
 
 
-def offline(llm: LLM, token: int, rows: int, max_tokens: int) -> dict[str, Any]:
-    llm.generate(prompts(rows, token), greedy(4), use_tqdm=False)  # warm-up at this size
+def offline(llm: LLM, token: int, rows: int, max_tokens: int, prompt_len: int) -> dict[str, Any]:
+    llm.generate(prompts(rows, token, prompt_len), greedy(4), use_tqdm=False)  # warm-up at this size
     with recording_steps(llm) as steps, Timer() as timer:
-        llm.generate(prompts(rows, token), greedy(max_tokens), use_tqdm=False)
+        llm.generate(prompts(rows, token, prompt_len), greedy(max_tokens), use_tqdm=False)
     return {**summary(steps, rows), "wall_s": round(timer.wall_s, 3), **timer.to_json()}
 
 
-async def serve_streams(engine: AsyncLLM, token: int, streams: int, max_tokens: int) -> float:
+async def serve_streams(engine: AsyncLLM, token: int, streams: int, max_tokens: int, prompt_len: int) -> float:
     """``streams`` concurrent requests, each read to the end by its own consumer; the wall seconds."""
 
     async def one(i: int, prompt: dict) -> int:
@@ -121,20 +124,23 @@ async def serve_streams(engine: AsyncLLM, token: int, streams: int, max_tokens: 
         return n
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(streams, token))))
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(streams, token, prompt_len))))
     return time.perf_counter() - start
 
 
-def serving(model_dir: Path, token: int, streams: int, max_tokens: int, engine_args: dict) -> dict[str, Any]:
+def serving(
+    model_dir: Path, token: int, streams: int, max_tokens: int, prompt_len: int, engine_args: dict
+) -> dict[str, Any]:
     engine = AsyncLLM(EngineConfig.from_kwargs(model=str(model_dir), **engine_args))
     try:
         stub_the_model(engine.engine, token, engine_args["max_num_seqs"])
-        asyncio.run(serve_streams(engine, token, streams, 4))
+        asyncio.run(serve_streams(engine, token, streams, 4, prompt_len))
         steps: list[StepStats] = []
         engine.add_step_listener(lambda stats, _outputs: steps.append(stats))
         with Timer() as timer:
-            wall = asyncio.run(serve_streams(engine, token, streams, max_tokens))
-        return {**summary(steps, streams), "wall_s": round(wall, 3), **timer.to_json()}
+            wall = asyncio.run(serve_streams(engine, token, streams, max_tokens, prompt_len))
+        itl = {"wall_ms_per_token": round(wall * 1e3 / max_tokens, 3)}  # each stream's inter-token latency
+        return {**summary(steps, streams), "wall_s": round(wall, 3), **itl, **timer.to_json()}
     finally:
         engine.shutdown()
 
@@ -150,6 +156,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", default="1,16,64,256", help="batch sizes (default: 1,16,64,256)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: 64)")
     p.add_argument("--streams", type=int, default=64, help="concurrent AsyncLLM streams (default: 64)")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help=f"prompt tokens (default: {PROMPT_LEN})")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     return p.parse_args(argv)
 
@@ -158,11 +165,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     rows = sorted(int(r) for r in args.rows.split(","))
+    max_seqs, max_len = max(rows + [args.streams]), args.prompt_len + args.max_tokens
     engine_args = dict(
-        max_num_seqs=max(rows + [args.streams]),
+        max_num_seqs=max_seqs,
         max_num_batched_tokens=4096,
-        num_gpu_blocks=8192,
-        max_model_len=1024,
+        num_gpu_blocks=max(8192, max_seqs * (-(-max_len // 16) + 1)),
+        max_model_len=max(1024, max_len),
         enable_prefix_caching=False,
         seed=0,
     )
@@ -171,9 +179,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         model_dir, token = tiny_model(Path(tmp))
         llm = LLM(model=str(model_dir), **engine_args)
         stub_the_model(llm.engine, token, engine_args["max_num_seqs"])
-        results = [offline(llm, token, r, args.max_tokens) for r in rows]
+        results = [offline(llm, token, r, args.max_tokens, args.prompt_len) for r in rows]
         del llm
-        serve = serving(model_dir, token, args.streams, args.max_tokens, engine_args)
+        serve = serving(model_dir, token, args.streams, args.max_tokens, args.prompt_len, engine_args)
     out = {
         **run_info(started),
         "cpu": cpu_model_and_flags()[0],
@@ -181,16 +189,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "cb_serve": cb_serve_source(),
         "engine_args": engine_args,
         "max_tokens": args.max_tokens,
+        "prompt_len": args.prompt_len,
         "offline": results,
         "offline_marginal_us_per_seq": slope_us(results),
         "serving": serve,
     }
-    log("path      rows  steps  step ms  host µs/seq/step  schedule  prepare  execute  output")
+    log("path      rows  steps  step ms  mean ms  host µs/seq/step  schedule  prepare  execute  output")
     for r in [*results, {**serve, "path": "serving"}]:
         shares = "  ".join(f"{r['phase_share'][p]:7.1%}" for p in PHASES)
-        log(f"{r.get('path', 'offline'):8} {r['rows']:5} {r['steps']:6} {r['step_ms']:8.2f} "
+        log(f"{r.get('path', 'offline'):8} {r['rows']:5} {r['steps']:6} {r['step_ms']:8.2f} {r['mean_step_ms']:8.2f} "
             f"{r['us_per_seq_per_step']:17.2f}  {shares}")  # fmt: skip
     log(f"offline marginal cost: {out['offline_marginal_us_per_seq']} µs per added sequence per step")
+    log(f"serving: {serve['wall_ms_per_token']} ms per token per stream at {args.streams} streams (wall)")
     write_json(args.json, out)
     return out
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from cb_serve.chat_template import apply_chat_template
 from cb_serve.config import EngineConfig
+from cb_serve.engine.gc_heap import frozen_heap
 from cb_serve.engine.llm_engine import LLMEngine
 from cb_serve.inputs import PromptType, is_single_prompt
 from cb_serve.lora_request import LoRARequest
@@ -118,11 +119,12 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            with frozen_heap():
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
         finally:
             bar.close()
             engine.abort_request([r for r in request_ids if r not in results])

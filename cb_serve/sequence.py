@@ -24,21 +24,20 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+    # Plain attributes of each member, set below (read for every sequence in every step: no hashing).
+    is_finished: bool
+    finish_reason: str | None  # the OpenAI finish reason of a finished status
 
 
-_FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_ERROR: "error",
-}
+for _status, _reason in (
+    (SequenceStatus.WAITING, None),
+    (SequenceStatus.RUNNING, None),
+    (SequenceStatus.FINISHED_STOPPED, "stop"),
+    (SequenceStatus.FINISHED_LENGTH, "length"),
+    (SequenceStatus.FINISHED_ABORTED, "abort"),
+    (SequenceStatus.FINISHED_ERROR, "error"),
+):
+    _status.finish_reason, _status.is_finished = _reason, _reason is not None
 
 
 @dataclass

@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cb_serve.config import EngineConfig
-from cb_serve.engine.inbox import Inbox, Item, Stream, settle, wait_or_timeout
+from cb_serve.engine.gc_heap import frozen_heap
+from cb_serve.engine.inbox import Inbox, Item, Stream, call_soon, put_all, settle, wait_or_timeout
 from cb_serve.engine.llm_engine import LLMEngine, StepListener
 from cb_serve.errors import (
     EngineDeadError,
@@ -208,25 +209,28 @@ class AsyncLLM:
 
     # ---- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
-        engine, wake = self._engine, self._inbox.wake
         try:
             bind_thread_to_device(self._device)
-            while not self._stop:
-                wake.clear()
-                self._drain_inbox()
-                if not engine.has_unfinished_requests():
-                    self._snapshot()
-                    wake.wait(timeout=1.0)
-                    continue
-                outputs = engine.step()  # contains every failure it can survive
-                self._snapshot()  # before the outputs: a caller sees stats at least as new
-                for out in outputs:
-                    self._deliver(out)
+            with frozen_heap(collect=True):  # the loop runs as long as the engine: start from a clean heap
+                self._steps()
         except BaseException as e:  # noqa: BLE001 - the engine cannot go on; callers are told at once
             logger.exception("engine loop died")
             self.error = e
         finally:
             self._end_loop()
+
+    def _steps(self) -> None:
+        engine, wake = self._engine, self._inbox.wake
+        while not self._stop:
+            wake.clear()
+            self._drain_inbox()
+            if not engine.has_unfinished_requests():
+                self._snapshot()
+                wake.wait(timeout=1.0)
+                continue
+            outputs = engine.step()  # contains every failure it can survive
+            self._snapshot()  # before the outputs: a caller sees stats at least as new
+            self._deliver(outputs)
 
     def _snapshot(self) -> None:
         self._stats = self._engine.get_stats()
@@ -234,14 +238,19 @@ class AsyncLLM:
             self._digest_wanted = False
             self._digest = self._engine.cache_digest()
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._live.get(out.request_id)
-        if stream is None:
-            return
-        stream.put(out.error if out.error is not None else out)
-        if out.finished:
-            del self._live[out.request_id]
-            self._inbox.release(stream)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs to their streams: one wake-up per event loop, not per output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput | BaseException]]] = {}
+        for out in outputs:
+            stream = self._live.get(out.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream, out.error if out.error is not None else out))
+            if out.finished:
+                del self._live[out.request_id]
+                self._inbox.release(stream)
+        for loop, items in by_loop.items():
+            call_soon(loop, put_all, items)
 
     def _drain_inbox(self) -> None:
         while (item := self._inbox.get()) is not None:

@@ -79,6 +79,7 @@ class BlockManager:
         self.num_evictions = 0  # cached blocks whose content was dropped for reuse
         self.bloom = CountingBloom(num_blocks, block_size) if enable_prefix_caching else None
         self.state_slots = state_slots  # recurrent layers' slots, taken and freed with the blocks
+        self._all_full = all(w is None for w in self.group_windows)  # no group gives blocks back as it goes
 
     @property
     def cached(self) -> dict[bytes, int]:
@@ -198,6 +199,10 @@ class BlockManager:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens in every group (after taking
         ``hit``, its prefix hit, if any); first, sliding groups give back what their windows no
         longer see. Returns False, taking nothing, if the pool is too small."""
+        if hit is None and self._all_full and (self.state_slots is None or seq.state_slot >= 0):
+            table = seq.block_tables[0]  # a running sequence whose blocks hold its new tokens: nothing to do
+            if table and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+                return True
         if hit is not None and hit.num_blocks:
             assert not seq.block_table, "a prefix hit only starts a block table"
             num_computed = hit.num_tokens

@@ -39,6 +39,12 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: A
         pass
 
 
+def put_all(items: list[tuple[Stream, RequestOutput | BaseException]]) -> None:
+    """In a stream's event loop: each item into its stream's queue (a step's outputs for this loop)."""
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
 def settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
     """Delivers to a future the engine thread runs (``set_running_or_notify_cancel`` passed);
     never raises, whatever happened to the future meanwhile."""

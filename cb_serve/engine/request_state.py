@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from cb_serve.engine.detokenizer import IncrementalDetokenizer
+from cb_serve.engine.detokenizer import IncrementalDetokenizer, rust_tokenizer
 from cb_serve.engine.processor import ProcessedRequest
 from cb_serve.engine.stop_checker import StopChecker
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -47,8 +47,9 @@ class RequestState:
             )
             for i in range(n)
         ]
+        rust = rust_tokenizer(tokenizer)
         self.detokenizers = [
-            IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
+            IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens, rust)
             if tokenizer is not None
             else None
             for _ in range(n)
@@ -60,7 +61,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        return seqs[0].status.is_finished if len(seqs) == 1 else all(s.status.is_finished for s in seqs)
 
     def with_token_text(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
         """Fills in each logprob's ``decoded_token`` (the token decoded alone)."""
@@ -85,26 +87,39 @@ class RequestState:
         if kind == RequestOutputKind.DELTA and not completions and not finished:
             return None
         first = self.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=first.times.arrival,
-            first_scheduled_time=min(
-                (s.times.first_scheduled for s in self.seqs if s.times.first_scheduled), default=None
-            ),
-            first_token_time=min((s.times.first_token for s in self.seqs if s.times.first_token), default=None),
-            last_token_time=max((s.times.last_token for s in self.seqs if s.times.last_token), default=None),
-            finished_time=max((s.times.finished or 0.0 for s in self.seqs), default=None) if finished else None,
-            num_preemptions=sum(s.num_preemptions for s in self.seqs),
-        )
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
             completions,
             finished,
-            metrics,
+            self._metrics(finished),
             first.num_cached_tokens,
             lora_request=first.lora,
             prompt_logprobs=self._prompt_logprobs(kind),
+        )
+
+    def _metrics(self, finished: bool) -> RequestMetrics:
+        """The request's times: its first sequence's arrival, the earliest first scheduling and first
+        token, the latest token and finish, over its sequences."""
+        if len(self.seqs) == 1:
+            t = self.seqs[0].times
+            return RequestMetrics(
+                arrival_time=t.arrival,
+                first_scheduled_time=t.first_scheduled or None,
+                first_token_time=t.first_token or None,
+                last_token_time=t.last_token or None,
+                finished_time=(t.finished or 0.0) if finished else None,
+                num_preemptions=self.seqs[0].num_preemptions,
+            )
+        times = [s.times for s in self.seqs]
+        return RequestMetrics(
+            arrival_time=times[0].arrival,
+            first_scheduled_time=min((t.first_scheduled for t in times if t.first_scheduled), default=None),
+            first_token_time=min((t.first_token for t in times if t.first_token), default=None),
+            last_token_time=max((t.last_token for t in times if t.last_token), default=None),
+            finished_time=max((t.finished or 0.0 for t in times), default=None) if finished else None,
+            num_preemptions=sum(s.num_preemptions for s in self.seqs),
         )
 
     def _prompt_logprobs(self, kind: RequestOutputKind) -> list | None:
