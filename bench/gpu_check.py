@@ -10,7 +10,9 @@ device, offline, with random-weight models built on the GPU from transformers co
    8-bit mantissa);
 2. a 1B Llama (Llama-3.2-1B shapes) in bfloat16, KV cache sized from device memory: start-up time,
    TTFT of a 2k-token prompt (the first request, then a warm one), decode tok/s and the fraction of
-   the HBM-bandwidth bound at batch 1, 16, 64 and 256 with graphs, and at 16 and 64 without;
+   the HBM-bandwidth bound at batch 1, 16, 64 and 256 with graphs, and at 16 and 64 without; for each
+   ``generate()`` its steps' sum against its wall time (the gap no step explains), its longest step, the
+   decode steps' host phases, and the Triton kernels compiled meanwhile (0 after start-up);
 3. the peak memory of sampled steps (top-p at 256 rows, full prefill budget) against
    ``activation_bytes``, the KV-sizing estimate;
 4. a tiny model's engine sized from device memory (millions of KV blocks): start-up time and host memory.
@@ -38,11 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cb_offline import greedy, recording_steps  # noqa: E402
 from gpu_bench import LLAMA_1B, TINY, kv_bytes_per_token, make_model, weight_bytes  # noqa: E402
 from roofline import copy_bandwidth  # noqa: E402
+from step_phases import PHASES, phase_seconds, step_kind  # noqa: E402
 
 from cb_serve import LLM, SamplingParams  # noqa: E402
 from cb_serve.benchmarks.report import cb_serve_source, log, write_json  # noqa: E402
 from cb_serve.config import EngineConfig  # noqa: E402
 from cb_serve.engine.kv_cache_sizing import activation_bytes  # noqa: E402
+from cb_serve.model_executor.jit_compiles import num_triton_compiles  # noqa: E402
 
 SMOL_SHAPE = dict(
     hidden_size=576,
@@ -152,16 +156,32 @@ def decode_at(llm: LLM, batch: int, prompt_len: int, out_len: int, bandwidth: fl
     prompts = [
         {"prompt_token_ids": torch.randint(2, vocab, (prompt_len,), generator=gen).tolist()} for _ in range(batch)
     ]
+    compiles = num_triton_compiles()
     with recording_steps(llm) as steps:
         start = time.perf_counter()
         llm.generate(prompts, greedy(out_len), use_tqdm=False)
         wall = time.perf_counter() - start
     decodes = [s for s in steps if not s.num_prefill_tokens]
     rows = max(s.num_seqs for s in decodes)  # batch, unless the KV cache could not hold them all
-    step_s = statistics.median(s.duration_s for s in decodes if s.num_seqs == rows)
+    full = [s for s in decodes if s.num_seqs == rows]
+    step_s = statistics.median(s.duration_s for s in full)
     bound_s = (weight_bytes(llm) + kv_bytes_per_token(llm) * rows * (prompt_len + out_len / 2)) / (bandwidth * 1e9)
     return {"rows": rows, "decode_tok_s": round(rows / step_s), "step_ms": round(step_s * 1e3, 3),
-            "hbm_fraction": round(bound_s / step_s, 3), "generate_tok_s": round(batch * out_len / wall)}  # fmt: skip
+            "hbm_fraction": round(bound_s / step_s, 3), "generate_tok_s": round(batch * out_len / wall),
+            **step_accounting(steps, full, wall), "triton_compiles": num_triton_compiles() - compiles}  # fmt: skip
+
+
+def step_accounting(steps: list, full: list, wall: float) -> dict[str, Any]:
+    """Where one ``generate()``'s wall time went: its steps' sum against the wall (the gap: what no step
+    explains, such as a live compile), the longest step and its kind, and the full-batch decode steps'
+    host phases in µs per step (schedule, prepare, execute: launch to the sampled ids on the host,
+    output)."""
+    total = sum(s.duration_s for s in steps)
+    longest = max(steps, key=lambda s: s.duration_s)
+    phases = {p: round(1e6 * statistics.median(phase_seconds(s)[p] for s in full), 1) for p in PHASES}
+    return {"sum_steps_s": round(total, 3), "wall_gap_s": round(wall - total, 3),
+            "longest_step_ms": round(longest.duration_s * 1e3, 2), "longest_step_kind": step_kind(longest),
+            "decode_phase_us": phases}  # fmt: skip
 
 
 def ttft(llm: LLM, prompt_len: int, seed: int) -> float:

@@ -168,10 +168,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     max_seqs, max_len = max(rows + [args.streams]), args.prompt_len + args.max_tokens
     engine_args = dict(
         max_num_seqs=max_seqs,
-        max_num_batched_tokens=4096,
+        max_num_batched_tokens=max(4096, max_seqs * args.prompt_len),  # every prompt in one step
         num_gpu_blocks=max(8192, max_seqs * (-(-max_len // 16) + 1)),
         max_model_len=max(1024, max_len),
-        enable_prefix_caching=False,
+        enable_prefix_caching=True,  # the default (prompts differ: no hits)
         seed=0,
     )
     log(f"host overhead, {started}: {cpu_model_and_flags()[0]}, {torch.get_num_threads()} threads")

@@ -83,7 +83,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.state_slot = -1  # recurrent layers' state slot while running (engine/state_slots.py)
         self.num_cached_tokens = 0  # prefix-cache hit at the first scheduling
-        self.block_tables: list[list[int]] = [[]]  # one per KV-cache group (``kv_cache_interface``)
+        # One per KV-cache group (``kv_cache_interface``). Only appended to in place; any other change
+        # makes a new outer list (the model runner's rows, ``block_table_rows``, copy only what is new).
+        self.block_tables: list[list[int]] = [[]]
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] = []

@@ -15,9 +15,22 @@ except ImportError:  # pragma: no cover - exercised only without triton
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
+# What a step's batch changes never recompiles a kernel. Triton compiles a variant per specialization of
+# its arguments (an integer ``== 1`` or ``% 16 == 0``, a pointer 16-byte aligned or not); warm-up and graph
+# capture compile the ones start-up meets, and any other would compile live, for seconds, in the middle of
+# serving. So integers that follow the batch (a block table's width, the KV splits) are not specialized,
+# and neither is the alignment of the index arrays read one element at a time (a KV-cache group's block
+# table or slot mapping is a view at an offset that follows the batch's size; no vector load gains from
+# it). Alignment still specializes the tensors whose rows are loaded as vectors (q, the caches, out).
+WRITE_KV_UNSPECIALIZED_ALIGNMENT = ("slot_mapping",)
+ATTENTION_UNSPECIALIZED = ("num_splits", "stride_bt")
+ATTENTION_UNSPECIALIZED_ALIGNMENT = ("block_table", "seqused_k", "cu_seqlens_q", "plan")
+COMBINE_UNSPECIALIZED = ("num_splits",)
+COMBINE_UNSPECIALIZED_ALIGNMENT = ("out", "part_m", "part_l", "part_acc")  # rows from the first prefill row on
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=WRITE_KV_UNSPECIALIZED_ALIGNMENT)
     def _write_kv_kernel(
         k,
         v,
@@ -105,7 +118,9 @@ if triton is not None:
 
     # Over 60 lines: one fused program per tile (its 40 parameters alone take 45); more @triton.jit
     # helpers would only move lines, and each split makes the compiler's inlining harder to check.
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=ATTENTION_UNSPECIALIZED, do_not_specialize_on_alignment=ATTENTION_UNSPECIALIZED_ALIGNMENT
+    )
     def _paged_attention_kernel(
         out,
         q,
@@ -302,7 +317,7 @@ if triton is not None:
             o_ptrs = out + (tok0 + r_tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=rd_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=COMBINE_UNSPECIALIZED, do_not_specialize_on_alignment=COMBINE_UNSPECIALIZED_ALIGNMENT)
     def _combine_splits_kernel(
         out,
         part_m,

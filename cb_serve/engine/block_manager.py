@@ -181,6 +181,8 @@ class BlockManager:
     def _register_full_blocks(self, seq: Sequence) -> None:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_tables[0]))
         start = self.num_registered.get(seq.seq_id, 0)
+        if num_full <= start:  # no block filled since the last call
+            return
         hashes = self._hashes(seq, num_full)
         bs = self.block_size
         for g, table in enumerate(seq.block_tables):
@@ -255,12 +257,19 @@ class BlockManager:
         return block_id
 
     def _free_out_of_window(self, seq: Sequence) -> None:
-        """Sliding groups give back blocks before their window (oldest first: evicted first)."""
-        for g, table in enumerate(seq.block_tables):
+        """Sliding groups give back blocks before their window (oldest first: evicted first). A table
+        changed other than by appending is a new list (``Sequence.block_tables``' contract)."""
+        tables = seq.block_tables
+        for g, table in enumerate(tables):
             end = min(self._window_start(g, seq.num_computed_tokens), len(table))
             start = end
             while start > 0 and table[start - 1] != NULL_BLOCK:
                 start -= 1
+            if start == end:
+                continue
+            if seq.block_tables is tables:
+                seq.block_tables = list(tables)
+            table = seq.block_tables[g] = list(table)
             for i in range(start, end):
                 self._release(table[i])
                 table[i] = NULL_BLOCK

@@ -33,6 +33,7 @@ from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.model_executor.warm_up import warm_up
 from cb_serve.reasoning import reasoning_parser
+from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
 from cb_serve.structured_outputs.manager import StructuredOutputManager
@@ -104,7 +105,12 @@ def build(config: EngineConfig) -> EngineParts:
     block_manager = BlockManager(
         num_blocks, setup.block_size, config.enable_prefix_caching, setup.kv_layout.group_windows, slots
     )
-    release = speculator.release  # a proposer's per-sequence state goes with its blocks
+    runner = executor.runner
+
+    def release(seq: Sequence) -> None:  # a proposer's per-sequence state and the runner's row go with its blocks
+        speculator.release(seq)
+        runner.release(seq)
+
     scheduler = Scheduler(
         block_manager,
         config.max_num_batched_tokens,

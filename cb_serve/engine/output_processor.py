@@ -80,7 +80,7 @@ class OutputProcessor:
 
     def _jump_forward(self, seq: Sequence, now: float) -> None:
         """Appends the tokens the grammar forces next: they join the sequence's next step as a chunk."""
-        if seq.is_finished:
+        if seq.is_finished or seq.matcher is None:  # only a grammar forces tokens
             return
         room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens, MAX_JUMP_TOKENS)
         for token_id in self.structured.forced_tokens(seq, room):

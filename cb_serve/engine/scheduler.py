@@ -102,8 +102,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
-            del seq.spec_token_ids[max(0, num_new - seq.num_uncomputed_tokens) :]  # the drafts that fit
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = min(uncomputed + len(seq.spec_token_ids), budget)
+            if seq.spec_token_ids:
+                del seq.spec_token_ids[max(0, num_new - uncomputed) :]  # the drafts that fit
             assert num_new > 0, seq
             while not self.block_manager.allocate(seq, num_new):
                 if seq.spec_token_ids:  # drafts never cost another sequence its blocks
@@ -115,7 +117,7 @@ class Scheduler:
                 if victim is seq:  # now ``running[i]`` is the next one (fcfs: there is none)
                     break
             else:
-                self.counters.num_partial_prefills += num_new < seq.num_uncomputed_tokens
+                self.counters.num_partial_prefills += num_new < uncomputed
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(num_new)
                 budget -= num_new
@@ -135,6 +137,8 @@ class Scheduler:
     def _fit_drafts(self, budget: int) -> None:
         """Drafts (speculative decoding) only take budget no running sequence's own tokens need:
         they are cut, in admission order, to what is left after every running sequence's tokens."""
+        if not any(seq.spec_token_ids for seq in self.running):
+            return
         spare = budget - sum(seq.num_uncomputed_tokens for seq in self.running)
         for seq in self.running:
             if seq.spec_token_ids:

@@ -15,6 +15,7 @@ from cb_serve.engine.output_processor import OutputProcessor
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler
 from cb_serve.lora.manager import LoRAManager, lora_stats
+from cb_serve.model_executor.jit_compiles import num_triton_compiles
 from cb_serve.model_executor.model_runner import StepResult
 from cb_serve.outputs import RequestOutput
 from cb_serve.sequence import SchedulerOutput
@@ -142,5 +143,6 @@ class StatsRecorder:
             num_requests_waiting_grammar=num_waiting_grammar,
             num_constrained_requests=self.structured.num_constrained_requests,
             cpu_kernels=self.cpu_kernels,
+            num_triton_compiles=0 if self.cpu_kernels else num_triton_compiles(),
             **lora,
         )

@@ -15,6 +15,7 @@ from cb_serve.errors import EngineFatalError
 from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import prompt_logprobs
+from cb_serve.model_executor.block_table_rows import BlockTableRows
 from cb_serve.model_executor.cache_tensors import StateCache, kv_cache_tensors
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.layers.moe import FusedMoE
@@ -85,7 +86,8 @@ class StepResult:
 
 
 class HostStaging:
-    """Moves a ``StepBatch`` to the device in one copy per dtype. On CUDA the copies come from
+    """Moves a ``StepBatch`` to the device in one copy per dtype (on the CPU the step's arrays are
+    the tensors: nothing is copied). On CUDA the copies come from
     pinned buffers kept across steps (so they are truly asynchronous). A buffer is refilled only
     after its previous copy has run (an event recorded behind it): a step that samples nothing
     never waits on the host, so the GPU may not have reached that copy yet."""
@@ -98,15 +100,18 @@ class HostStaging:
     def to_device(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for names, dtype in ((INT64_FIELDS, torch.int64), (INT32_FIELDS, torch.int32)):
-            arrays = [np.asarray(batch.arrays[n]) for n in names]
-            flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(dtype_np(dtype)))
-            if self.device.type == "cuda":
-                flat = self._stage(flat).to(self.device, non_blocking=True)
-                self.copied.setdefault(dtype, torch.cuda.Event()).record()  # on the stream that copies
-            offset = 0
-            for name, a in zip(names, arrays):
+            arrays = [np.asarray(batch.arrays[n], dtype=dtype_np(dtype)) for n in names]
+            if self.device.type == "cpu":  # the host arrays themselves, no copy
+                out.update((name, torch.from_numpy(np.ascontiguousarray(a))) for name, a in zip(names, arrays))
+                continue
+            offsets, total = aligned_offsets([a.size for a in arrays])
+            host = np.zeros(total, dtype=dtype_np(dtype))
+            for a, offset in zip(arrays, offsets):
+                host[offset : offset + a.size] = a.reshape(-1)
+            flat = self._stage(torch.from_numpy(host)).to(self.device, non_blocking=True)
+            self.copied.setdefault(dtype, torch.cuda.Event()).record()  # on the stream that copies
+            for name, a, offset in zip(names, arrays, offsets):
                 out[name] = flat[offset : offset + a.size].view(a.shape)
-                offset += a.size
         return out
 
     def _stage(self, flat: torch.Tensor) -> torch.Tensor:
@@ -121,6 +126,20 @@ class HostStaging:
         staged = buf[: flat.numel()]
         staged.copy_(flat)
         return staged
+
+
+STAGING_ALIGNMENT = 16  # elements: every staged field starts 64- or 128-byte aligned
+
+
+def aligned_offsets(sizes: list[int], alignment: int = STAGING_ALIGNMENT) -> tuple[list[int], int]:
+    """Where each of fields of ``sizes`` elements starts in one flat buffer, each at a multiple of
+    ``alignment`` elements, and the buffer's size. The device views of a step's fields are then aligned
+    whatever the batch's size, so no Triton kernel meets an alignment class that warm-up did not."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // alignment) * alignment
+    return offsets, end
 
 
 def dtype_np(dtype: torch.dtype) -> type:
@@ -166,6 +185,8 @@ class ModelRunner:
         self.lora = lora
         self.draft_verifier = draft_verifier
         self.staging = HostStaging(device)
+        width = -(-max_model_len // block_size) + 1 if max_model_len else 64
+        self.block_rows = BlockTableRows(len(self.kv_layout.groups), max(64, num_state_slots), width)
         self.kv_caches: list = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
         specs = model.state_specs()
         self.state_cache = StateCache(specs, num_state_slots + 1, device) if specs else None
@@ -244,14 +265,14 @@ class ModelRunner:
         inp.prompt_plan = plan
         return inp
 
+    def release(self, seq: Sequence) -> None:
+        """``seq`` gave its blocks back (finished or preempted): its block-table row is free."""
+        self.block_rows.release(seq)
+
     def _kv_arrays(self, seqs: list[Sequence], row_of_token: np.ndarray, positions: np.ndarray):
         """Every KV-cache group's block tables ``[G, B, max_blocks]`` and each token's KV slot ``[G, T]``."""
         num_groups = len(self.kv_layout.groups)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = np.zeros((num_groups, len(seqs), max_blocks), dtype=np.int64)
-        for i, seq in enumerate(seqs):
-            for g, table in enumerate(seq.block_tables):
-                block_tables[g, i, : len(table)] = table
+        block_tables = self.block_rows.gather(seqs)
         slot_mappings = block_tables[:, row_of_token, positions // self.block_size] * self.block_size
         slot_mappings += positions % self.block_size
         assert num_groups == 1 or slot_mappings.min(initial=0) >= 0, "a token written to a block out of its window"

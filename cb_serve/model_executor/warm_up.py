@@ -2,7 +2,11 @@
 requests do not wait for the attention kernels' just-in-time compilation: Triton compiles one
 kernel per set of compile-time constants (its query-tile size follows the longest query of the
 step, and a split-KV variant runs where there are few tiles), each on its first launch. Decode
-steps are warmed by the CUDA-graph capture; mixed steps (decode rows beside a prefill chunk) here."""
+steps are warmed by the CUDA-graph capture; mixed steps (decode rows beside a prefill chunk) here, and a
+decode row and a prefill chunk at the longest context (their KV split over several programs), which
+eager steps meet (models run without graphs, long decode rows beside a prefill). Nothing else about a
+batch picks a variant: ``attention/triton_kernels.py`` keeps the batch-dependent arguments out of
+Triton's specialization, and the staged inputs are aligned (``model_runner.aligned_offsets``)."""
 
 from __future__ import annotations
 
@@ -22,14 +26,26 @@ def warm_up_query_lens(max_num_tokens: int, max_model_len: int) -> list[list[int
     return [[n] for n in singles] + ([mixed] if max_num_tokens >= 3 else [])
 
 
+def warm_up_long_contexts(max_num_tokens: int) -> list[list[int]]:
+    """The batches to run at the longest context: a decode row and a prefill chunk whose KV ranges are
+    long enough to be split over several programs (the split variants; the ones above are too short)."""
+    return [[1], [min(24, max_num_tokens)]]
+
+
 def dummy_batch(
-    query_lens: list[int], block_size: int, num_blocks: int, max_model_len: int, num_groups: int = 1
+    query_lens: list[int],
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    num_groups: int = 1,
+    context: int | None = None,
 ) -> StepBatch:
     """A step over made-up rows: each row has as much context as its query (a decode row: 16 tokens
-    before it), in blocks 0, 1, ... (rows share them: the KV written is garbage, overwritten before
-    any request reads it, as every block's is; every KV-cache group the same) and samples its last token."""
+    before it), or ``context`` tokens in all (at most ``max_model_len``), in blocks 0, 1, ... (rows share
+    them: the KV written is garbage, overwritten before any request reads it, as every block's is; every
+    KV-cache group the same) and samples its last token."""
     num_decodes = sum(1 for n in query_lens if n == 1)
-    seq_lens = [min(max_model_len, 17 if n == 1 else n) for n in query_lens]
+    seq_lens = [min(max_model_len, max(n, context or (17 if n == 1 else n))) for n in query_lens]
     width = -(-max(seq_lens) // block_size)
     assert width <= num_blocks, "the KV cache holds one max_model_len sequence"
     q = np.asarray(query_lens, dtype=np.int64)
@@ -55,9 +71,11 @@ def dummy_batch(
 def warm_up(runner: ModelRunner, max_num_tokens: int, max_model_len: int) -> None:
     """Runs ``runner``'s forward pass and logits on each of ``warm_up_query_lens``'s batches (one
     rank: tensor-parallel ranks would each have to run the same batches in step)."""
-    for query_lens in warm_up_query_lens(max_num_tokens, max_model_len):
+    shapes = [(q, None) for q in warm_up_query_lens(max_num_tokens, max_model_len)]
+    shapes += [(q, max_model_len) for q in warm_up_long_contexts(max_num_tokens)]
+    for query_lens, context in shapes:
         num_groups = len(runner.kv_layout.groups)
-        batch = dummy_batch(query_lens, runner.block_size, runner.num_blocks, max_model_len, num_groups)
+        batch = dummy_batch(query_lens, runner.block_size, runner.num_blocks, max_model_len, num_groups, context)
         if runner.lora is not None:  # every row on the base model
             rows = np.repeat(np.arange(len(query_lens)), query_lens)
             runner.lora.set_active_loras([None] * len(query_lens), rows, runner.device)

@@ -99,6 +99,11 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "lora_loads": ("counter", "LoRA: adapters copied into a slot."),
     "lora_evictions": ("counter", "LoRA: adapters displaced from a slot by another."),
     "cpu_kernels_info": ("gauge", "The CPU GEMM kernels this replica runs (label kernels, value 1; CPU engines)."),
+    "triton_compiles": (
+        "counter",
+        "Triton kernel variants compiled (GPU engines): start-up's warm-up and graph capture, then none; a rise "
+        "while serving is a live compile that stalled the engine.",
+    ),
     "moe_expert_tokens": (
         "counter",
         "Mixture of experts: tokens the routers sent to each expert (label expert, from 0), summed over the MoE "
@@ -157,6 +162,7 @@ _COUNTER_FIELDS = {
     "structured_output_requests": "num_constrained_requests",
     "lora_loads": "lora_loads",
     "lora_evictions": "lora_evictions",
+    "triton_compiles": "num_triton_compiles",
 }
 
 

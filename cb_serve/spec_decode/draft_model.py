@@ -138,6 +138,7 @@ class DraftModelProposer(DraftProposer):
         shadow = self.shadows.pop(id(seq), None)
         if shadow is not None:
             self.blocks.free(shadow.seq)
+            self.runner.release(shadow.seq)
 
     def _synced(self, seq: Sequence) -> Sequence:
         """``seq``'s shadow, its tokens made the target's (its rejected drafts dropped)."""
