@@ -5,7 +5,8 @@ A full block is named by a SHA-256 chained over every token before it, so equal 
 equal prefixes. A replica publishes what it caches as a ``PrefixDigest``: a Bloom filter over
 those hashes, ``BITS_PER_BLOCK`` bits per KV block of the replica (about 1% false positives
 when the whole cache is full) up to ``MAX_BITS``, whatever it holds, so a report has a fixed
-size. Its probes are words of the SHA-256 itself: no second hash function.
+size. Its probes are words of the SHA-256 itself: no second hash function. ``PrefixHit`` is what
+the engine's block manager finds under those hashes for a new sequence.
 """
 
 from __future__ import annotations
@@ -110,3 +111,22 @@ class CountingBloom:
     def digest(self) -> PrefixDigest:
         bits = np.packbits(self.counts > 0, bitorder="little").tobytes()
         return PrefixDigest(self.block_size, self.num_bits, bits, self.num_entries)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A cached prefix of ``num_blocks`` full blocks: each group's table for it (a sliding group's
+    holds ``NULL_BLOCK`` before its window)."""
+
+    tables: tuple[tuple[int, ...], ...]
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks(self) -> list[int]:
+        """The first group's blocks."""
+        return list(self.tables[0])

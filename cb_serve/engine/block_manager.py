@@ -6,31 +6,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 from cb_serve.engine.state_slots import StateSlots
 from cb_serve.kv_cache_interface import NULL_BLOCK
-from cb_serve.prefix_hash import CountingBloom, PrefixDigest, chain_hash, num_hit_blocks
+from cb_serve.prefix_hash import CountingBloom, PrefixDigest, PrefixHit, chain_hash, num_hit_blocks
 from cb_serve.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """A cached prefix of ``num_blocks`` full blocks: each group's table for it (a sliding group's
-    holds ``NULL_BLOCK`` before its window)."""
-
-    tables: tuple[tuple[int, ...], ...]
-    num_blocks: int
-    block_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def blocks(self) -> list[int]:
-        """The first group's blocks."""
-        return list(self.tables[0])
 
 
 class BlockManager:

@@ -214,13 +214,12 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         # Decode rows first, longest context first (attention buckets them by length).
-        n_sched = sched.num_scheduled_tokens
-        rows = sorted(
-            range(len(sched.seqs)), key=lambda i: (n_sched[i] != 1, -(sched.seqs[i].num_computed_tokens + n_sched[i]))
-        )
+        n_sched = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
+        computed = np.asarray([s.num_computed_tokens for s in sched.seqs], dtype=np.int64)
+        rows = np.lexsort((-(computed + n_sched), n_sched != 1)).tolist()  # stable, as sorted() was
         seqs = [sched.seqs[i] for i in rows]
-        query_lens = [sched.num_scheduled_tokens[i] for i in rows]
-        starts = [s.num_computed_tokens for s in seqs]
+        query_lens = n_sched[rows].tolist()
+        starts = computed[rows].tolist()
         seq_lens = [start + n for start, n in zip(starts, query_lens)]
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
 
@@ -242,7 +241,10 @@ class ModelRunner:
         sampling = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens + len(s.spec_token_ids)]
         # A sampling row per sequence, its last token's; a speculating one's 1 + k last tokens.
         rows_of = [1 + len(seqs[i].spec_token_ids) for i in sampling]
-        logits_indices = [cu_q[i + 1] - n + j for i, n in zip(sampling, rows_of) for j in range(n)]
+        if len(rows_of) == sum(rows_of):  # no drafts: each sampling sequence's last token
+            logits_indices = cu_q[np.asarray(sampling, dtype=np.int64) + 1] - 1
+        else:
+            logits_indices = [cu_q[i + 1] - n + j for i, n in zip(sampling, rows_of) for j in range(n)]
         arrays = {
             "input_ids": np.asarray(token_ids, dtype=np.int64),
             "positions": positions,

@@ -42,12 +42,11 @@ def dummy_batch(
 ) -> StepBatch:
     """A step over made-up rows: each row has as much context as its query (a decode row: 16 tokens
     before it), or ``context`` tokens in all (at most ``max_model_len``), in blocks 0, 1, ... (rows share
-    them: the KV written is garbage, overwritten before any request reads it, as every block's is; every
-    KV-cache group the same) and samples its last token."""
+    them, and a row longer than the pool wraps around it: the KV written is garbage, overwritten before
+    any request reads it, as every block's is; every KV-cache group the same) and samples its last token."""
     num_decodes = sum(1 for n in query_lens if n == 1)
     seq_lens = [min(max_model_len, max(n, context or (17 if n == 1 else n))) for n in query_lens]
-    width = -(-max(seq_lens) // block_size)
-    assert width <= num_blocks, "the KV cache holds one max_model_len sequence"
+    width = -(-max(seq_lens) // block_size)  # blocks past the pool's wrap around (a sliding model's may be small)
     q = np.asarray(query_lens, dtype=np.int64)
     cu_q = np.concatenate([[0], np.cumsum(q)])
     cu_k = np.concatenate([[0], np.cumsum(seq_lens)])
@@ -56,12 +55,12 @@ def dummy_batch(
     arrays = {
         "input_ids": np.zeros(cu_q[-1], dtype=np.int64),
         "positions": positions,
-        "slot_mappings": np.tile(positions, (num_groups, 1)),  # block i of every row is block i
+        "slot_mappings": np.tile(positions % (num_blocks * block_size), (num_groups, 1)),  # block i: i % num_blocks
         "logits_indices": cu_q[1:] - 1,
         "cu_seqlens_q": cu_q,
         "cu_seqlens_k": cu_k,
         "seqused_k": np.asarray(seq_lens),
-        "block_tables": np.tile(np.arange(width), (num_groups, len(q), 1)),
+        "block_tables": np.tile(np.arange(width) % num_blocks, (num_groups, len(q), 1)),
         "state_slots": np.full(len(q), -1, dtype=np.int32),  # recurrent layers: the scratch slot (the last)
     }
     return StepBatch(num_decodes, list(query_lens), seq_lens, arrays)

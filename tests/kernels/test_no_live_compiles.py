@@ -86,6 +86,8 @@ def test_warm_up_reaches_the_split_kv_classes():
         assert positions[-1] == 1023 and len(positions) == query_lens[0]
         assert batch.arrays["block_tables"].shape == (2, 1, 64)
         assert (batch.arrays["slot_mappings"] // 16 < 64).all()
+    small_pool = dummy_batch([1], block_size=16, num_blocks=8, max_model_len=1024, context=1024)  # all sliding
+    assert small_pool.arrays["block_tables"].max() < 8 and small_pool.arrays["slot_mappings"].max() < 8 * 16
     short = dummy_batch([1, 1, 24], block_size=16, num_blocks=64, max_model_len=1024)
     assert short.seq_lens == [17, 17, 24]  # the classes before: unchanged
 
