@@ -28,9 +28,21 @@ ATTENTION_UNSPECIALIZED_ALIGNMENT = ("block_table", "seqused_k", "cu_seqlens_q",
 COMBINE_UNSPECIALIZED = ("num_splits",)
 COMBINE_UNSPECIALIZED_ALIGNMENT = ("out", "part_m", "part_l", "part_acc")  # rows from the first prefill row on
 
+
+def jit_options(ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """``triton.jit``'s keywords for arguments left unspecialized: ``ints`` on their value, ``pointers``
+    on their alignment (``do_not_specialize_on_alignment``, Triton >= 3.2; before it, ``do_not_specialize``
+    leaves a pointer's alignment out as well)."""
+    import inspect
+
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        return {"do_not_specialize": ints, "do_not_specialize_on_alignment": pointers}
+    return {"do_not_specialize": ints + pointers}
+
+
 if triton is not None:
 
-    @triton.jit(do_not_specialize_on_alignment=WRITE_KV_UNSPECIALIZED_ALIGNMENT)
+    @triton.jit(**jit_options(pointers=WRITE_KV_UNSPECIALIZED_ALIGNMENT))
     def _write_kv_kernel(
         k,
         v,
@@ -118,9 +130,7 @@ if triton is not None:
 
     # Over 60 lines: one fused program per tile (its 40 parameters alone take 45); more @triton.jit
     # helpers would only move lines, and each split makes the compiler's inlining harder to check.
-    @triton.jit(
-        do_not_specialize=ATTENTION_UNSPECIALIZED, do_not_specialize_on_alignment=ATTENTION_UNSPECIALIZED_ALIGNMENT
-    )
+    @triton.jit(**jit_options(ATTENTION_UNSPECIALIZED, ATTENTION_UNSPECIALIZED_ALIGNMENT))
     def _paged_attention_kernel(
         out,
         q,
@@ -317,7 +327,7 @@ if triton is not None:
             o_ptrs = out + (tok0 + r_tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=rd_ok)
 
-    @triton.jit(do_not_specialize=COMBINE_UNSPECIALIZED, do_not_specialize_on_alignment=COMBINE_UNSPECIALIZED_ALIGNMENT)
+    @triton.jit(**jit_options(COMBINE_UNSPECIALIZED, COMBINE_UNSPECIALIZED_ALIGNMENT))
     def _combine_splits_kernel(
         out,
         part_m,

@@ -241,6 +241,7 @@ class AsyncLLM:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hands a step's outputs to their streams: one wake-up per event loop, not per output."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput | BaseException]]] = {}
+        ended = []
         for out in outputs:
             stream = self._live.get(out.request_id)
             if stream is None:
@@ -248,9 +249,11 @@ class AsyncLLM:
             by_loop.setdefault(stream.loop, []).append((stream, out.error if out.error is not None else out))
             if out.finished:
                 del self._live[out.request_id]
-                self._inbox.release(stream)
+                ended.append(stream)
         for loop, items in by_loop.items():
             call_soon(loop, put_all, items)
+        for stream in ended:  # after its last output is on its way, as one delivery at a time did
+            self._inbox.release(stream)
 
     def _drain_inbox(self) -> None:
         while (item := self._inbox.get()) is not None:

@@ -108,8 +108,8 @@ def build(config: EngineConfig) -> EngineParts:
     runner = executor.runner
 
     def release(seq: Sequence) -> None:  # a proposer's per-sequence state and the runner's row go with its blocks
+        runner.release(seq)  # first: it cannot fail
         speculator.release(seq)
-        runner.release(seq)
 
     scheduler = Scheduler(
         block_manager,

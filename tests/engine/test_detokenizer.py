@@ -74,3 +74,29 @@ def test_a_tokenizer_that_cleans_up_spaces_takes_the_python_step(tokenizer):
 
     assert rust_tokenizer(CleansUp()) is None
     assert rust_tokenizer(object()) is None
+
+
+def test_tokenizers_whose_stream_takes_one_id_at_a_time_take_the_python_step(tokenizer, monkeypatch):
+    """tokenizers 0.21's ``DecodeStream.step`` refuses the list that primes the context: the sequence
+    decodes in Python, with the same text."""
+    import cb_serve.engine.detokenizer as detokenizer
+
+    real = detokenizer.DecodeStream
+
+    class OneIdStream:  # (the Rust class takes no subclasses)
+        def __init__(self, skip_special_tokens: bool) -> None:
+            self.stream = real(skip_special_tokens=skip_special_tokens)
+
+        def step(self, tokenizer, token_id):
+            if isinstance(token_id, list):
+                raise TypeError("'list' object cannot be interpreted as an integer")
+            return self.stream.step(tokenizer, token_id)
+
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    monkeypatch.setattr(detokenizer, "DecodeStream", OneIdStream)
+    old = IncrementalDetokenizer(tokenizer, ids[:4], True, rust_tokenizer(tokenizer))
+    monkeypatch.undo()
+    new = IncrementalDetokenizer(tokenizer, ids[:4], True, rust_tokenizer(tokenizer))
+    for token_id in ids[4:]:
+        assert old.append(token_id) == new.append(token_id) and old.text == new.text
+    assert old.text == new.text != ""

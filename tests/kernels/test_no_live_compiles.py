@@ -103,3 +103,15 @@ def test_the_compile_counter_reads_each_kernels_device_cache(monkeypatch):
     fake.a, fake.b, fake.not_a_kernel = Compiled([2, 1]), Compiled([3]), np.zeros(3)
     monkeypatch.setitem(sys.modules, jit_compiles.KERNEL_MODULES[1], fake)
     assert jit_compiles.num_triton_compiles() == 6
+
+
+def test_before_triton_3_2_pointers_leave_alignment_out_through_do_not_specialize(monkeypatch):
+    def old_jit(fn=None, *, version=None, do_not_specialize=None, debug=None, noinline=None):  # Triton 3.0's keywords
+        return fn
+
+    assert triton_kernels.jit_options(("n",), ("p",)) == {
+        "do_not_specialize": ("n",),
+        "do_not_specialize_on_alignment": ("p",),
+    }
+    monkeypatch.setattr(triton_kernels.triton, "jit", old_jit)
+    assert triton_kernels.jit_options(("n",), ("p",)) == {"do_not_specialize": ("n", "p")}
