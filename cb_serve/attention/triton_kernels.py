@@ -6,6 +6,8 @@ imports (``triton`` is then the module, else None).
 
 from __future__ import annotations
 
+import inspect
+
 try:
     import triton
     import triton.language as tl
@@ -33,8 +35,6 @@ def jit_options(ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()) -> d
     """``triton.jit``'s keywords for arguments left unspecialized: ``ints`` on their value, ``pointers``
     on their alignment (``do_not_specialize_on_alignment``, Triton >= 3.2; before it, ``do_not_specialize``
     leaves a pointer's alignment out as well)."""
-    import inspect
-
     if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
         return {"do_not_specialize": ints, "do_not_specialize_on_alignment": pointers}
     return {"do_not_specialize": ints + pointers}

@@ -61,8 +61,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        seqs = self.seqs
-        return seqs[0].status.is_finished if len(seqs) == 1 else all(s.status.is_finished for s in seqs)
+        return all(s.status.is_finished for s in self.seqs)
 
     def with_token_text(self, logprobs: dict[int, Logprob]) -> dict[int, Logprob]:
         """Fills in each logprob's ``decoded_token`` (the token decoded alone)."""

@@ -102,7 +102,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            uncomputed = seq.num_uncomputed_tokens
             num_new = min(uncomputed + len(seq.spec_token_ids), budget)
             if seq.spec_token_ids:
                 del seq.spec_token_ids[max(0, num_new - uncomputed) :]  # the drafts that fit

@@ -15,13 +15,15 @@ KERNEL_MODULES = (
 )
 
 
+_kernels: dict[tuple, list] = {}  # the imported modules -> their kernels (found once per set)
+
+
 def num_triton_compiles() -> int:
     """Compiled variants of every ``@triton.jit`` kernel of ``KERNEL_MODULES``, over all devices."""
-    total = 0
-    for name in KERNEL_MODULES:
-        module = sys.modules.get(name)
-        for fn in vars(module).values() if module is not None else ():
-            caches = getattr(fn, "device_caches", None)  # Triton >= 3.3: device -> (kernel cache, ...)
-            if isinstance(caches, dict):
-                total += sum(len(entry[0]) for entry in caches.values())
-    return total
+    imported = tuple(sys.modules[name] for name in KERNEL_MODULES if name in sys.modules)
+    kernels = _kernels.get(imported)
+    if kernels is None:  # once per set of imported modules, not per step
+        found = (fn for module in imported for fn in vars(module).values())
+        kernels = _kernels[imported] = [fn for fn in found if isinstance(getattr(fn, "device_caches", None), dict)]
+    # device_caches (Triton >= 3.3): device -> (kernel cache, ...)
+    return sum(len(entry[0]) for fn in kernels for entry in fn.device_caches.values())

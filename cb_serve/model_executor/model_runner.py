@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import CausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
+from cb_serve.model_executor.step_batch import HostStaging, StepBatch
 from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.stats import ExpertLoad
 
@@ -32,27 +33,6 @@ class DraftVerifier(Protocol):
     def __call__(
         self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None
     ) -> tuple[list[int], list[dict | None]]: ...
-
-
-INT64_FIELDS = ("input_ids", "positions", "slot_mappings", "logits_indices")
-INT32_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_tables", "state_slots")
-
-
-@dataclass
-class StepBatch:
-    """One step's flattened batch on the host (no padding), as numpy arrays: what the model
-    needs, and all that tensor-parallel workers receive (it pickles small)."""
-
-    num_decodes: int
-    query_lens: list[int]
-    seq_lens: list[int]
-    arrays: dict[str, np.ndarray]  # INT64_FIELDS and INT32_FIELDS
-    prompt_rows: np.ndarray | None = None  # prompt logprobs: [2, R] token index, prompt token (``prompt_logprobs``)
-    prompt_top_k: int = 0
-
-    @property
-    def num_sampling(self) -> int:
-        return len(self.arrays["logits_indices"])
 
 
 @dataclass
@@ -83,67 +63,6 @@ class StepResult:
     prepare_s: float = 0.0
     prompt_logprobs: list[tuple[Sequence, list[dict]]] = field(default_factory=list)  # new entries per sequence
     expert_load: ExpertLoad | None = None  # a mixture-of-experts model's routing (``record_expert_load``)
-
-
-class HostStaging:
-    """Moves a ``StepBatch`` to the device in one copy per dtype (on the CPU the step's arrays are
-    the tensors: nothing is copied). On CUDA the copies come from
-    pinned buffers kept across steps (so they are truly asynchronous). A buffer is refilled only
-    after its previous copy has run (an event recorded behind it): a step that samples nothing
-    never waits on the host, so the GPU may not have reached that copy yet."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pinned: dict[torch.dtype, torch.Tensor] = {}
-        self.copied: dict[torch.dtype, Any] = {}  # torch.cuda.Event recorded after each buffer's last copy
-
-    def to_device(self, batch: StepBatch) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for names, dtype in ((INT64_FIELDS, torch.int64), (INT32_FIELDS, torch.int32)):
-            arrays = [np.asarray(batch.arrays[n], dtype=dtype_np(dtype)) for n in names]
-            if self.device.type == "cpu":  # the host arrays themselves, no copy
-                out.update((name, torch.from_numpy(np.ascontiguousarray(a))) for name, a in zip(names, arrays))
-                continue
-            offsets, total = aligned_offsets([a.size for a in arrays])
-            host = np.zeros(total, dtype=dtype_np(dtype))
-            for a, offset in zip(arrays, offsets):
-                host[offset : offset + a.size] = a.reshape(-1)
-            flat = self._stage(torch.from_numpy(host)).to(self.device, non_blocking=True)
-            self.copied.setdefault(dtype, torch.cuda.Event()).record()  # on the stream that copies
-            for name, a, offset in zip(names, arrays, offsets):
-                out[name] = flat[offset : offset + a.size].view(a.shape)
-        return out
-
-    def _stage(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` in this dtype's pinned buffer (grown to the next power of two when short)."""
-        buf = self.pinned.get(flat.dtype)
-        if buf is None or buf.numel() < flat.numel():
-            # A replaced buffer is not freed under a pending copy: the pinned allocator records one.
-            buf = torch.empty(max(1024, 1 << (flat.numel() - 1).bit_length()), dtype=flat.dtype).pin_memory()
-            self.pinned[flat.dtype] = buf
-        elif (copied := self.copied.get(flat.dtype)) is not None:
-            copied.synchronize()  # the last copy out of this buffer has run
-        staged = buf[: flat.numel()]
-        staged.copy_(flat)
-        return staged
-
-
-STAGING_ALIGNMENT = 16  # elements: every staged field starts 64- or 128-byte aligned
-
-
-def aligned_offsets(sizes: list[int], alignment: int = STAGING_ALIGNMENT) -> tuple[list[int], int]:
-    """Where each of fields of ``sizes`` elements starts in one flat buffer, each at a multiple of
-    ``alignment`` elements, and the buffer's size. The device views of a step's fields are then aligned
-    whatever the batch's size, so no Triton kernel meets an alignment class that warm-up did not."""
-    offsets, end = [], 0
-    for size in sizes:
-        offsets.append(end)
-        end += -(-size // alignment) * alignment
-    return offsets, end
-
-
-def dtype_np(dtype: torch.dtype) -> type:
-    return np.int64 if dtype == torch.int64 else np.int32
 
 
 class ModelRunner:

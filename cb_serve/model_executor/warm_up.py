@@ -6,14 +6,15 @@ steps are warmed by the CUDA-graph capture; mixed steps (decode rows beside a pr
 decode row and a prefill chunk at the longest context (their KV split over several programs), which
 eager steps meet (models run without graphs, long decode rows beside a prefill). Nothing else about a
 batch picks a variant: ``attention/triton_kernels.py`` keeps the batch-dependent arguments out of
-Triton's specialization, and the staged inputs are aligned (``model_runner.aligned_offsets``)."""
+Triton's specialization, and the staged inputs are aligned (``step_batch.aligned_offsets``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from cb_serve.model_executor.model_runner import ModelRunner, StepBatch
+from cb_serve.model_executor.model_runner import ModelRunner
+from cb_serve.model_executor.step_batch import StepBatch
 
 
 def warm_up_query_lens(max_num_tokens: int, max_model_len: int) -> list[list[int]]:

@@ -697,7 +697,7 @@ def test_pinned_staging_waits_for_the_last_copy_before_refilling(monkeypatch):
     """Issue 24 (5): step metadata goes through one pinned buffer per dtype, kept across steps. A
     step that samples nothing ends without a host sync, so refilling the buffer first waits for the
     event recorded behind its previous copy (a new, larger buffer needs no wait)."""
-    from cb_serve.model_executor.model_runner import HostStaging
+    from cb_serve.model_executor.step_batch import HostStaging
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no CUDA here: plain memory
     waits = []

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cb_serve.model_executor import jit_compiles
-from cb_serve.model_executor.model_runner import INT32_FIELDS, INT64_FIELDS, aligned_offsets
+from cb_serve.model_executor.step_batch import INT32_FIELDS, INT64_FIELDS, aligned_offsets
 from cb_serve.model_executor.warm_up import dummy_batch, warm_up_long_contexts
 
 triton_kernels = pytest.importorskip("cb_serve.attention.triton_kernels")
