@@ -157,18 +157,48 @@ def decode_at(llm: LLM, batch: int, prompt_len: int, out_len: int, bandwidth: fl
         {"prompt_token_ids": torch.randint(2, vocab, (prompt_len,), generator=gen).tolist()} for _ in range(batch)
     ]
     compiles = num_triton_compiles()
+    ends: list[float] = []  # when each step's outputs were made: under async scheduling steps overlap, so a
+
+    def step_end(_stats: Any, _outputs: Any) -> None:  # step's share of the wall is the gap between two ends
+        ends.append(time.perf_counter())
+
+    llm.engine.add_step_listener(step_end)
     with recording_steps(llm) as steps:
         start = time.perf_counter()
         llm.generate(prompts, greedy(out_len), use_tqdm=False)
         wall = time.perf_counter() - start
-    decodes = [s for s in steps if not s.num_prefill_tokens]
-    rows = max(s.num_seqs for s in decodes)  # batch, unless the KV cache could not hold them all
-    full = [s for s in decodes if s.num_seqs == rows]
-    step_s = statistics.median(s.duration_s for s in full)
+    llm.engine.remove_step_listener(step_end)
+    decodes = [i for i, s in enumerate(steps) if not s.num_prefill_tokens]
+    rows = max(steps[i].num_seqs for i in decodes)  # batch, unless the KV cache could not hold them all
+    full = [i for i in decodes if steps[i].num_seqs == rows and i > 0 and steps[i - 1].num_seqs == rows]
+    step_s = statistics.median(ends[i] - ends[i - 1] for i in full)
     bound_s = (weight_bytes(llm) + kv_bytes_per_token(llm) * rows * (prompt_len + out_len / 2)) / (bandwidth * 1e9)
+    replay_s = graph_replay_s(llm, rows)
     return {"rows": rows, "decode_tok_s": round(rows / step_s), "step_ms": round(step_s * 1e3, 3),
             "hbm_fraction": round(bound_s / step_s, 3), "generate_tok_s": round(batch * out_len / wall),
-            **step_accounting(steps, full, wall), "triton_compiles": num_triton_compiles() - compiles}  # fmt: skip
+            "async_scheduling": llm.engine.async_scheduling,
+            "graph_replay_ms": None if replay_s is None else round(replay_s * 1e3, 3),
+            "gpu_idle_fraction": None if replay_s is None else round(max(0.0, 1 - replay_s / step_s), 3),
+            **step_accounting(steps, [steps[i] for i in full], wall),
+            "triton_compiles": num_triton_compiles() - compiles}  # fmt: skip
+
+
+def graph_replay_s(llm: LLM, rows: int, reps: int = 50) -> float | None:
+    """The decode graph of ``rows`` replayed back to back, timed by CUDA events: the device's own time per step
+    (its buffers hold the last step's batch). None without graphs."""
+    graphs = llm.engine.runner.graph_runner
+    size = None if graphs is None else next((n for n in graphs.sizes if n >= rows), None)
+    if CUDA.type != "cuda" or size is None or size not in graphs.graphs:
+        return None
+    graph = graphs.graphs[size]
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / reps
 
 
 def step_accounting(steps: list, full: list, wall: float) -> dict[str, Any]:
@@ -197,8 +227,8 @@ def llama_1b(tmp: Path, quick: bool) -> dict[str, Any]:
     model_dir = make_model(tmp / "llama1b", SHAPES["1b"], torch.bfloat16, CUDA)
     r: dict[str, Any] = {"hbm_copy_gb_s": round(bandwidth)}
     engine_args = dict(device=CUDA.type, dtype="bfloat16", max_model_len=2304, max_num_seqs=256)
-    if CUDA.type == "cpu":
-        engine_args["num_gpu_blocks"] = 4096
+    if CUDA.type == "cpu":  # the smoke run: the pipelined step too (on by default on CUDA only)
+        engine_args.update(num_gpu_blocks=4096, async_scheduling=True)
     sync()
     start = time.perf_counter()
     llm = LLM(str(model_dir), **engine_args)
@@ -208,6 +238,11 @@ def llama_1b(tmp: Path, quick: bool) -> dict[str, Any]:
     out_len = 32 if quick else 64
     for batch in (1, 16, 64, 256):
         r[f"graphs_batch_{batch}"] = decode_at(llm, batch, 128, out_len, bandwidth)
+    if llm.engine.async_scheduling:  # the same steps without the overlap (nothing is in flight between calls)
+        llm.engine.async_scheduling = False
+        for batch in (1, 256):
+            r[f"graphs_sync_batch_{batch}"] = decode_at(llm, batch, 128, out_len, bandwidth)
+        llm.engine.async_scheduling = True
     r["memory"] = peak_memory(llm, engine_args)
     llm.engine.shutdown()
     del llm

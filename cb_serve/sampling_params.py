@@ -188,6 +188,19 @@ class SamplingParams:
             or self.bad_words_token_ids
         )
 
+    @property
+    def needs_host_each_step(self) -> bool:
+        """The host must see each sampled token (or its logits) before the next step is prepared: a grammar's
+        mask, logprobs, prompt logprobs, min_tokens' ban and the logits processors. Async scheduling runs the
+        steps of such a request synchronously."""
+        return bool(
+            self.structured_outputs is not None
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+            or self.min_tokens
+            or self.has_logits_processors
+        )
+
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of parallel sample ``index`` of an ``n > 1`` request."""
         seed = None if self.seed is None else self.seed + index

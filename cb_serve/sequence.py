@@ -81,6 +81,10 @@ class Sequence:
         self.min_tokens_banned = sorted(min_tokens_banned)  # stop token ids and EOS
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still in flight (async scheduling): their ids are on the device only.
+        # A step scheduled meanwhile feeds the last of them back from there (``ModelRunner.prepare``).
+        self.num_pending_tokens = 0
+        self.last_step = 0  # async scheduling: the number of the last launched step that computes it
         self.state_slot = -1  # recurrent layers' state slot while running (engine/state_slots.py)
         self.num_cached_tokens = 0  # prefix-cache hit at the first scheduling
         # One per KV-cache group (``kv_cache_interface``). Only appended to in place; any other change
@@ -132,7 +136,13 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens without KV yet, counting the pending ones (async scheduling) at their places."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    def finishes_when_pending_land(self, max_model_len: int) -> bool:
+        """Its pending tokens reach ``max_tokens`` or the context length: no step needs to run it again."""
+        n = len(self.token_ids) + self.num_pending_tokens
+        return n - self.num_prompt_tokens >= self.max_tokens or n >= max_model_len
 
     @property
     def is_finished(self) -> bool:
@@ -154,7 +164,9 @@ class Sequence:
 
     def append_token(self, token_id: int, now: float, forced: bool = False) -> None:
         """A sampled token (the sequence caught up), or one its grammar ``forced`` after it (jump-forward)."""
-        assert forced or self.num_computed_tokens == self.num_tokens, "sample only after catching up"
+        assert forced or self.num_computed_tokens >= self.num_tokens or self.status == SequenceStatus.WAITING, (
+            "sample only after catching up (or, async scheduling, preempted since that step was launched)"
+        )
         self.token_ids.append(token_id)
         if self.times.first_token is None:
             self.times.first_token = now

@@ -132,6 +132,13 @@ class EngineConfig:
     enforce_eager: bool = _arg(
         False, "Never use CUDA graphs (by default decode steps on CUDA replay graphs captured at startup)."
     )
+    async_scheduling: bool | None = _arg(
+        None,
+        "Schedule and launch each step while the previous one runs, its sampled ids fed back on the device "
+        "(vLLM's flag); steps whose requests need the host to see each token first (structured outputs, "
+        "logprobs, prompt logprobs, penalties and other logits processors, min_tokens, speculative decoding) "
+        "run synchronously. Default: on for CUDA, off on the CPU (one device and one host: nothing to overlap).",
+    )
     max_logprobs: int = _arg(20, "Most log-probabilities a request may ask for per token (logprobs / top_logprobs).")
     max_stop_strings: int = _arg(64, "Most stop strings one request may carry.")
     max_stop_string_len: int = _arg(512, "Longest stop string, in characters.")
@@ -214,7 +221,7 @@ class EngineConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help_text = f"{f.metadata['help']} (default: {f.default})"
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str

@@ -159,7 +159,7 @@ class BlockManager:
         return PrefixHit(tables, n, self.block_size)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_tables[0]))
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_tables[0]))
         start = self.num_registered.get(seq.seq_id, 0)
         if num_full <= start:  # no block filled since the last call
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from cb_serve.engine.builder import EngineParts
 from cb_serve.engine.output_processor import OutputProcessor
@@ -14,8 +15,10 @@ from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.stats_recorder import StatsRecorder, StepInProgress
 from cb_serve.errors import EngineFatalError, EngineOverloadedError, RequestFailedError, StepFailedError
 from cb_serve.model_executor.model_runner import StepResult
+from cb_serve.model_executor.step_output import AsyncStepOutput
 from cb_serve.outputs import CompletionOutput, RequestOutput
 from cb_serve.sequence import SchedulerOutput, SequenceStatus
+from cb_serve.spec_decode.speculator import NoSpeculation
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,26 @@ def waiting_queue_full(num_waiting: int, num_running: int, max_waiting: int | No
     """Whether one more request would leave more than ``max_waiting`` requests waiting for one of
     the ``max_num_seqs`` running slots (queued requests fill free slots first)."""
     return max_waiting is not None and num_waiting >= max_waiting + max(0, max_num_seqs - num_running)
+
+
+def async_scheduling_enabled(
+    config_value: bool | None, device_type: str, executor_supports: bool, speculating: bool
+) -> bool:
+    """Whether steps are launched ahead (``EngineConfig.async_scheduling``): by default on CUDA, where the
+    host's work overlaps the device's; never with speculation (its proposer reads each step's tokens) or an
+    executor that cannot feed sampled ids back on the device (tensor parallelism: the driver alone samples)."""
+    wanted = device_type == "cuda" if config_value is None else config_value
+    return wanted and executor_supports and not speculating
+
+
+@dataclass
+class InFlightStep:
+    """A step launched ahead (async scheduling) whose sampled ids are not on the host yet."""
+
+    number: int  # launches so far, this one included (``Sequence.last_step``)
+    sched: SchedulerOutput
+    stats: StepInProgress
+    output: AsyncStepOutput
 
 
 class EngineCore:
@@ -54,6 +77,15 @@ class EngineCore:
             parts.cpu_kernels,
         )
         self.consecutive_step_failures = 0
+        speculating = not isinstance(self.speculator, NoSpeculation)
+        self.async_scheduling = async_scheduling_enabled(
+            self.config.async_scheduling, parts.setup.device.type, self.executor.supports_async_scheduling, speculating
+        )
+        if self.config.async_scheduling and not self.async_scheduling:
+            logger.warning("async_scheduling is off: speculative decoding and tensor parallelism step synchronously")
+        self.in_flight: InFlightStep | None = None
+        self.num_launched = 0
+        self.sync_request_ids: set[str] = set()  # live requests whose steps run synchronously (needs_host_each_step)
 
     # ---- requests -------------------------------------------------------------------
     def check_capacity(self) -> None:
@@ -69,6 +101,8 @@ class EngineCore:
         has checked ``check_capacity`` (before it took in the request's adapter)."""
         s = self.scheduler
         self.requests[state.request_id] = state
+        if state.params.needs_host_each_step:
+            self.sync_request_ids.add(state.request_id)
         constraint = state.params.structured_outputs
         if self.inspector is not None:
             seq = state.seqs[0]
@@ -87,24 +121,104 @@ class EngineCore:
                 self._end(request_id, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests are live, or a step is in flight (async scheduling: one more ``step`` collects it)."""
+        return bool(self.requests) or self.in_flight is not None
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step: the outputs of the requests it advanced or ended."""
         start = time.monotonic()
         outputs = self._admit()  # structured outputs: requests whose grammar is ready join the queue
+        if self.async_scheduling and self._can_launch_ahead():  # async scheduling: launch N+1, then take N's
+            return self._step_ahead(start, outputs)
+        outputs += self._drain()  # a step in flight first: the next one needs the host to see its tokens
         self.speculator.propose(self.scheduler.running)  # speculation: drafts ride along in the ragged batch
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return self._idle(outputs)
         step = self.stats.begin(start, sched)
         result = self._execute(sched, step, outputs)  # None: the step failed (its requests' ends in outputs)
-        if result is not None:
-            outputs += self._update_from_output(result)
-            self.stats.record(step, sched, result, outputs)
+        return outputs if result is None else self._finish(step, sched, result, outputs)
+
+    def _finish(
+        self, step: StepInProgress, sched: SchedulerOutput, result: StepResult, outputs: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """The step's tokens into its requests (stops, outputs), then its stats."""
+        outputs += self._update_from_output(result)
+        self.stats.record(step, sched, result, outputs)
         return outputs
 
+    # ---- async scheduling: step N+1 scheduled and launched while step N runs -----------
+    def _can_launch_ahead(self) -> bool:
+        ids = self.sync_request_ids
+        if ids:
+            ids.intersection_update(self.requests)  # requests that left
+        return not ids
+
+    def _step_ahead(self, start: float, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Schedules and launches the next step, then takes the outputs of the one in flight: the
+        host's work for both overlaps the device's (the step's ids reach the next one on the device)."""
+        sched = self.scheduler.schedule()  # in-flight tokens count as pending: each running sequence gets its next
+        launched = None if sched.is_empty else self._launch(sched, self.stats.begin(start, sched), outputs)
+        prev, self.in_flight = self.in_flight, launched
+        if prev is not None:
+            return self._collect(prev, outputs)
+        return self._idle(outputs) if launched is None else outputs
+
+    def _launch(
+        self, sched: SchedulerOutput, step: StepInProgress, outputs: list[RequestOutput]
+    ) -> InFlightStep | None:
+        """Launches ``sched``: its sequences' tokens count as computed and each sampling one has a token
+        pending. A failure is contained as ``_execute``'s (None)."""
+        self.num_launched += 1
+        for seq in sched.seqs:
+            seq.last_step = self.num_launched
+        try:
+            if self.faults is not None:
+                kinds = {k for seq in sched.seqs for k in self.requests[seq.request_id].faults}
+                self.faults.before_step(self.stats.num_steps + self.stats.num_failed_steps + 1, kinds)
+            output = self.executor.launch(sched)
+        except EngineFatalError:
+            raise
+        except Exception as e:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
+            self._sync_device()  # whatever of it was launched has run before its blocks are reused
+            outputs += self._fail_step(sched, e)
+            return None
+        for seq in output.sampling_seqs:
+            seq.num_pending_tokens += 1
+        self.scheduler.update_after_step(sched)
+        return InFlightStep(self.num_launched, sched, step, output)
+
+    def _collect(self, prev: InFlightStep, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs of the step in flight, once its sampled ids are on the host (a later step may still
+        run). Sequences that ended meanwhile have their tokens dropped; those the step alone kept from their
+        blocks give them back."""
+        try:
+            result = prev.output.result()
+        except Exception as e:  # noqa: BLE001 - a device error surfaces at the wait
+            self._steps_completed(prev.number)
+            return outputs + self._fail_step(prev.sched, e)
+        self._steps_completed(prev.number)
+        prev.stats.executed = time.monotonic()
+        self.consecutive_step_failures = 0
+        for seq in result.sampling_seqs:
+            seq.num_pending_tokens -= 1
+        return self._finish(prev.stats, prev.sched, result, outputs)
+
+    def _steps_completed(self, number: int) -> None:
+        self.scheduler.steps_completed(number if self.in_flight is not None else self.num_launched)
+
+    def _drain(self) -> list[RequestOutput]:
+        prev, self.in_flight = self.in_flight, None
+        return [] if prev is None else self._collect(prev, [])
+
+    def _sync_device(self) -> None:
+        try:
+            self.executor.runner.synchronize()
+        except Exception:  # noqa: BLE001 - a broken device fails the next step instead
+            logger.exception("device synchronize after a failed launch")
+
+    # ---- requests join and leave -------------------------------------------------------
     def _admit(self) -> list[RequestOutput]:
         """Sequences whose grammar compiled join the scheduler's queue; refused requests end."""
         ready, refused = self.structured.admit()

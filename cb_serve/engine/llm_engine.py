@@ -189,4 +189,4 @@ class LLMEngine(EngineCore):
         """Asserts the KV cache's invariants over every live sequence (block counts, reference
         counts, hashes): a hook for tests and soak runs, O(blocks)."""
         s = self.scheduler
-        self.block_manager.check_invariants([*s.running, *s.waiting])
+        self.block_manager.check_invariants([*s.running, *s.waiting, *s.deferred_frees])

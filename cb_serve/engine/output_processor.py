@@ -54,7 +54,7 @@ class OutputProcessor:
                 state = self.requests[seq.request_id]
                 seq.prompt_logprobs.extend(state.with_token_text(e) for e in entries)
         for seq, emitted, logprobs in zip(result.sampling_seqs, result.token_ids, result.logprobs):
-            if seq.request_id in failed:
+            if seq.request_id in failed or seq.is_finished:  # finished: while its step was in flight (async)
                 continue
             try:
                 self._append_emitted(seq, emitted, logprobs, now)

@@ -80,6 +80,7 @@ class Scheduler:
                 f"max_model_len ({max_model_len}): a prompt (or a preempted sequence) is computed in one step."
             )
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -89,6 +90,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.on_release = on_release
+        # Async scheduling numbers the steps it launches; a sequence notes its last (``Sequence.last_step``).
+        # One that ends while a step computing it is in flight keeps its blocks until that step has completed
+        # (``steps_completed``): the step may still write them.
+        self.completed_step = 0
+        self.deferred_frees: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
@@ -102,6 +108,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens and seq.finishes_when_pending_land(self.max_model_len):
+                i += 1  # async scheduling: its token in flight is its last
+                continue
             uncomputed = seq.num_uncomputed_tokens
             num_new = min(uncomputed + len(seq.spec_token_ids), budget)
             if seq.spec_token_ids:
@@ -151,7 +160,7 @@ class Scheduler:
         i = 0  # the queue's head, past sequences the admission gate holds back (they wait, holding nothing)
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if not self.admission.may_admit(seq):
+            if seq.num_pending_tokens or not self.admission.may_admit(seq):  # pending: preempted while in flight
                 i += 1
                 continue
             hit = bm.find_cached_prefix(seq)
@@ -216,11 +225,12 @@ class Scheduler:
         are not its tokens yet (the output processor counts those the verification accepted)."""
         for seq, n in zip(out.seqs, out.num_scheduled_tokens):
             seq.num_computed_tokens += n - len(seq.spec_token_ids)
-            assert seq.num_computed_tokens <= seq.num_tokens
+            assert seq.num_computed_tokens <= seq.num_tokens + seq.num_pending_tokens
             self.block_manager.commit_computed(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Remove ``seq`` (running or waiting) and return its blocks at once."""
+        """Remove ``seq`` (running or waiting) and return its blocks: at once, or when the step in flight
+        that computes it has completed (``steps_completed``)."""
         assert status.is_finished
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -228,6 +238,22 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         seq.times.finished = time.monotonic()
+        if seq.last_step > self.completed_step:
+            self.deferred_frees.append(seq)
+        else:
+            self._release(seq)
+
+    def steps_completed(self, step: int) -> None:
+        """Every step up to number ``step`` has completed (or failed): sequences that ended while one of
+        them was in flight give their blocks back."""
+        self.completed_step = step
+        if self.deferred_frees:
+            done = [seq for seq in self.deferred_frees if seq.last_step <= step]
+            self.deferred_frees = [seq for seq in self.deferred_frees if seq.last_step > step]
+            for seq in done:
+                self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self.block_manager.forget(seq)
         if self.on_release is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from cb_serve.model_executor.model_runner import ModelRunner, StepResult
+from cb_serve.model_executor.step_output import AsyncStepOutput
 from cb_serve.sequence import SchedulerOutput
 
 
@@ -18,6 +19,12 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """One step on every rank. ``EngineFatalError`` when the ranks cannot go on together."""
+
+    supports_async_scheduling = False  # ``launch``: the driver's sampled ids feed the next step on the device
+
+    def launch(self, sched: SchedulerOutput) -> AsyncStepOutput:
+        """Launches one step without waiting for it (async scheduling)."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps synchronously")
 
     def check_health(self) -> list[int]:
         """Ranks whose process has died (safe from any thread); empty while all are alive."""

@@ -22,8 +22,11 @@ from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import CausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
 from cb_serve.model_executor.step_batch import HostStaging, StepBatch
+from cb_serve.model_executor.step_output import AsyncStepOutput, SampledIdsRing, StepResult
 from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.stats import ExpertLoad
+
+__all__ = ["ModelInput", "ModelRunner", "StepResult"]
 
 
 class DraftVerifier(Protocol):
@@ -49,20 +52,6 @@ class ModelInput:
     rows_per_seq: list[int] = field(default_factory=list)  # logits rows of each sampling sequence: 1 + its drafts
     prompt_rows: torch.Tensor | None = None  # StepBatch.prompt_rows on the device
     prompt_plan: prompt_logprobs.PromptLogprobRows | None = None
-
-
-@dataclass
-class StepResult:
-    """Per sampling sequence (in batch order), the tokens it emits and their logprobs (None: not
-    asked): the sampled token, or for a sequence that verified drafts its accepted drafts and the
-    target's token. ``prepare_s``: the wall seconds spent building the batch."""
-
-    sampling_seqs: list[Sequence] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[dict | None]] = field(default_factory=list)
-    prepare_s: float = 0.0
-    prompt_logprobs: list[tuple[Sequence, list[dict]]] = field(default_factory=list)  # new entries per sequence
-    expert_load: ExpertLoad | None = None  # a mixture-of-experts model's routing (``record_expert_load``)
 
 
 class ModelRunner:
@@ -112,6 +101,10 @@ class ModelRunner:
         for layer, state in self.state_cache.layers.items() if self.state_cache else ():
             self.kv_caches[layer] = state
         self.sampler = Sampler()
+        # Async scheduling: the last launched step's sampled ids on the device, and each sampling sequence's row
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_rows: dict[int | str, int] = {}
+        self.sampled_ring = SampledIdsRing(device)
         moe = [(i, m) for i, layer in enumerate(model.layers) for m in layer.modules() if isinstance(m, FusedMoE)]
         self.moe_layers: list[FusedMoE] = [m for _, m in moe] if record_expert_load else []
         self.moe_layer_ids = tuple(i for i, _ in moe)
@@ -143,10 +136,18 @@ class ModelRunner:
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
 
         token_ids: list[int] = []
+        fill_index: list[int] = []  # async scheduling: tokens sampled by the step in flight, filled on the device
+        fill_rows: list[int] = []
         for seq, start, end in zip(seqs, starts, seq_lens):
             token_ids.extend(seq.token_ids[start:end])
-            if end > seq.num_tokens:  # its drafts, verified in this step
-                token_ids.extend(seq.spec_token_ids[: end - seq.num_tokens])
+            if end > seq.num_tokens:
+                if seq.num_pending_tokens:  # its last token is the step in flight's: a placeholder here
+                    assert end == seq.num_tokens + 1 and not seq.spec_token_ids, seq
+                    fill_index.append(len(token_ids))
+                    fill_rows.append(self.prev_rows[seq.seq_id])
+                    token_ids.append(0)
+                else:  # its drafts, verified in this step
+                    token_ids.extend(seq.spec_token_ids[: end - seq.num_tokens])
         q_lens = np.asarray(query_lens, dtype=np.int64)
         cu_q = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
@@ -157,7 +158,11 @@ class ModelRunner:
 
         block_tables, slot_mappings = self._kv_arrays(seqs, row_of_token, positions)
 
-        sampling = [i for i, (s, end) in enumerate(zip(seqs, seq_lens)) if end == s.num_tokens + len(s.spec_token_ids)]
+        sampling = [
+            i
+            for i, (s, end) in enumerate(zip(seqs, seq_lens))
+            if end == s.num_tokens + s.num_pending_tokens + len(s.spec_token_ids)
+        ]
         # A sampling row per sequence, its last token's; a speculating one's 1 + k last tokens.
         rows_of = [1 + len(seqs[i].spec_token_ids) for i in sampling]
         if len(rows_of) == sum(rows_of):  # no drafts: each sampling sequence's last token
@@ -175,6 +180,9 @@ class ModelRunner:
             "block_tables": block_tables,
             "state_slots": np.asarray([s.state_slot for s in seqs], dtype=np.int32),
         }
+        if fill_index:
+            arrays["prev_token_index"] = np.asarray(fill_index, dtype=np.int64)
+            arrays["prev_token_rows"] = np.asarray(fill_rows, dtype=np.int64)
         plan = prompt_logprobs.plan(seqs, starts, seq_lens, cu_q)
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
         if plan is not None:
@@ -185,6 +193,11 @@ class ModelRunner:
         inp.rows_per_seq = rows_of
         inp.prompt_plan = plan
         return inp
+
+    def synchronize(self) -> None:
+        """Waits until everything launched on the device has run."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def release(self, seq: Sequence) -> None:
         """``seq`` gave its blocks back (finished or preempted): its block-table row is free."""
@@ -224,6 +237,9 @@ class ModelRunner:
         if self.state_cache is not None:  # sequences starting this step: HF's zero initial state
             self.state_cache.reset(meta.state_slot_list, batch.query_lens, batch.seq_lens)
         ids, positions, logits_indices = t["input_ids"], t["positions"], t["logits_indices"]
+        if "prev_token_index" in batch.arrays:  # async scheduling: the step in flight's tokens, device to device
+            assert self.prev_sampled is not None
+            ids[t["prev_token_index"]] = self.prev_sampled[t["prev_token_rows"]]
         inp = ModelInput(batch, ids, positions, meta, logits_indices, seqs or [], sampling_seqs or [])
         if batch.prompt_rows is not None:
             inp.prompt_rows = torch.from_numpy(batch.prompt_rows).to(self.device)
@@ -238,6 +254,31 @@ class ModelRunner:
         if self.moe_layers:  # one host copy, after sampling's
             load = torch.stack([m.expert_load for m in self.moe_layers])
             out.expert_load = ExpertLoad(self.moe_layer_ids, load.cpu().numpy())
+        return out
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> AsyncStepOutput:
+        """Prepares, runs and samples one step without waiting for it (async scheduling): the sampled ids
+        stay on the device for the next step's inputs and start their copy to the host. The engine launches
+        only steps that need no host-side look at their logits: no grammar, drafts, logprobs, prompt
+        logprobs or logits processors (``RequestState.needs_sync``)."""
+        start = time.perf_counter()
+        inp = self.prepare(sched)
+        prepare_s = time.perf_counter() - start
+        seqs = inp.sampling_seqs
+        hidden, prompt_hidden = self.sampling_hidden(inp)
+        assert prompt_hidden is None and sched.grammar_bitmask is None and len(inp.rows_per_seq) == len(seqs)
+        if hidden is None:
+            ids = torch.empty(0, dtype=torch.int64, device=self.device)
+        else:
+            ids = self.model.greedy_token_ids(hidden) if takes_raw_argmax(seqs) else None
+            if ids is None:
+                ids = self.sampler.sample(self.model.compute_logits(hidden), SamplingBatch.from_seqs(seqs))
+        self.prev_sampled, self.prev_rows = ids, {seq.seq_id: row for row, seq in enumerate(seqs)}
+        host_ids, copied = self.sampled_ring.copy_out(ids)
+        out = AsyncStepOutput(seqs, host_ids, copied, prepare_s)
+        if self.moe_layers:
+            out.expert_load = (self.moe_layer_ids, torch.stack([m.expert_load for m in self.moe_layers]))
         return out
 
     def run_and_sample(self, sched: SchedulerOutput, broadcast: Callable[[StepBatch], None] | None) -> StepResult:

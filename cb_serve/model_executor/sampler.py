@@ -85,6 +85,11 @@ class Sampler:
         raw_logprobs = None
         if any(k is not None for k in batch.num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        token_ids = self.sample(logits, batch).tolist()
+        return SamplerOutput(token_ids, self.token_logprobs(raw_logprobs, batch, token_ids))
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled ids, int64 ``[N]`` on the logits' device, without a wait for the device."""
         for row, token_ids in batch.banned:
             logits[row, token_ids] = float("-inf")
         if batch.grammar is not None:  # before temperature and every filter; logprobs are of the raw logits
@@ -97,8 +102,7 @@ class Sampler:
         else:
             sampled = self._random(logits, batch)
             sampled = torch.where(batch.temperature.to(logits.device) == 0, greedy, sampled)
-        token_ids = sampled.tolist()
-        return SamplerOutput(token_ids, self.token_logprobs(raw_logprobs, batch, token_ids))
+        return sampled
 
     @staticmethod
     def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -107,18 +111,20 @@ class Sampler:
         device = logits.device
         temperature = batch.temperature.to(device)
         logits = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
+        # Which filters apply is read from the host copies of the parameters: no wait for the device.
         min_p = batch.min_p.to(device)
-        if bool((min_p > 0).any()):
+        if bool((batch.min_p > 0).any()):
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         vocab = logits.shape[-1]
         top_k = batch.top_k.to(device)
-        if bool((top_k > 0).any()):
+        if bool((batch.top_k > 0).any()):
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-            kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+            k_max = int(torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab).max())
+            kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         top_p = batch.top_p.to(device)
-        if bool((top_p < 1).any()):
+        if bool((batch.top_p < 1).any()):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             sorted_probs = sorted_logits.softmax(dim=-1)
             drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]  # keeps at least one

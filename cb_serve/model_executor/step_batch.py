@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-INT64_FIELDS = ("input_ids", "positions", "slot_mappings", "logits_indices")
+# prev_token_*: async scheduling's tokens sampled by the step in flight (index in input_ids, row in its ids)
+INT64_FIELDS = ("input_ids", "positions", "slot_mappings", "logits_indices", "prev_token_index", "prev_token_rows")
 INT32_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_tables", "state_slots")
 
 
@@ -22,7 +23,7 @@ class StepBatch:
     num_decodes: int
     query_lens: list[int]
     seq_lens: list[int]
-    arrays: dict[str, np.ndarray]  # INT64_FIELDS and INT32_FIELDS
+    arrays: dict[str, np.ndarray]  # INT64_FIELDS and INT32_FIELDS (prev_token_*: only when there are some)
     prompt_rows: np.ndarray | None = None  # prompt logprobs: [2, R] token index, prompt token (``prompt_logprobs``)
     prompt_top_k: int = 0
 
@@ -46,7 +47,7 @@ class HostStaging:
     def to_device(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for names, dtype in ((INT64_FIELDS, torch.int64), (INT32_FIELDS, torch.int32)):
-            arrays = [np.asarray(batch.arrays[n], dtype=dtype_np(dtype)) for n in names]
+            arrays = [np.asarray(batch.arrays.get(n, _NONE), dtype=dtype_np(dtype)) for n in names]
             if self.device.type == "cpu":  # the host arrays themselves, no copy
                 out.update((name, torch.from_numpy(np.ascontiguousarray(a))) for name, a in zip(names, arrays))
                 continue
@@ -74,6 +75,7 @@ class HostStaging:
         return staged
 
 
+_NONE = np.zeros(0, dtype=np.int64)
 STAGING_ALIGNMENT = 16  # elements: every staged field starts 64- or 128-byte aligned
 
 

@@ -40,17 +40,19 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
 
-@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
-def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, monkeypatch, speculate):
+@pytest.mark.parametrize("mode", ["plain", "speculative", "async"])
+def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, monkeypatch, mode):
     """With ``speculative``, every sequence drafts its own greedy continuation with one draft wrong
-    at a moving position, so accepted runs, rejections and aborts between them all happen."""
+    at a moving position, so accepted runs, rejections and aborts between them all happen. With ``async``,
+    steps are launched ahead (async scheduling): cancels land while a step computing them is in flight."""
+    speculate = mode == "speculative"
     model = str(random_model_dir("llama"))
     args = dict(max_model_len=256, num_gpu_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
     offline = LLM(model, **args)
     expected = [out.outputs[0].token_ids for out in offline.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)]
     del offline
     monkeypatch.setattr(inbox_module, "REQUEST_ID_WAIT_S", 0.2)
-    spec = {"speculative_config": FIXED_K} if speculate else {}
+    spec = {"speculative_config": FIXED_K} if speculate else {"async_scheduling": mode == "async"}
     llm = AsyncLLM(EngineConfig(model=model, **args, **spec))
     if speculate:
         llm.engine.speculator.proposer = OracleProposer({tuple(p): e for p, e in zip(PROMPTS, expected)})

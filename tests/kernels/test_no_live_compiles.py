@@ -41,7 +41,7 @@ def check_aligned(rows: int, width: int) -> None:
     sizes = {  # a decode step of ``rows`` sequences, in a model of three KV-cache groups
         "input_ids": rows, "positions": rows, "slot_mappings": 3 * rows, "logits_indices": rows,
         "cu_seqlens_q": rows + 1, "cu_seqlens_k": rows + 1, "seqused_k": rows,
-        "block_tables": 3 * rows * width, "state_slots": rows,
+        "block_tables": 3 * rows * width, "state_slots": rows, "prev_token_index": rows, "prev_token_rows": rows,
     }  # fmt: skip
     for fields, itemsize in ((INT64_FIELDS, 8), (INT32_FIELDS, 4)):
         offsets, total = aligned_offsets([sizes[f] for f in fields])

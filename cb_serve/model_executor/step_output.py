@@ -1,0 +1,78 @@
+"""What a step gives back: ``StepResult`` on the host, and for a step launched ahead under async scheduling
+(vLLM's ``AsyncModelRunnerOutput``, SGLang's overlap scheduler) ``AsyncStepOutput``, whose sampled ids stay
+on the device for the next step's inputs and come to the host through ``SampledIdsRing`` while the next
+step is scheduled and launched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cb_serve.sequence import Sequence
+from cb_serve.stats import ExpertLoad
+
+
+@dataclass
+class StepResult:
+    """Per sampling sequence (in batch order), the tokens it emits and their logprobs (None: not
+    asked): the sampled token, or for a sequence that verified drafts its accepted drafts and the
+    target's token. ``prepare_s``: the wall seconds spent building the batch."""
+
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict | None]] = field(default_factory=list)
+    prepare_s: float = 0.0
+    prompt_logprobs: list[tuple[Sequence, list[dict]]] = field(default_factory=list)  # new entries per sequence
+    expert_load: ExpertLoad | None = None  # a mixture-of-experts model's routing (``record_expert_load``)
+
+
+class SampledIdsRing:
+    """Pinned host buffers that sampled ids are copied into without blocking the host, used in turn.
+    A buffer is reused ``depth`` launches later: by then its step's result has been taken (the engine keeps
+    at most two steps in flight). On the CPU the ids are already on the host: nothing is copied."""
+
+    def __init__(self, device: torch.device, depth: int = 3) -> None:
+        self.device = device
+        self.buffers: list[torch.Tensor | None] = [None] * depth
+        self.next = 0
+
+    def copy_out(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``ids`` (int64 ``[N]`` on the device) on their way to the host: the host view and the CUDA event
+        that follows the copy (None on the CPU, where the view is ``ids``)."""
+        if self.device.type != "cuda":
+            return ids, None
+        i, n = self.next, ids.numel()
+        self.next = (i + 1) % len(self.buffers)
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < n:
+            size = max(256, 1 << max(0, n - 1).bit_length())
+            buf = self.buffers[i] = torch.empty(size, dtype=torch.int64).pin_memory()
+        host = buf[:n]
+        host.copy_(ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
+
+
+@dataclass
+class AsyncStepOutput:
+    """A launched step: its sampling sequences (batch order) and their sampled ids on their way to the host.
+    ``result()`` waits for that copy alone, never for a later step."""
+
+    sampling_seqs: list[Sequence]
+    host_ids: torch.Tensor
+    copied: Any  # torch.cuda.Event, or None
+    prepare_s: float
+    expert_load: tuple[tuple[int, ...], torch.Tensor] | None = None  # MoE routing, still on the device
+
+    def result(self) -> StepResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+        ids = self.host_ids.tolist()
+        out = StepResult(self.sampling_seqs, [[t] for t in ids], [[None] for _ in ids], self.prepare_s)
+        if self.expert_load is not None:
+            layer_ids, load = self.expert_load
+            out.expert_load = ExpertLoad(layer_ids, load.cpu().numpy())
+        return out

@@ -1,0 +1,168 @@
+"""Async scheduling (issue 51): step N+1 is scheduled and launched while step N runs, its sampled ids fed
+back on the device. On the CPU the launch itself is synchronous, so every piece of the pipeline runs here
+(pending tokens, the placeholders filled on the device, deferred frees, the sync fallback); only the overlap
+needs a GPU.
+
+Each test compares an engine with ``async_scheduling=True`` against one without: the same greedy and seeded
+tokens, text and finish reasons, under stop strings that span tokens, ``max_tokens`` and the context length,
+``n > 1``, shared prefixes, preemption by recompute, aborts of requests in flight, requests that need the
+host each step mixed in (logprobs, a grammar, penalties), a hybrid recurrent model and a mixture of experts;
+and every KV block and state slot back at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cb_serve import LLM, SamplingParams
+from cb_serve.structured_outputs_params import StructuredOutputsParams
+
+PROMPTS = [[7 + i, 40 + 3 * i] * (3 + i) for i in range(6)] + [[5, 6, 7, 8] * 5] * 3  # distinct and shared
+
+
+def params_mix(seed: int = 0) -> list[SamplingParams]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(len(PROMPTS)):
+        kw = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.5)
+        if i % 3 == 0:
+            kw.update(temperature=0.9, seed=100 + i)
+        else:
+            kw.update(temperature=0)
+        if i % 4 == 1:
+            kw.update(n=2, temperature=0.7, seed=7)
+        out.append(SamplingParams(**kw))
+    return out
+
+
+def run(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+
+def assert_all_back(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    engine.check_invariants()
+    stats = engine.get_stats()
+    assert stats.kv_blocks_used == 0, stats
+    assert engine.in_flight is None and not engine.scheduler.deferred_frees
+
+
+@pytest.fixture(scope="module")
+def pair(random_model_dir):
+    """The same tiny Llama with async scheduling off and on; a small KV pool so long runs preempt."""
+    model = str(random_model_dir("llama"))
+    args = dict(max_model_len=128, num_gpu_blocks=12, max_num_seqs=6, max_num_batched_tokens=48)
+    return LLM(model, **args), LLM(model, async_scheduling=True, **args)
+
+
+def test_cpu_default_is_off_and_the_flag_turns_it_on(pair):
+    sync, ahead = pair
+    assert not sync.engine.async_scheduling and ahead.engine.async_scheduling
+
+
+def test_a_step_is_launched_before_the_previous_ones_outputs_are_taken(pair):
+    _, ahead = pair
+    engine = ahead.engine
+    engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=4))
+    assert engine.step() == [] and engine.in_flight is not None  # launched; nothing on the host yet
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
+    assert_all_back(ahead)
+
+
+def test_same_tokens_with_and_without_async_scheduling(pair):
+    sync, ahead = pair
+    for seed in range(3):
+        params = params_mix(seed)
+        assert run(ahead, PROMPTS, params) == run(sync, PROMPTS, params), seed
+        assert_all_back(ahead)
+    assert ahead.engine.get_stats().num_preemptions > 0  # the small pool preempted sequences in flight
+
+
+def test_stop_strings_spanning_tokens_and_the_context_length(pair):
+    sync, ahead = pair
+    text = run(sync, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    stops = []
+    for (_tokens, full, *_), *_ in text:
+        cut = full[len(full) // 3 : len(full) // 3 + 3]
+        stops.append(SamplingParams(temperature=0, max_tokens=30, stop=[cut] if cut.strip() else None))
+    assert run(ahead, PROMPTS[:3], stops) == run(sync, PROMPTS[:3], stops)
+    long = [[3, 4, 5, 6] * 28]  # 112 of the 128 tokens: ends at the context length
+    unlimited = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    got = run(ahead, long, unlimited)
+    assert got == run(sync, long, unlimited) and got[0][0][2] == "length" and len(got[0][0][0]) == 16
+    assert_all_back(ahead)
+
+
+def test_requests_that_need_the_host_each_step_run_synchronously_beside_the_others(pair):
+    sync, ahead = pair
+    host_each_step = [
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=5),
+        SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}")),
+    ]
+    params = [*host_each_step, *params_mix(5)[: len(PROMPTS) - len(host_each_step)]]
+    for p in host_each_step:
+        assert p.needs_host_each_step
+    got, want = run(ahead, PROMPTS, params), run(sync, PROMPTS, params)
+    assert got == want
+    assert_all_back(ahead)
+
+
+VARIANTS = [
+    SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=60, stop=["a", "e"]),  # stop strings (often inside a token)
+    SamplingParams(temperature=0, max_tokens=7),
+    SamplingParams(temperature=0, max_tokens=20, logprobs=1),  # the host each step: the engine drains
+]
+
+
+def test_a_soak_of_aborts_preemption_and_stop_strings(pair):
+    """Requests come and go at random, some aborted while a step that computes them is in flight; a few need
+    the host each step, so the engine drains and goes back to launching ahead. Every request run to the end
+    gets what the synchronous engine gives it alone, and every block comes back."""
+    sync, ahead = pair
+    engine = ahead.engine
+    rng = random.Random(3)
+    expected: dict[tuple[int, int], tuple] = {}
+    live: dict[str, tuple[int, int]] = {}
+    finished = 0
+    for i in range(300):
+        if rng.random() < 0.2 or not live:
+            key = (rng.randrange(len(PROMPTS)), rng.choices(range(len(VARIANTS)), weights=[16, 16, 8, 1])[0])
+            if key not in expected:
+                expected[key] = run(sync, [PROMPTS[key[0]]], VARIANTS[key[1]])[0][0]
+            engine.add_request(f"a{i}", {"prompt_token_ids": PROMPTS[key[0]]}, VARIANTS[key[1]])
+            live[f"a{i}"] = key
+        if rng.random() < 0.1:
+            victim = rng.choice(sorted(live))
+            engine.abort_request(victim)  # possibly while a step that computes it is in flight
+            del live[victim]
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == expected[live.pop(out.request_id)]
+                finished += 1
+        engine.check_invariants()  # blocks held back for a step in flight are counted as held
+    engine.abort_request(sorted(live))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert finished > 20 and engine.get_stats().num_preemptions > 0
+    assert_all_back(ahead)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "mixtral"])
+def test_hybrid_and_moe_models(random_model_dir, arch):
+    model = str(random_model_dir(arch))
+    args = dict(max_model_len=128, num_gpu_blocks=48, max_num_seqs=4, max_num_batched_tokens=32)
+    params = params_mix(1)
+    want = run(LLM(model, **args), PROMPTS, params)
+    ahead = LLM(model, async_scheduling=True, **args)
+    assert run(ahead, PROMPTS, params) == want
+    assert_all_back(ahead)
