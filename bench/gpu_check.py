@@ -254,6 +254,49 @@ def llama_1b(tmp: Path, quick: bool) -> dict[str, Any]:
     return r
 
 
+def peer(tmp: Path, quick: bool) -> dict[str, Any]:
+    """Issue 51's workload, 256 requests of 512 random prompt tokens to 128 greedy tokens (EOS ignored; quick:
+    64 x 256 -> 32), on the 1B Llama shape in bfloat16: cb-serve's ``generate`` against transformers'
+    ``generate_batch`` (its continuous batching) in the same run, the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from cb_serve.benchmarks.hf_baseline import run_hf_continuous
+    from cb_serve.benchmarks.workload import Workload
+
+    n, prompt_len, out_len = (64, 256, 32) if quick else (256, 512, 128)
+    if CUDA.type == "cpu":  # the smoke run: HF's CPU generate_batch is slow
+        n, prompt_len, out_len = 8, 64, 8
+    model_dir = tmp / "llama1b"
+    if not model_dir.exists():  # made by the llama_1b stage when it ran
+        make_model(model_dir, SHAPES["1b"], torch.bfloat16, CUDA)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, SHAPES["1b"]["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in range(n)]
+    r: dict[str, Any] = {"workload": f"{n} x {prompt_len} -> {out_len}"}
+    args = dict(device=CUDA.type, dtype="bfloat16", max_model_len=prompt_len + out_len, max_num_seqs=256)
+    llm = LLM(str(model_dir), **args, **({"num_gpu_blocks": 4096} if CUDA.type == "cpu" else {}))
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy(4), use_tqdm=False)  # warm
+    sync()
+    start = time.perf_counter()
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(out_len), use_tqdm=False)
+    sync()
+    wall = time.perf_counter() - start
+    r["cb_serve_tok_s"], r["cb_serve_s"] = round(n * out_len / wall), round(wall, 2)
+    r["async_scheduling"] = llm.engine.async_scheduling
+    ours_tokens = [o.outputs[0].token_ids for o in ours]
+    llm.engine.shutdown()
+    del llm, ours
+    gc.collect()
+    torch.cuda.empty_cache()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(CUDA)
+    workload = Workload(prompts, [out_len] * n, corpus_tokens=0, digest="")
+    theirs = run_hf_continuous(hf, workload, "generate_batch")
+    r["hf_generate_batch_tok_s"], r["hf_generate_batch_s"] = round(theirs.generated_tok_s), round(theirs.wall_s, 2)
+    r["ratio"] = round(r["cb_serve_tok_s"] / theirs.generated_tok_s, 2)
+    r["same_first_token"] = sum(a[:1] == b[:1] for a, b in zip(ours_tokens, theirs.outputs)) / n  # bf16: ties differ
+    del hf
+    return r
+
+
 def peak_memory(llm: LLM, engine_args: dict[str, Any]) -> dict[str, Any]:
     """A full-budget prefill and 256 rows sampled with top-p: the step's peak above what the engine
     holds between steps, against the estimate the KV cache was sized with."""
@@ -310,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--quick", action="store_true", help="fewer and shorter requests")
     p.add_argument("--smoke", action="store_true", help="the script itself, on the CPU with tiny models")
-    p.add_argument("--stages", default="equality,llama_1b,many_blocks", help="which parts, comma-separated")
+    p.add_argument("--stages", default="equality,llama_1b,peer,many_blocks", help="which parts, comma-separated")
     args = p.parse_args(argv)
     import transformers
     import triton
@@ -324,7 +367,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "torch": torch.__version__, "triton": triton.__version__,
                            "transformers": transformers.__version__}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        parts = {"equality": equality, "llama_1b": llama_1b, "many_blocks": lambda tmp, _quick: many_blocks(tmp)}
+        parts = {"equality": equality, "llama_1b": llama_1b, "peer": peer,
+                 "many_blocks": lambda tmp, _quick: many_blocks(tmp)}  # fmt: skip
         for name in args.stages.split(","):
             stage(out, name, lambda fn=parts[name]: fn(Path(tmp), args.quick))
     write_json(args.json, out)

@@ -20,7 +20,7 @@ CARRY=.gpu_carry
 WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
         typing-extensions==4.16.0 llguidance==1.9.1 gguf==0.19.0)
 GPU_TESTS=(tests/kernels/test_gpu_path.py tests/kernels/test_triton_attention.py tests/kernels/test_fused_experts_triton.py
-           tests/kernels/test_recurrent_triton.py
+           tests/kernels/test_recurrent_triton.py tests/kernels/test_fused_triton.py tests/engine/test_async_scheduling.py
            tests/features/test_expert_load.py
            tests/features/test_tensor_parallel.py)
 MAX_BYTES=$((64 << 20))

@@ -125,7 +125,8 @@ class DecodeBuffers:
 
 
 class DecodeGraphRunner:
-    """Captures ``forward(input_ids, positions, meta) -> hidden [rows, hidden]`` at each size."""
+    """Captures ``forward(input_ids, positions, meta)`` at each size: its output, a tensor or a tuple of them
+    with a row per batch row (the runner's: the logits and greedy ids, ``ModelRunner.decode_graph_forward``)."""
 
     def __init__(
         self,
@@ -145,7 +146,7 @@ class DecodeGraphRunner:
         self.buffers = DecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device, layer_groups)
         self.metas = {size: self.buffers.metadata(size, max_model_len) for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         if capture:
             self._capture_all()
 
@@ -177,14 +178,21 @@ class DecodeGraphRunner:
             torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of the step's rows (a view into the graph's output buffer: use it
+        """The forward's output for the step's rows (views into the graph's output buffers: use them
         before the next ``run``)."""
         n = input_ids.shape[0]
         size = bucket_for(n, self.sizes)
         assert size is not None and meta.max_seqlen_q == 1
         self.buffers.load(input_ids, positions, meta, size)
         if not self.capture:
-            return self.forward(self.buffers.input_ids[:size], self.buffers.positions[:size], self.metas[size])[:n]
+            return first_rows(
+                self.forward(self.buffers.input_ids[:size], self.buffers.positions[:size], self.metas[size]), n
+            )
         with device_context(self.device):  # (replay also guards its capture device itself)
             self.graphs[size].replay()
-        return self.outputs[size][:n]
+        return first_rows(self.outputs[size], n)
+
+
+def first_rows(output: torch.Tensor | tuple[torch.Tensor, ...], n: int):
+    """The first ``n`` rows of a graph's output (a tensor or a tuple of them)."""
+    return tuple(t[:n] for t in output) if isinstance(output, tuple) else output[:n]

@@ -18,11 +18,12 @@ from cb_serve.model_executor import prompt_logprobs
 from cb_serve.model_executor.block_table_rows import BlockTableRows
 from cb_serve.model_executor.cache_tensors import StateCache, kv_cache_tensors
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
+from cb_serve.model_executor.layers.greedy_head import greedy_tokens
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import CausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
 from cb_serve.model_executor.step_batch import HostStaging, StepBatch
-from cb_serve.model_executor.step_output import AsyncStepOutput, SampledIdsRing, StepResult
+from cb_serve.model_executor.step_output import AsyncStepOutput, ForwardOutput, SampledIdsRing, StepResult
 from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.stats import ExpertLoad
 
@@ -112,7 +113,7 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
-                self.forward,
+                self.decode_graph_forward,
                 cuda_graph_sizes,
                 max_model_len,
                 block_size,
@@ -123,6 +124,14 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def decode_graph_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a decode step's CUDA graph runs: the forward pass, the final norm and LM head of every row, and
+        each row's greedy id; after the replay only the sampler's own work is left (none for greedy rows)."""
+        logits = self.model.compute_logits(self.forward(input_ids, positions, meta))
+        return logits, greedy_tokens(logits)
 
     def prepare(self, sched: SchedulerOutput) -> ModelInput:
         # Decode rows first, longest context first (attention buckets them by length).
@@ -266,14 +275,14 @@ class ModelRunner:
         inp = self.prepare(sched)
         prepare_s = time.perf_counter() - start
         seqs = inp.sampling_seqs
-        hidden, prompt_hidden = self.sampling_hidden(inp)
-        assert prompt_hidden is None and sched.grammar_bitmask is None and len(inp.rows_per_seq) == len(seqs)
-        if hidden is None:
+        fwd = self.run_forward(inp)
+        assert fwd.prompt_hidden is None and sched.grammar_bitmask is None and len(inp.rows_per_seq) == len(seqs)
+        if not fwd.samples:
             ids = torch.empty(0, dtype=torch.int64, device=self.device)
         else:
-            ids = self.model.greedy_token_ids(hidden) if takes_raw_argmax(seqs) else None
+            ids = self.greedy_ids(fwd) if takes_raw_argmax(seqs) else None
             if ids is None:
-                ids = self.sampler.sample(self.model.compute_logits(hidden), SamplingBatch.from_seqs(seqs))
+                ids = self.sampler.sample(self.logits(fwd), SamplingBatch.from_seqs(seqs))
         self.prev_sampled, self.prev_rows = ids, {seq.seq_id: row for row, seq in enumerate(seqs)}
         host_ids, copied = self.sampled_ring.copy_out(ids)
         out = AsyncStepOutput(seqs, host_ids, copied, prepare_s)
@@ -287,13 +296,13 @@ class ModelRunner:
         seqs, rows_per_seq = inp.sampling_seqs, inp.rows_per_seq
         out = StepResult(seqs, [[] for _ in seqs], [[] for _ in seqs], time.perf_counter() - start)
         if broadcast is None:
-            hidden, prompt_hidden = self.sampling_hidden(inp)
-            self.prompt_logprobs(inp, prompt_hidden, out)
-            picked = self.greedy_pick(inp, sched, hidden)
+            fwd = self.run_forward(inp)
+            self.prompt_logprobs(inp, fwd.prompt_hidden, out)
+            picked = self.greedy_pick(inp, sched, fwd)
             if picked is not None:
                 out.token_ids, out.logprobs = [[t] for t in picked], [[None] for _ in picked]
                 return out
-            logits = None if hidden is None else self.model.compute_logits(hidden)
+            logits = self.logits(fwd)
         else:
             try:
                 broadcast(inp.batch)
@@ -327,20 +336,36 @@ class ModelRunner:
         """The forward pass, the prompt logprobs (into ``out``) and the logits of the sampling rows
         (None when no row samples); what a tensor-parallel worker runs for each step, in step with the
         driver's collectives."""
-        hidden, prompt_hidden = self.sampling_hidden(inp)
-        self.prompt_logprobs(inp, prompt_hidden, out)
-        return None if hidden is None else self.model.compute_logits(hidden)
+        fwd = self.run_forward(inp)
+        self.prompt_logprobs(inp, fwd.prompt_hidden, out)
+        return self.logits(fwd)
 
-    def sampling_hidden(self, inp: ModelInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The forward pass; the final hidden states of the sampling rows (None when no row samples)
-        and of the prompt-logprob rows (None when there are none)."""
-        graphs = self.graph_runner
-        if graphs is not None and graphs.can_run(inp.input_ids.shape[0], inp.meta):
-            hidden = graphs.run(inp.input_ids, inp.positions, inp.meta)
-        else:
-            hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
+    def run_forward(self, inp: ModelInput) -> ForwardOutput:
+        """The forward pass (a decode graph's replay where one fits: its logits and greedy ids come with it),
+        kept to the sampling rows and the prompt-logprob rows."""
+        graphs, num_rows, sampling = self.graph_runner, inp.input_ids.shape[0], inp.batch.num_sampling
+        if graphs is not None and inp.prompt_rows is None and graphs.can_run(num_rows, inp.meta):
+            logits, greedy = graphs.run(inp.input_ids, inp.positions, inp.meta)
+            if sampling == num_rows:  # every row samples (a decode step): its rows are the batch's, in order
+                return ForwardOutput(logits=logits, greedy=greedy)
+            rows = inp.logits_indices  # but a prompt's one-token chunk, which does not sample yet
+            return ForwardOutput(logits=logits[rows], greedy=greedy[rows]) if sampling else ForwardOutput()
+        hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
         prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows[0]]
-        return (None if inp.batch.num_sampling == 0 else hidden[inp.logits_indices]), prompt
+        return ForwardOutput(hidden=hidden[inp.logits_indices] if sampling else None, prompt_hidden=prompt)
+
+    def logits(self, fwd: ForwardOutput) -> torch.Tensor | None:
+        """The sampling rows' logits (float32), None when no row samples."""
+        if fwd.logits is not None:
+            return fwd.logits
+        return None if fwd.hidden is None else self.model.compute_logits(fwd.hidden)
+
+    def greedy_ids(self, fwd: ForwardOutput) -> torch.Tensor | None:
+        """Each sampling row's first maximum of its raw logits, where it comes without them (a decode graph's,
+        or the model's greedy head on the CPU); else None."""
+        if fwd.greedy is not None:
+            return fwd.greedy
+        return None if fwd.hidden is None else self.model.greedy_token_ids(fwd.hidden)
 
     def prompt_logprobs(self, inp: ModelInput, hidden: torch.Tensor | None, out: StepResult | None) -> None:
         """The prompt-logprob rows' logprobs (every rank computes them: the LM head's collectives);
@@ -353,12 +378,12 @@ class ModelRunner:
         if out is not None and inp.prompt_plan is not None:
             out.prompt_logprobs = prompt_logprobs.entries(inp.prompt_plan, computed)
 
-    def greedy_pick(self, inp: ModelInput, sched: SchedulerOutput, hidden: torch.Tensor | None) -> list[int] | None:
-        """Each sampling sequence's token from the model's greedy head (the same tokens as the logits'
-        first maxima), where every sampling row takes its raw logits' first maximum; else None."""
-        if hidden is None or sched.grammar_bitmask is not None or any(n != 1 for n in inp.rows_per_seq):
+    def greedy_pick(self, inp: ModelInput, sched: SchedulerOutput, fwd: ForwardOutput) -> list[int] | None:
+        """Each sampling sequence's token from ``greedy_ids`` (the same tokens as the logits' first maxima),
+        where every sampling row takes its raw logits' first maximum; else None."""
+        if not fwd.samples or sched.grammar_bitmask is not None or any(n != 1 for n in inp.rows_per_seq):
             return None
         if not takes_raw_argmax(inp.sampling_seqs):
             return None
-        token_ids = self.model.greedy_token_ids(hidden)
+        token_ids = self.greedy_ids(fwd)
         return None if token_ids is None else token_ids.tolist()

@@ -15,6 +15,22 @@ from cb_serve.stats import ExpertLoad
 
 
 @dataclass
+class ForwardOutput:
+    """A step's forward pass as sampling reads it: the sampling rows' final hidden states, or from a decode
+    graph (which runs the final norm, LM head and argmax as well) their logits and greedy ids; and the
+    prompt-logprob rows' hidden states (None: none)."""
+
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None  # each row's first maximum of ``logits``
+    prompt_hidden: torch.Tensor | None = None
+
+    @property
+    def samples(self) -> bool:
+        return self.hidden is not None or self.logits is not None
+
+
+@dataclass
 class StepResult:
     """Per sampling sequence (in batch order), the tokens it emits and their logprobs (None: not
     asked): the sampled token, or for a sequence that verified drafts its accepted drafts and the

@@ -11,9 +11,11 @@ and every KV block and state slot back at the end."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
+import torch
 
 from cb_serve import LLM, SamplingParams
 from cb_serve.structured_outputs_params import StructuredOutputsParams
@@ -166,3 +168,45 @@ def test_hybrid_and_moe_models(random_model_dir, arch):
     ahead = LLM(model, async_scheduling=True, **args)
     assert run(ahead, PROMPTS, params) == want
     assert_all_back(ahead)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton backend on CPU tensors, interpreted")
+def test_decode_graphs_launched_ahead(pair, random_model_dir):
+    """The CUDA path's decode graphs (capture off: the same buffers, logits and greedy ids from the graph's
+    forward) under async scheduling, against the synchronous eager engine."""
+    from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
+
+    sync, _ = pair
+    args = dict(max_model_len=128, num_gpu_blocks=12, max_num_seqs=6, max_num_batched_tokens=48)
+    ahead = LLM(str(random_model_dir("llama")), attention_backend="triton", async_scheduling=True, **args)
+    engine = ahead.engine
+    runner = engine.runner
+    runner.graph_runner = DecodeGraphRunner(
+        runner.decode_graph_forward, [1, 2, 4, 8], engine.max_model_len, engine.block_size, engine.device, capture=False
+    )
+    used = []
+    run_graph = runner.graph_runner.run
+    runner.graph_runner.run = lambda ids, pos, meta: (used.append(ids.shape[0]), run_graph(ids, pos, meta))[1]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=5),
+        SamplingParams(temperature=0, max_tokens=3),
+    ]
+    assert run(ahead, PROMPTS[:3], params) == run(sync, PROMPTS[:3], params)
+    assert used  # decode steps replayed "graphs"
+    assert_all_back(ahead)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_async_scheduling_with_graphs(random_model_dir):
+    """On CUDA (async scheduling and decode graphs on by default): the same tokens as synchronous steps."""
+    model = str(random_model_dir("llama"))
+    args = dict(device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks=64, max_num_seqs=8)
+    ahead = LLM(model, **args)
+    assert ahead.engine.async_scheduling and ahead.engine.runner.graph_runner is not None
+    params = params_mix(4)
+    got = run(ahead, PROMPTS, params)
+    assert_all_back(ahead)
+    ahead.engine.async_scheduling = False  # between generate calls nothing is in flight
+    assert run(ahead, PROMPTS, params) == got

@@ -145,7 +145,12 @@ def test_padded_decode_path_with_triton_kernels_matches_reference(random_model_d
     assert engine.backend.supports_cuda_graphs and engine.runner.graph_runner is None  # no graphs on CPU
     runner = engine.runner
     runner.graph_runner = DecodeGraphRunner(
-        runner.forward, capture_sizes(8), engine.max_model_len, engine.block_size, engine.device, capture=False
+        runner.decode_graph_forward,
+        capture_sizes(8),
+        engine.max_model_len,
+        engine.block_size,
+        engine.device,
+        capture=False,
     )
     used: list[int] = []
     run = runner.graph_runner.run
@@ -637,7 +642,7 @@ def test_del_llm_frees_its_tensors_without_the_garbage_collector(random_model_di
         runner = llm.engine.runner
         if graphs:
             runner.graph_runner = DecodeGraphRunner(
-                runner.forward, [1, 2, 4], 128, 16, llm.engine.device, capture=False
+                runner.decode_graph_forward, [1, 2, 4], 128, 16, llm.engine.device, capture=False
             )
         tensors = (runner.kv_caches[0], runner.model.embed_tokens.weight)
         refs = [weakref.ref(x) for x in (llm.engine, runner, runner.graph_runner or runner, *tensors)]

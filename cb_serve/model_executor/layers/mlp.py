@@ -12,6 +12,7 @@ from torch import nn
 from cb_serve import cpu_ops
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.layers import fused_triton
 from cb_serve.model_executor.layers.checkpoint import Rows, copy_parts
 from cb_serve.model_executor.layers.linear import Linear
 
@@ -42,6 +43,7 @@ class GatedMLP(nn.Module):
         if name not in ACTIVATIONS:
             raise ValueError(f"Unsupported activation {name!r} (supported: {', '.join(ACTIVATIONS)}).")
         self.act, self.fused = ACTIVATIONS[name], FUSED[name] if use_cpu_ops else None
+        self.activation = name
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = len(shard.intermediate)
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
@@ -50,6 +52,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.gate_up_proj(x)
+        if fused_triton.applies(x):  # act(gate) * up in one Triton kernel
+            return self.tp.all_reduce(self.down_proj(fused_triton.act_and_mul(x, self.activation)))
         if self.fused is not None:
             return self.tp.all_reduce(self.down_proj(self.fused(x)))
         gate, up = x.split(self.intermediate_size, dim=-1)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from cb_serve import cpu_ops
+from cb_serve.model_executor.layers import fused_triton
 
 
 class RMSNorm(nn.Module):
@@ -20,12 +21,24 @@ class RMSNorm(nn.Module):
         self.use_cpu_ops = use_cpu_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if type(self)._norm is RMSNorm._norm and fused_triton.applies(x):  # not a subclass's own
+            return self._fused_triton(x, residual, gemma=False)
         kernel = self.use_cpu_ops and x.dim() == 2
         if residual is None:
             return cpu_ops.rms_norm(x, self.weight, self.eps) if kernel else self._norm(x)
         if kernel:
             cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _fused_triton(self, x: torch.Tensor, residual: torch.Tensor | None, gemma: bool):
+        """One Triton kernel (``fused_triton``), the residual's add included; a 3-D ``x`` with a residual
+        is not a hidden state and takes the PyTorch ops."""
+        if residual is None:
+            return fused_triton.rms_norm(x, self.weight, self.eps, gemma)
+        if x.dim() == 2 and residual.is_contiguous():
+            return fused_triton.fused_add_rms_norm(x, residual, self.weight, self.eps, gemma)
         residual = residual + x
         return self._norm(residual), residual
 
@@ -49,6 +62,8 @@ class GemmaRMSNorm(RMSNorm):
         self._one_plus_key: tuple[int, int, int] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if type(self)._norm is GemmaRMSNorm._norm and fused_triton.applies(x):
+            return self._fused_triton(x, residual, gemma=True)
         if not (self.use_cpu_ops and x.dtype == torch.float32 and x.device.type == "cpu"):
             if residual is None:
                 return self._norm(x)
