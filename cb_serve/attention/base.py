@@ -81,6 +81,16 @@ class AttentionBackend(ABC):
     supports_fused_cpu_ops: bool = False
     # Attention sinks (``forward``'s ``sinks``); every backend soft-caps (``softcap``).
     supports_sinks: bool = True
+    # ``rope_and_write_kv``: RoPE on q and k with the KV write in one kernel (then ``forward`` gets no k/v).
+    supports_fused_rope_kv: bool = False
+
+    def rope_and_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rotate-half RoPE on ``q`` (returned, a new tensor) and ``k``, whose rotated rows go into
+        ``kv_cache`` with ``v``'s at ``slot_mapping`` (``cos``/``sin``: ``[T, rotary_dim]``, the model's dtype)."""
+        raise NotImplementedError(f"{self.name} does not fuse RoPE with the KV write")
 
     @abstractmethod
     def forward(

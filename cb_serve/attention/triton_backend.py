@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cb_serve.attention import triton_kernels as kernels
+from cb_serve.attention import triton_rope_kv
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -65,6 +66,10 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     block_size_multiple = 16
     supports_cuda_graphs = True
+    supports_fused_rope_kv = True
+
+    def rope_and_write_kv(self, q, k, v, cos, sin, kv_cache, slot_mapping) -> torch.Tensor:
+        return triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, kv_cache, slot_mapping)
 
     def __init__(self, num_splits: int | None = None, max_splits: int = 16) -> None:
         if kernels.triton is None:

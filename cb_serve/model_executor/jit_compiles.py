@@ -10,6 +10,7 @@ import sys
 
 KERNEL_MODULES = (
     "cb_serve.attention.triton_kernels",
+    "cb_serve.attention.triton_rope_kv",
     "cb_serve.model_executor.layers.fused_experts_triton",
     "cb_serve.model_executor.layers.fused_triton",
     "cb_serve.model_executor.layers.recurrent_triton",

@@ -14,6 +14,7 @@ from torch import nn
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
+from cb_serve.model_executor.layers import fused_triton
 from cb_serve.model_executor.layers.checkpoint import Rows, copy_parts, materialize
 from cb_serve.model_executor.layers.full_width_norm import full_width_qk_norms
 from cb_serve.model_executor.layers.linear import Linear
@@ -141,9 +142,12 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.full_width_qk_norm:  # per head: no other rank's statistics
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        if self.rope:
-            qk = rope.apply(qk)  # on q and k heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.rope and rope.fusable and self.backend.supports_fused_rope_kv and fused_triton.applies(qkv):
+            q = self.backend.rope_and_write_kv(q, k, v, rope.cos[:, 0], rope.sin[:, 0], kv_cache, meta.slot_mapping)
+            k = v = None  # in the cache already
+        elif self.rope:
+            q, k = rope.apply(qk).split([self.num_heads, self.num_kv_heads], dim=1)  # on q and k heads at once
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
         o = o.reshape(-1, self.q_size)
         if self.output_gate:  # HF: attn_output * sigmoid(gate), in the model's dtype, before o_proj

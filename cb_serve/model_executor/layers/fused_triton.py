@@ -44,7 +44,7 @@ def applies(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rounded(f, dtype: tl.constexpr):
+    def rounded(f, dtype: tl.constexpr):
         """float32 ``f`` in ``dtype``, rounded to nearest even as PyTorch rounds (to bfloat16 by hand: the
         interpreter's cast truncates; on the GPU the two agree)."""
         if dtype == tl.bfloat16:
@@ -78,15 +78,15 @@ if triton is not None:
         dtype = h.dtype
         if HAS_RESIDUAL:
             r = tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
-            h = _rounded(h.to(tl.float32) + r.to(tl.float32), dtype)
+            h = rounded(h.to(tl.float32) + r.to(tl.float32), dtype)
             tl.store(residual + row * stride_r + cols, h, mask=mask)
         hf = h.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
         w = tl.load(weight + cols, mask=mask, other=0.0)
         if GEMMA:
-            y = _rounded(hf * inv * (1.0 + w.to(tl.float32)), dtype)
+            y = rounded(hf * inv * (1.0 + w.to(tl.float32)), dtype)
         else:
-            y = _rounded(w.to(tl.float32) * _rounded(hf * inv, dtype).to(tl.float32), w.dtype)
+            y = rounded(w.to(tl.float32) * rounded(hf * inv, dtype).to(tl.float32), w.dtype)
         tl.store(out + row * stride_o + cols, y.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -104,7 +104,7 @@ if triton is not None:
         else:  # gelu, tanh approximation: tanh(z) = 2 / (1 + e^-2z) - 1
             z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
             a = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))
-        y = _rounded(_rounded(a, gate.dtype).to(tl.float32) * up.to(tl.float32), gate.dtype)
+        y = rounded(rounded(a, gate.dtype).to(tl.float32) * up.to(tl.float32), gate.dtype)
         tl.store(out + row * stride_o + cols, y, mask=mask)
 
 

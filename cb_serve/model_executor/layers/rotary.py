@@ -24,6 +24,12 @@ class Rope:
             self.cos = cos_table[positions].unsqueeze(1).to(dtype)
             self.sin = sin_table[positions].unsqueeze(1).to(dtype)
 
+    @property
+    def fusable(self) -> bool:
+        """The step's rows of the tables, in the model's dtype, with rotary dims to turn: what a fused RoPE
+        kernel (``AttentionBackend.rope_and_write_kv``) takes as ``cos[:, 0]`` / ``sin[:, 0]``."""
+        return not self.use_cpu_ops and self.cos.shape[-1] > 0
+
     def apply(self, qk: torch.Tensor) -> torch.Tensor:
         """``qk``: ``[T, heads, head_dim]`` (q and k heads together). Tables narrower than a head
         (partial rotary, Phi-3/4: ``partial_rotary_factor``) turn its first dims; the rest pass."""
