@@ -191,11 +191,10 @@ class SamplingParams:
     @property
     def needs_host_each_step(self) -> bool:
         """The host must see each sampled token (or its logits) before the next step is prepared: a grammar's
-        mask, logprobs, prompt logprobs, min_tokens' ban and the logits processors. Async scheduling runs the
-        steps of such a request synchronously."""
+        mask, prompt logprobs, min_tokens' ban and the logits processors. Async scheduling runs the steps of
+        such a request synchronously (logprobs come back with the sampled ids)."""
         return bool(
             self.structured_outputs is not None
-            or self.logprobs is not None
             or self.prompt_logprobs is not None
             or self.min_tokens
             or self.has_logits_processors

@@ -23,7 +23,14 @@ from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import CausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
 from cb_serve.model_executor.step_batch import HostStaging, StepBatch
-from cb_serve.model_executor.step_output import AsyncStepOutput, ForwardOutput, SampledIdsRing, StepResult
+from cb_serve.model_executor.step_output import (
+    AsyncStepOutput,
+    ForwardOutput,
+    HostLogprobs,
+    SampledIdsRing,
+    StepResult,
+    copy_to_host,
+)
 from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.stats import ExpertLoad
 
@@ -268,24 +275,33 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> AsyncStepOutput:
         """Prepares, runs and samples one step without waiting for it (async scheduling): the sampled ids
-        stay on the device for the next step's inputs and start their copy to the host. The engine launches
-        only steps that need no host-side look at their logits: no grammar, drafts, logprobs, prompt
-        logprobs or logits processors (``RequestState.needs_sync``)."""
+        stay on the device for the next step's inputs and start their copy to the host (their logprobs too).
+        The engine launches only steps that need no host-side look at their logits: no grammar, drafts, prompt
+        logprobs or logits processors (``SamplingParams.needs_host_each_step``)."""
         start = time.perf_counter()
         inp = self.prepare(sched)
         prepare_s = time.perf_counter() - start
         seqs = inp.sampling_seqs
         fwd = self.run_forward(inp)
         assert fwd.prompt_hidden is None and sched.grammar_bitmask is None and len(inp.rows_per_seq) == len(seqs)
+        logprobs = None
         if not fwd.samples:
             ids = torch.empty(0, dtype=torch.int64, device=self.device)
         else:
             ids = self.greedy_ids(fwd) if takes_raw_argmax(seqs) else None
             if ids is None:
-                ids = self.sampler.sample(self.logits(fwd), SamplingBatch.from_seqs(seqs))
+                batch = SamplingBatch.from_seqs(seqs)
+                logits = self.logits(fwd)
+                raw = torch.log_softmax(logits, dim=-1) if any(k is not None for k in batch.num_logprobs) else None
+                ids = self.sampler.sample(logits, batch)
+                if raw is not None:  # with every row's rank: nothing asked of the device later
+                    top_vals, top_ids, chosen = Sampler.logprob_tensors(raw, batch, ids)
+                    ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
+                    host, event = copy_to_host([t for t in (top_vals, top_ids) if t is not None] + [chosen, ranks])
+                    logprobs = HostLogprobs(batch.num_logprobs, host, event)
         self.prev_sampled, self.prev_rows = ids, {seq.seq_id: row for row, seq in enumerate(seqs)}
         host_ids, copied = self.sampled_ring.copy_out(ids)
-        out = AsyncStepOutput(seqs, host_ids, copied, prepare_s)
+        out = AsyncStepOutput(seqs, host_ids, copied, prepare_s, logprobs=logprobs)
         if self.moe_layers:
             out.expert_load = (self.moe_layer_ids, torch.stack([m.expert_load for m in self.moe_layers]))
         return out

@@ -155,20 +155,52 @@ class Sampler:
         with ranks, from the log-softmax of the logits before any filtering (vLLM's default)."""
         if raw is None:
             return [None] * len(token_ids)
+        top_vals, top_ids, chosen = Sampler.logprob_tensors(raw, batch, torch.tensor(token_ids, device=raw.device))
+        top = (None, None) if top_vals is None else (top_vals.tolist(), top_ids.tolist())
+        ranks = _LazyRanks(raw, chosen)
+        return logprob_entries(batch.num_logprobs, *top, chosen.tolist(), token_ids, ranks)
+
+    @staticmethod
+    def logprob_tensors(
+        raw: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """On the device, without a sync: the top ``max(k)`` logprobs and their ids of each row (None when no
+        row asks for any), and each row's sampled token's logprob."""
         k_max = max(k or 0 for k in batch.num_logprobs)
         top_vals, top_ids = raw.topk(k_max, dim=-1) if k_max else (None, None)
-        chosen = raw.gather(1, torch.tensor(token_ids, device=raw.device)[:, None])[:, 0].tolist()
-        out: list[dict | None] = []
-        for row, k in enumerate(batch.num_logprobs):
-            if k is None:
-                out.append(None)
-                continue
-            entry = {}
-            if k:
-                top = zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())
-                entry = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(top, start=1)}
-            if token_ids[row] not in entry:
-                rank = int((raw[row] > chosen[row]).sum()) + 1
-                entry[token_ids[row]] = Logprob(chosen[row], rank)
-            out.append(entry)
-        return out
+        return top_vals, top_ids, raw.gather(1, token_ids[:, None])[:, 0]
+
+
+class _LazyRanks:
+    """A row's sampled token's rank, counted only when asked (the token is not among the row's top ``k``)."""
+
+    def __init__(self, raw: torch.Tensor, chosen: torch.Tensor) -> None:
+        self.raw, self.chosen = raw, chosen
+
+    def __getitem__(self, row: int) -> int:
+        return int((self.raw[row] > self.chosen[row]).sum()) + 1
+
+
+def logprob_entries(
+    num_logprobs: list[int | None],
+    top_vals: list[list[float]] | None,
+    top_ids: list[list[int]] | None,
+    chosen: list[float],
+    token_ids: list[int],
+    ranks,
+) -> list[dict | None]:
+    """The host's logprob dicts from ``Sampler.logprob_tensors``' values: per row asking for ``k``, its top ``k``
+    tokens (rank 1..k) and the sampled one (``ranks[row]``: its rank, asked only when it is not among them)."""
+    out: list[dict | None] = []
+    for row, k in enumerate(num_logprobs):
+        if k is None:
+            out.append(None)
+            continue
+        entry = {}
+        if k:
+            top = zip(top_ids[row][:k], top_vals[row][:k])
+            entry = {t: Logprob(lp, rank) for rank, (t, lp) in enumerate(top, start=1)}
+        if token_ids[row] not in entry:
+            entry[token_ids[row]] = Logprob(chosen[row], ranks[row])
+        out.append(entry)
+    return out

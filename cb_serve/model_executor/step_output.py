@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from cb_serve.model_executor.sampler import logprob_entries
 from cb_serve.sequence import Sequence
 from cb_serve.stats import ExpertLoad
 
@@ -72,6 +73,32 @@ class SampledIdsRing:
         return host, copied
 
 
+def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """``tensors`` on their way to pinned host memory without a wait, and the CUDA event behind the copies
+    (None on the CPU: the tensors themselves)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned: a non-blocking copy out of CUDA pins
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
+@dataclass
+class HostLogprobs:
+    """A launched step's logprobs (``Sampler.logprob_tensors`` with every row's rank) on their way to the host."""
+
+    num_logprobs: list[int | None]
+    tensors: list[torch.Tensor]  # [top values, top ids] (when a row asks for any), chosen logprobs, ranks
+    copied: Any
+
+    def entries(self, token_ids: list[int]) -> list[dict | None]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        *top, chosen, ranks = (t.tolist() for t in self.tensors)
+        return logprob_entries(self.num_logprobs, *(top or (None, None)), chosen, token_ids, ranks)
+
+
 @dataclass
 class AsyncStepOutput:
     """A launched step: its sampling sequences (batch order) and their sampled ids on their way to the host.
@@ -82,12 +109,14 @@ class AsyncStepOutput:
     copied: Any  # torch.cuda.Event, or None
     prepare_s: float
     expert_load: tuple[tuple[int, ...], torch.Tensor] | None = None  # MoE routing, still on the device
+    logprobs: HostLogprobs | None = None
 
     def result(self) -> StepResult:
         if self.copied is not None:
             self.copied.synchronize()
         ids = self.host_ids.tolist()
-        out = StepResult(self.sampling_seqs, [[t] for t in ids], [[None] for _ in ids], self.prepare_s)
+        entries = [None] * len(ids) if self.logprobs is None else self.logprobs.entries(ids)
+        out = StepResult(self.sampling_seqs, [[t] for t in ids], [[e] for e in entries], self.prepare_s)
         if self.expert_load is not None:
             layer_ids, load = self.expert_load
             out.expert_load = ExpertLoad(layer_ids, load.cpu().numpy())

@@ -104,7 +104,7 @@ def test_stop_strings_spanning_tokens_and_the_context_length(pair):
 def test_requests_that_need_the_host_each_step_run_synchronously_beside_the_others(pair):
     sync, ahead = pair
     host_each_step = [
-        SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1),
         SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=12, min_tokens=5),
         SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}")),
@@ -117,11 +117,36 @@ def test_requests_that_need_the_host_each_step_run_synchronously_beside_the_othe
     assert_all_back(ahead)
 
 
+def test_logprobs_come_back_with_the_ids(pair):
+    """Logprobs need no synchronous step: computed on the device with every row's rank, copied with the ids."""
+    sync, ahead = pair
+    params = [
+        SamplingParams(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=7, logprobs=0),  # the sampled token's alone
+        SamplingParams(temperature=0, max_tokens=5),
+    ]
+    assert not any(p.needs_host_each_step for p in params)
+
+    def logprobs(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+        return [(c.token_ids, c.logprobs, c.cumulative_logprob) for o in outs for c in o.outputs]
+
+    engine = ahead.engine
+    engine.add_request("probe", {"prompt_token_ids": PROMPTS[0]}, params[0])
+    assert engine.step() == [] and engine.in_flight is not None  # launched ahead, logprobs and all
+    engine.abort_request("probe")
+    while engine.has_unfinished_requests():
+        engine.step()
+    got, want = logprobs(ahead), logprobs(sync)
+    assert got == want and want[0][1][0] and len(want[1][1][0]) == 1
+    assert_all_back(ahead)
+
+
 VARIANTS = [
     SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=60, stop=["a", "e"]),  # stop strings (often inside a token)
     SamplingParams(temperature=0, max_tokens=7),
-    SamplingParams(temperature=0, max_tokens=20, logprobs=1),  # the host each step: the engine drains
+    SamplingParams(temperature=0, max_tokens=20, prompt_logprobs=1),  # the host each step: the engine drains
 ]
 
 
