@@ -234,9 +234,9 @@ def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None
 def _graph_sizes(config: EngineConfig, setup: ModelSetup, lora: LoRAManager | None) -> list[int] | None:
     """Decode batch sizes to capture CUDA graphs for (None: eager). Graphs are captured by one
     process; tensor-parallel ranks run eagerly (docs/engine.md), and so do adapters (their
-    token groups change every step)."""
+    token groups change every step). Hybrid models' recurrent layers replay too: their decode kernels
+    read the state slots on the device, and a padding row's slot -1 is skipped."""
     graphable = config.tensor_parallel_size == 1 and lora is None and not config.enforce_eager
-    graphable = graphable and not setup.kv_layout.state_layers  # recurrent layers: eager for now
     if setup.device.type == "cuda" and setup.backend.supports_cuda_graphs and graphable:
         return capture_sizes(config.max_num_seqs)
     return None

@@ -65,6 +65,7 @@ class DecodeBuffers:
     seqused_k: torch.Tensor  # int32 [max_rows]; 0 on padding rows
     block_table: torch.Tensor  # int32 [groups, max_rows, max_blocks_per_seq]
     cu_seqlens_q: torch.Tensor  # int32 [max_rows + 1]: 0, 1, 2, ... (one query per row)
+    state_slots: torch.Tensor  # int32 [max_rows]: recurrent layers' state slots; -1 on padding rows (skipped)
     layer_groups: tuple[int, ...] = ()  # each layer's KV-cache group (empty: one group)
 
     @classmethod
@@ -82,6 +83,7 @@ class DecodeBuffers:
             seqused_k=zeros(max_rows, dtype=torch.int32),
             block_table=zeros(num_groups, max_rows, max_blocks_per_seq, dtype=torch.int32),
             cu_seqlens_q=torch.arange(max_rows + 1, dtype=torch.int32, device=device),
+            state_slots=torch.full((max_rows,), -1, dtype=torch.int32, device=device),
             layer_groups=layer_groups,
         )
 
@@ -102,6 +104,7 @@ class DecodeBuffers:
             kv_block_tables=self.block_table[:, :size],
             kv_slot_mappings=self.slot_mapping[:, :size],
             layer_groups=self.layer_groups,
+            state_slots=self.state_slots[:size],
         )
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, size: int) -> None:
@@ -118,6 +121,9 @@ class DecodeBuffers:
         self.slot_mapping[:, :n].copy_(slots, non_blocking=True)
         self.seqused_k[:n].copy_(meta.seqused_k, non_blocking=True)
         self.block_table[:, :n, :width].copy_(tables, non_blocking=True)
+        if meta.state_slots is not None:  # a hybrid model's recurrent layers
+            self.state_slots[:n].copy_(meta.state_slots, non_blocking=True)
+            self.state_slots[n:size].fill_(-1)
         self.input_ids[n:size].zero_()
         self.positions[n:size].zero_()
         self.slot_mapping[:, n:size].fill_(-1)

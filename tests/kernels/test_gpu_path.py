@@ -129,13 +129,15 @@ NGRAM_4 = {"method": "ngram", "num_speculative_tokens": 4}
     not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs triton run by its interpreter (TRITON_INTERPRET=1, set by conftest without CUDA); on CUDA see below",
 )
-def test_padded_decode_path_with_triton_kernels_matches_reference(random_model_dir, tokenizer):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_padded_decode_path_with_triton_kernels_matches_reference(random_model_dir, tokenizer, arch):
     """The engine with the Triton backend (interpreted on CPU) and the CUDA-graph runner's
     padded static-buffer path (graphs off) gives HF's greedy tokens (float32, top-2 tie rule).
-    5 requests finishing at different lengths (one after its prompt) -> decode batches of 4..1 rows."""
+    5 requests finishing at different lengths (one after its prompt) -> decode batches of 4..1 rows.
+    A hybrid model's padding rows (state slot -1) leave every sequence's recurrent state alone."""
     from models import hf_greedy
 
-    model = str(random_model_dir("llama"))
+    model = str(random_model_dir(arch))
     args = dict(max_model_len=128, num_gpu_blocks=64, block_size=16, max_num_seqs=8)
     prompts = [tokenizer.encode(t) for t in ("One", "Two words here", "a b c d e f g h i j k l m n o p q", "x", "yz")]
     lens = [3, 9, 6, 12, 1]
@@ -224,11 +226,11 @@ def test_mixtures_of_experts_in_cuda_graphs_match_hf_greedy(arch, random_model_d
 @pytest.mark.skipif(not CUDA or not HAS_TRITON, reason="needs CUDA and triton")
 @pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
 def test_hybrid_models_on_cuda_match_hf_greedy(arch, random_model_dir, tokenizer):
-    """Recurrent layers on CUDA: the Triton decode steps on state slots, the PyTorch chunked forms (eager: no
-    CUDA graphs for hybrid models)."""
+    """Recurrent layers on CUDA: the Triton decode steps on state slots inside captured decode graphs (padding
+    rows' slot -1 skipped), the PyTorch chunked forms eagerly."""
     model = str(random_model_dir(arch))
     llm = LLM(model, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_gpu_blocks=256)
-    assert llm.engine.backend.name == "triton" and llm.engine.runner.graph_runner is None
+    assert llm.engine.backend.name == "triton" and llm.engine.runner.graph_runner is not None
     assert_matches_hf_greedy(llm, model, tokenizer, 12)
 
 
