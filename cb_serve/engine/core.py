@@ -181,7 +181,8 @@ class EngineCore:
         except EngineFatalError:
             raise
         except Exception as e:  # noqa: BLE001 - contained: the step's requests fail, the engine goes on
-            self._sync_device()  # whatever of it was launched has run before its blocks are reused
+            self._sync_device()  # whatever of it was launched has run, as has every step before it
+            self.scheduler.steps_completed(self.num_launched)
             outputs += self._fail_step(sched, e)
             return None
         for seq in output.sampling_seqs:

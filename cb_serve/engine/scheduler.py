@@ -246,8 +246,9 @@ class Scheduler:
     def steps_completed(self, step: int) -> None:
         """Every step up to number ``step`` has completed (or failed): sequences that ended while one of
         them was in flight give their blocks back."""
-        self.completed_step = step
+        self.completed_step = max(self.completed_step, step)
         if self.deferred_frees:
+            step = self.completed_step
             done = [seq for seq in self.deferred_frees if seq.last_step <= step]
             self.deferred_frees = [seq for seq in self.deferred_frees if seq.last_step > step]
             for seq in done:

@@ -235,3 +235,38 @@ def test_cuda_async_scheduling_with_graphs(random_model_dir):
     assert_all_back(ahead)
     ahead.engine.async_scheduling = False  # between generate calls nothing is in flight
     assert run(ahead, PROMPTS, params) == got
+
+
+@pytest.mark.parametrize("faults", ["step:STEP_FAULT", "request:REQUEST_FAULT", "step:#3"])
+def test_failures_under_async_scheduling_give_every_block_back(random_model_dir, faults):
+    """A step that fails as it is launched (its own first step, or the third, with one in flight) fails its
+    requests alone, and a request's own failure while its output is made fails it alone; every block and slot
+    comes back, and the engine goes on."""
+    from cb_serve.errors import RequestFailedError, StepFailedError
+
+    args = dict(max_model_len=128, num_gpu_blocks=24, max_num_seqs=4, async_scheduling=True)
+    llm = LLM(str(random_model_dir("llama")), fault_injection=faults, **args)
+    engine = llm.engine
+    texts = ["STEP_FAULT now", "REQUEST_FAULT here", "a healthy one", "another healthy one"]
+    finals = {}
+    for i, text in enumerate(texts):
+        engine.add_request(f"r{i}", text, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        if i == 0:  # alone in the first launch: it fails with nothing in flight
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert set(finals) == {"r0", "r1", "r2", "r3"}
+    errors = {r: type(o.error) for r, o in finals.items() if o.error is not None}
+    if faults.startswith("request"):
+        assert errors == {"r1": RequestFailedError}
+    elif faults == "step:STEP_FAULT":
+        assert errors == {"r0": StepFailedError}
+    else:  # the third launch: its requests fail, the one in flight's tokens of them are dropped
+        assert errors and set(errors.values()) == {StepFailedError}
+    for request_id in set(finals) - set(errors):
+        assert len(finals[request_id].outputs[0].token_ids) == 6
+    assert_all_back(llm)
+    again = run(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3))  # the engine goes on
+    assert len(again[0][0][0]) == 3
