@@ -21,6 +21,7 @@ import torch
 from cb_serve.attention import triton_kernels as kernels
 from cb_serve.attention import triton_rope_kv
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
+from cb_serve.model_executor.device_context import host_to_device
 
 
 def is_available() -> bool:
@@ -46,16 +47,6 @@ def build_tile_plan(query_lens: np.ndarray, seq_lens: np.ndarray, first_seq: int
     kv_len = np.asarray(seq_lens, dtype=np.int64)[seq] - q_lens[seq] + np.minimum(q_off + block_q, q_lens[seq])
     order = np.argsort(-kv_len, kind="stable")
     return np.stack([seq[order] + first_seq, q_off[order]], axis=1).astype(np.int32)
-
-
-def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` on ``device``. A CUDA copy goes from pinned memory, so ``non_blocking`` really is
-    (from pageable memory the host waits for it); PyTorch's pinned-memory allocator keeps the
-    block until the copy is done, so the host tensor may go at once. Elsewhere a plain copy."""
-    host = torch.from_numpy(array)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from cb_serve.kv_cache_interface import KVCacheLayout, StateSpec
+from cb_serve.model_executor.device_context import host_to_device
 
 
 def kv_cache_tensors(
@@ -57,7 +58,7 @@ class StateCache:
         fresh = [slot for slot, q, n in zip(slots, query_lens, seq_lens) if q == n and slot >= 0]
         if not fresh:
             return
-        index = torch.tensor(fresh, device=next(iter(self.layers.values()))[0].device)
+        index = host_to_device(torch.tensor(fresh), next(iter(self.layers.values()))[0].device)
         for conv, ssm in self.layers.values():
             conv.index_fill_(0, index, 0.0)
             ssm.index_fill_(0, index, 0.0)

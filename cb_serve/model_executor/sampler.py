@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cb_serve import cpu_ops
+from cb_serve.model_executor.device_context import host_to_device
 from cb_serve.model_executor.layers.greedy_head import greedy_tokens
 from cb_serve.model_executor.logits_processors import LogitsProcessors
 from cb_serve.outputs import Logprob
@@ -101,7 +102,7 @@ class Sampler:
             sampled = greedy
         else:
             sampled = self._random(logits, batch)
-            sampled = torch.where(batch.temperature.to(logits.device) == 0, greedy, sampled)
+            sampled = torch.where(host_to_device(batch.temperature, logits.device) == 0, greedy, sampled)
         return sampled
 
     @staticmethod
@@ -109,21 +110,21 @@ class Sampler:
         """The distribution each row samples from, filtered in vLLM's order: temperature, then
         min-p, top-k and top-p (each on what the previous left, renormalized)."""
         device = logits.device
-        temperature = batch.temperature.to(device)
+        temperature = host_to_device(batch.temperature, device)
         logits = logits / torch.where(temperature == 0, 1.0, temperature)[:, None]
         # Which filters apply is read from the host copies of the parameters: no wait for the device.
-        min_p = batch.min_p.to(device)
+        min_p = host_to_device(batch.min_p, device)
         if bool((batch.min_p > 0).any()):
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         vocab = logits.shape[-1]
-        top_k = batch.top_k.to(device)
+        top_k = host_to_device(batch.top_k, device)
         if bool((batch.top_k > 0).any()):
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
             k_max = int(torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab).max())
             kth = logits.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_p = batch.top_p.to(device)
+        top_p = host_to_device(batch.top_p, device)
         if bool((batch.top_p < 1).any()):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             sorted_probs = sorted_logits.softmax(dim=-1)
@@ -142,11 +143,15 @@ class Sampler:
         # times slower on CPU.
         u = torch.empty_like(probs)
         unseeded = [row for row, g in enumerate(batch.generators) if g is None]
-        if unseeded:
-            u[unseeded] = torch.empty((len(unseeded), vocab), device=device).uniform_()
+        if len(unseeded) == len(u):  # the same draws as filling those rows alone
+            u.uniform_()
+        elif unseeded:
+            u[host_to_device(torch.tensor(unseeded), device)] = torch.empty(
+                (len(unseeded), vocab), device=device
+            ).uniform_()
         for row, g in enumerate(batch.generators):
             if g is not None:  # CPU generators: the same draws on every device
-                u[row] = torch.empty(vocab).uniform_(generator=g)
+                u[row] = host_to_device(torch.empty(vocab).uniform_(generator=g), device)
         return (probs / u.log_().neg_()).argmax(dim=-1)
 
     @staticmethod

@@ -68,8 +68,8 @@ class HostStaging:
             # A replaced buffer is not freed under a pending copy: the pinned allocator records one.
             buf = torch.empty(max(1024, 1 << (flat.numel() - 1).bit_length()), dtype=flat.dtype).pin_memory()
             self.pinned[flat.dtype] = buf
-        elif (copied := self.copied.get(flat.dtype)) is not None:
-            copied.synchronize()  # the last copy out of this buffer has run
+        elif (copied := self.copied.get(flat.dtype)) is not None and not copied.query():
+            copied.synchronize()  # the last copy out of this buffer has run (under async scheduling it has)
         staged = buf[: flat.numel()]
         staged.copy_(flat)
         return staged

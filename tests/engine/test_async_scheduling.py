@@ -270,3 +270,32 @@ def test_failures_under_async_scheduling_give_every_block_back(random_model_dir,
     assert_all_back(llm)
     again = run(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3))  # the engine goes on
     assert len(again[0][0][0]) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_launches_never_wait_for_the_device(random_model_dir):
+    """Under torch's sync debug mode ("error": any host wait for the device raises), every launch of a step
+    ahead: prefills, decode graphs, greedy, temperature with top-k / top-p / min-p, seeds, logprobs."""
+    model = str(random_model_dir("llama"))
+    llm = LLM(model, device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks=64, max_num_seqs=8)
+    engine = llm.engine
+    launch = engine.executor.launch
+
+    def checked(sched):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(sched)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.executor.launch = checked
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=8, ignore_eos=True),
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert_all_back(llm)

@@ -589,7 +589,7 @@ def test_loading_in_bfloat16_never_holds_a_float32_copy_on_the_gpu(random_model_
 def test_tile_plan_copy_is_pinned_only_on_cuda(monkeypatch):
     import numpy as np
 
-    from cb_serve.attention.triton_backend import host_to_device
+    from cb_serve.model_executor.device_context import host_to_device
 
     plan = np.arange(8, dtype=np.int32).reshape(4, 2)
     calls: list[tuple] = []
@@ -710,6 +710,9 @@ def test_pinned_staging_waits_for_the_last_copy_before_refilling(monkeypatch):
     waits = []
 
     class Event:
+        def query(self) -> bool:  # the copy has not run yet (a done one is not waited for)
+            return False
+
         def synchronize(self) -> None:
             waits.append(staging.pinned[torch.int64][:3].tolist())  # what the buffer held meanwhile
 
