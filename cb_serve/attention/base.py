@@ -6,6 +6,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -118,3 +119,15 @@ class AttentionBackend(ABC):
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def host_to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on ``device`` without a wait (the step's host data: attention plans, sampling
+    parameters, index rows). A CUDA copy goes from pinned memory, so ``non_blocking`` really is (from pageable
+    memory the host waits for the stream: a step launched ahead would stall); PyTorch's pinned-memory
+    allocator keeps the block until the copy is done, so the host tensor may go at once. Elsewhere a plain
+    copy (none on the CPU)."""
+    host = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -20,8 +20,7 @@ import torch
 
 from cb_serve.attention import triton_kernels as kernels
 from cb_serve.attention import triton_rope_kv
-from cb_serve.attention.base import AttentionBackend, AttentionMetadata
-from cb_serve.model_executor.device_context import host_to_device
+from cb_serve.attention.base import AttentionBackend, AttentionMetadata, host_to_device
 
 
 def is_available() -> bool:

@@ -12,7 +12,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only without triton
-    triton = tl = None
+    triton = tl = rounded = None
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -41,6 +41,16 @@ def jit_options(ints: tuple[str, ...] = (), pointers: tuple[str, ...] = ()) -> d
 
 
 if triton is not None:
+
+    @triton.jit
+    def rounded(f, dtype: tl.constexpr):
+        """float32 ``f`` in ``dtype``, rounded to nearest even as PyTorch rounds (to bfloat16 by hand: the
+        interpreter's cast truncates; on the GPU the two agree)."""
+        if dtype == tl.bfloat16:
+            bits = f.to(tl.int32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+            return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        return f.to(dtype)
 
     @triton.jit(**jit_options(pointers=WRITE_KV_UNSPECIALIZED_ALIGNMENT))
     def _write_kv_kernel(

@@ -4,7 +4,7 @@ paged cache (the layout ``write_kv`` writes: ``[2, num_blocks, block_size, kv_he
 the PyTorch RoPE's ops on q and k (two products, a negation, a concatenation, a sum) and the KV write.
 
 Rotate-half RoPE as HF computes it in the model's dtype: ``x * cos + rotate_half(x) * sin`` with ``cos`` and
-``sin`` already in that dtype, each product and the sum rounded to it (nearest even; ``fused_triton.rounded``),
+``sin`` already in that dtype, each product and the sum rounded to it (nearest even; ``triton_kernels.rounded``),
 so bfloat16 gives PyTorch's bits; dims past the rotary ones (partial rotary) pass through. A negative slot
 (a CUDA graph's padding row) writes nothing.
 """
@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from cb_serve.attention.triton_kernels import WRITE_KV_UNSPECIALIZED_ALIGNMENT, jit_options
-from cb_serve.model_executor.layers.fused_triton import rounded, triton
+from cb_serve.attention.triton_kernels import WRITE_KV_UNSPECIALIZED_ALIGNMENT, jit_options, rounded, tl, triton
 
 if triton is not None:
-    import triton.language as tl
 
     @triton.jit(**jit_options(pointers=WRITE_KV_UNSPECIALIZED_ALIGNMENT))
     def _rope_write_kv_kernel(

@@ -136,7 +136,7 @@ class EngineConfig:
         None,
         "Schedule and launch each step while the previous one runs, its sampled ids fed back on the device "
         "(vLLM's flag); steps whose requests need the host to see each token first (structured outputs, "
-        "logprobs, prompt logprobs, penalties and other logits processors, min_tokens, speculative decoding) "
+        "prompt logprobs, penalties and other logits processors, min_tokens, speculative decoding) "
         "run synchronously. Default: on for CUDA, off on the CPU (one device and one host: nothing to overlap).",
     )
     max_logprobs: int = _arg(20, "Most log-probabilities a request may ask for per token (logprobs / top_logprobs).")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from cb_serve.attention.base import host_to_device
 from cb_serve.kv_cache_interface import KVCacheLayout, StateSpec
-from cb_serve.model_executor.device_context import host_to_device
 
 
 def kv_cache_tensors(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 
@@ -43,14 +42,3 @@ def bind_thread_to_device(device: torch.device) -> None:
     ``torch.cuda.set_device`` refuses bare ``cuda``."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-
-def host_to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host array or tensor on ``device`` without a wait. A CUDA copy goes from pinned memory, so
-    ``non_blocking`` really is (from pageable memory the host waits for the stream: a step launched ahead
-    would stall); PyTorch's pinned-memory allocator keeps the block until the copy is done, so the host
-    tensor may go at once. Elsewhere a plain copy (none on the CPU)."""
-    host = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cb_serve import cpu_ops
-from cb_serve.model_executor.device_context import host_to_device
+from cb_serve.attention.base import host_to_device
 from cb_serve.model_executor.layers.greedy_head import greedy_tokens
 from cb_serve.model_executor.logits_processors import LogitsProcessors
 from cb_serve.outputs import Logprob

@@ -142,11 +142,14 @@ def test_mixed_batch_of_four_adapters_and_the_base_equals_each_alone(adapters):
     assert len({tuple(t) for t, _ in mixed[:5]}) == 5  # four adapters and the base all differ
 
 
-def test_max_loras_2_with_4_adapters_every_request_finishes(adapters):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_max_loras_2_with_4_adapters_every_request_finishes(adapters, async_scheduling):
     """Requests of four adapters through two slots: each waits for a slot holding nothing, and
-    its tokens are those of its adapter alone; the slots' loads and evictions are counted."""
+    its tokens are those of its adapter alone; the slots' loads and evictions are counted. Under async
+    scheduling too (slots loaded and evicted while a step is in flight)."""
     model_dir, paths = adapters("llama")
-    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, **STRESS_ENGINE_ARGS)
+    args = dict(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, async_scheduling=async_scheduling)
+    llm = LLM(str(model_dir), **args, **STRESS_ENGINE_ARGS)
     loras = [lora(paths[i % 4], i % 4) for i in range(8)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     max_tokens = [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(8)]

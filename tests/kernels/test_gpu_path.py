@@ -589,7 +589,7 @@ def test_loading_in_bfloat16_never_holds_a_float32_copy_on_the_gpu(random_model_
 def test_tile_plan_copy_is_pinned_only_on_cuda(monkeypatch):
     import numpy as np
 
-    from cb_serve.model_executor.device_context import host_to_device
+    from cb_serve.attention.base import host_to_device
 
     plan = np.arange(8, dtype=np.int32).reshape(4, 2)
     calls: list[tuple] = []

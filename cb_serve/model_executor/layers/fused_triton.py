@@ -17,11 +17,7 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only without triton
-    triton = tl = None
+from cb_serve.attention.triton_kernels import rounded, tl, triton
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 MAX_ROW = 65536  # widest row one program normalizes in a single block
@@ -42,16 +38,6 @@ def applies(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def rounded(f, dtype: tl.constexpr):
-        """float32 ``f`` in ``dtype``, rounded to nearest even as PyTorch rounds (to bfloat16 by hand: the
-        interpreter's cast truncates; on the GPU the two agree)."""
-        if dtype == tl.bfloat16:
-            bits = f.to(tl.int32, bitcast=True)
-            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-            return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-        return f.to(dtype)
 
     @triton.jit
     def _rms_norm_kernel(
