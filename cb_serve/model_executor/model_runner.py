@@ -15,6 +15,7 @@ from cb_serve.errors import EngineFatalError
 from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import prompt_logprobs
+from cb_serve.model_executor.batch_tokens import flatten_tokens, sampling_rows
 from cb_serve.model_executor.block_table_rows import BlockTableRows
 from cb_serve.model_executor.cache_tensors import StateCache, kv_cache_tensors
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
@@ -27,7 +28,6 @@ from cb_serve.model_executor.step_output import (
     AsyncStepOutput,
     ForwardOutput,
     HostLogprobs,
-    SampledIdsRing,
     StepResult,
     copy_to_host,
 )
@@ -112,7 +112,6 @@ class ModelRunner:
         # Async scheduling: the last launched step's sampled ids on the device, and each sampling sequence's row
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[int | str, int] = {}
-        self.sampled_ring = SampledIdsRing(device)
         moe = [(i, m) for i, layer in enumerate(model.layers) for m in layer.modules() if isinstance(m, FusedMoE)]
         self.moe_layers: list[FusedMoE] = [m for _, m in moe] if record_expert_load else []
         self.moe_layer_ids = tuple(i for i, _ in moe)
@@ -151,19 +150,7 @@ class ModelRunner:
         seq_lens = [start + n for start, n in zip(starts, query_lens)]
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
 
-        token_ids: list[int] = []
-        fill_index: list[int] = []  # async scheduling: tokens sampled by the step in flight, filled on the device
-        fill_rows: list[int] = []
-        for seq, start, end in zip(seqs, starts, seq_lens):
-            token_ids.extend(seq.token_ids[start:end])
-            if end > seq.num_tokens:
-                if seq.num_pending_tokens:  # its last token is the step in flight's: a placeholder here
-                    assert end == seq.num_tokens + 1 and not seq.spec_token_ids, seq
-                    fill_index.append(len(token_ids))
-                    fill_rows.append(self.prev_rows[seq.seq_id])
-                    token_ids.append(0)
-                else:  # its drafts, verified in this step
-                    token_ids.extend(seq.spec_token_ids[: end - seq.num_tokens])
+        token_ids, fill_index, fill_rows = flatten_tokens(seqs, starts, seq_lens, self.prev_rows)
         q_lens = np.asarray(query_lens, dtype=np.int64)
         cu_q = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
@@ -174,22 +161,12 @@ class ModelRunner:
 
         block_tables, slot_mappings = self._kv_arrays(seqs, row_of_token, positions)
 
-        sampling = [
-            i
-            for i, (s, end) in enumerate(zip(seqs, seq_lens))
-            if end == s.num_tokens + s.num_pending_tokens + len(s.spec_token_ids)
-        ]
-        # A sampling row per sequence, its last token's; a speculating one's 1 + k last tokens.
-        rows_of = [1 + len(seqs[i].spec_token_ids) for i in sampling]
-        if len(rows_of) == sum(rows_of):  # no drafts: each sampling sequence's last token
-            logits_indices = cu_q[np.asarray(sampling, dtype=np.int64) + 1] - 1
-        else:
-            logits_indices = [cu_q[i + 1] - n + j for i, n in zip(sampling, rows_of) for j in range(n)]
+        sampling, rows_of, logits_indices = sampling_rows(seqs, seq_lens, cu_q)
         arrays = {
             "input_ids": np.asarray(token_ids, dtype=np.int64),
             "positions": positions,
             "slot_mappings": slot_mappings,
-            "logits_indices": np.asarray(logits_indices, dtype=np.int64),
+            "logits_indices": logits_indices,
             "cu_seqlens_q": cu_q,
             "cu_seqlens_k": cu_k,
             "seqused_k": np.asarray(seq_lens),
@@ -284,7 +261,7 @@ class ModelRunner:
         seqs = inp.sampling_seqs
         fwd = self.run_forward(inp)
         assert fwd.prompt_hidden is None and sched.grammar_bitmask is None and len(inp.rows_per_seq) == len(seqs)
-        logprobs = None
+        logprobs: tuple[list[int | None], list[torch.Tensor]] | None = None
         if not fwd.samples:
             ids = torch.empty(0, dtype=torch.int64, device=self.device)
         else:
@@ -297,11 +274,12 @@ class ModelRunner:
                 if raw is not None:  # with every row's rank: nothing asked of the device later
                     top_vals, top_ids, chosen = Sampler.logprob_tensors(raw, batch, ids)
                     ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
-                    host, event = copy_to_host([t for t in (top_vals, top_ids) if t is not None] + [chosen, ranks])
-                    logprobs = HostLogprobs(batch.num_logprobs, host, event)
+                    logprobs = (batch.num_logprobs, [t for t in (top_vals, top_ids) if t is not None] + [chosen, ranks])
         self.prev_sampled, self.prev_rows = ids, {seq.seq_id: row for row, seq in enumerate(seqs)}
-        host_ids, copied = self.sampled_ring.copy_out(ids)
-        out = AsyncStepOutput(seqs, host_ids, copied, prepare_s, logprobs=logprobs)
+        host, copied = copy_to_host([ids, *(logprobs[1] if logprobs else ())])  # one event behind every copy
+        out = AsyncStepOutput(seqs, host[0], copied, prepare_s)
+        if logprobs is not None:
+            out.logprobs = HostLogprobs(logprobs[0], host[1:])
         if self.moe_layers:
             out.expert_load = (self.moe_layer_ids, torch.stack([m.expert_load for m in self.moe_layers]))
         return out

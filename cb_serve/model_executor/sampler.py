@@ -97,12 +97,12 @@ class Sampler:
             apply_grammar(logits, batch.grammar[1], batch.grammar[0])
         if batch.processors is not None:  # after the masks, as in vLLM (the min_tokens ban commutes with them)
             batch.processors.apply(logits)
-        greedy = greedy_tokens(logits)
         if batch.all_greedy:
-            sampled = greedy
-        else:
-            sampled = self._random(logits, batch)
-            sampled = torch.where(host_to_device(batch.temperature, logits.device) == 0, greedy, sampled)
+            return greedy_tokens(logits)
+        sampled = self._random(logits, batch)  # (leaves ``logits`` as they are)
+        greedy_rows = batch.temperature == 0  # on the host: the argmax and its mask only where some row is greedy
+        if bool(greedy_rows.any()):
+            sampled = torch.where(host_to_device(greedy_rows, logits.device), greedy_tokens(logits), sampled)
         return sampled
 
     @staticmethod

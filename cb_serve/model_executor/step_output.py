@@ -1,7 +1,7 @@
 """What a step gives back: ``StepResult`` on the host, and for a step launched ahead under async scheduling
 (vLLM's ``AsyncModelRunnerOutput``, SGLang's overlap scheduler) ``AsyncStepOutput``, whose sampled ids stay
-on the device for the next step's inputs and come to the host through ``SampledIdsRing`` while the next
-step is scheduled and launched."""
+on the device for the next step's inputs and come to the host (``copy_to_host``: pinned memory, no wait)
+while the next step is scheduled and launched."""
 
 from __future__ import annotations
 
@@ -45,40 +45,13 @@ class StepResult:
     expert_load: ExpertLoad | None = None  # a mixture-of-experts model's routing (``record_expert_load``)
 
 
-class SampledIdsRing:
-    """Pinned host buffers that sampled ids are copied into without blocking the host, used in turn.
-    A buffer is reused ``depth`` launches later: by then its step's result has been taken (the engine keeps
-    at most two steps in flight). On the CPU the ids are already on the host: nothing is copied."""
-
-    def __init__(self, device: torch.device, depth: int = 3) -> None:
-        self.device = device
-        self.buffers: list[torch.Tensor | None] = [None] * depth
-        self.next = 0
-
-    def copy_out(self, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """``ids`` (int64 ``[N]`` on the device) on their way to the host: the host view and the CUDA event
-        that follows the copy (None on the CPU, where the view is ``ids``)."""
-        if self.device.type != "cuda":
-            return ids, None
-        i, n = self.next, ids.numel()
-        self.next = (i + 1) % len(self.buffers)
-        buf = self.buffers[i]
-        if buf is None or buf.numel() < n:
-            size = max(256, 1 << max(0, n - 1).bit_length())
-            buf = self.buffers[i] = torch.empty(size, dtype=torch.int64).pin_memory()
-        host = buf[:n]
-        host.copy_(ids, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return host, copied
-
-
 def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
     """``tensors`` on their way to pinned host memory without a wait, and the CUDA event behind the copies
-    (None on the CPU: the tensors themselves)."""
+    (None on the CPU: the tensors themselves). The pinned blocks come from PyTorch's caching host allocator,
+    which reuses a block only once the copy recorded on it has run: a ring the allocator keeps."""
     if not tensors or tensors[0].device.type != "cuda":
         return tensors, None
-    host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned: a non-blocking copy out of CUDA pins
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
     copied = torch.cuda.Event()
     copied.record()
     return host, copied
@@ -86,15 +59,14 @@ def copy_to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
 
 @dataclass
 class HostLogprobs:
-    """A launched step's logprobs (``Sampler.logprob_tensors`` with every row's rank) on their way to the host."""
+    """A launched step's logprobs (``Sampler.logprob_tensors`` with every row's rank), copied to the host with
+    its ids."""
 
     num_logprobs: list[int | None]
     tensors: list[torch.Tensor]  # [top values, top ids] (when a row asks for any), chosen logprobs, ranks
-    copied: Any
 
     def entries(self, token_ids: list[int]) -> list[dict | None]:
-        if self.copied is not None:
-            self.copied.synchronize()
+        """Once their copy has run (the ids' event: one behind every copy of the step)."""
         *top, chosen, ranks = (t.tolist() for t in self.tensors)
         return logprob_entries(self.num_logprobs, *(top or (None, None)), chosen, token_ids, ranks)
 

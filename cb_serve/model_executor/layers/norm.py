@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
         self.use_cpu_ops = use_cpu_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if type(self)._norm is RMSNorm._norm and fused_triton.applies(x):  # not a subclass's own
+        if fused_triton.applies(x) and type(self)._norm is RMSNorm._norm:  # not a subclass's own
             return self._fused_triton(x, residual, gemma=False)
         kernel = self.use_cpu_ops and x.dim() == 2
         if residual is None:
@@ -62,7 +62,7 @@ class GemmaRMSNorm(RMSNorm):
         self._one_plus_key: tuple[int, int, int] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if type(self)._norm is GemmaRMSNorm._norm and fused_triton.applies(x):
+        if fused_triton.applies(x) and type(self)._norm is GemmaRMSNorm._norm:
             return self._fused_triton(x, residual, gemma=True)
         if not (self.use_cpu_ops and x.dtype == torch.float32 and x.device.type == "cpu"):
             if residual is None:
