@@ -9,7 +9,8 @@ ordinary word (` the`): every step decodes, detokenizes and checks stops as usua
 
 For each batch size R (``--rows``): R requests with 32-token prompts and ``--max-tokens`` output tokens,
 all at once; the decode-only steps that ran all R sequences are timed by the engine itself
-(``StepStats``: schedule, prepare, execute, output). Reported per R: the median and mean ms per step
+(``StepStats``: schedule, prepare, execute, output; the front end's text and outputs are made after the
+step, so only the wall figures count them). Reported per R: the median and mean ms per step
 (the mean with the garbage collector's pauses), **host µs per sequence per step** (median step time / R),
 and each phase's share; and the marginal cost, the slope of step time over
 R between the smallest and largest R. Two paths: ``LLM.generate`` (offline) and serving, ``AsyncLLM``

@@ -7,7 +7,8 @@ only, with a step listener (``LLMEngine.add_step_listener``) recording each step
   schedule   the scheduler's decisions
   prepare    building the batch's tensors (token ids, positions, block tables, slot mapping)
   execute    the model forward, logits, sampling and the scheduler's update after the step
-  output     appending tokens, stop checks, detokenizing, making the outputs
+  output     appending tokens, the stops that need no text, making the records (the front end's
+             detokenizing, stop strings and outputs run after the step: in ``outside_steps_s``)
 
 and then runs ``torch.profiler`` over the first step and a few decode-only steps of a second workload
 (seed + 1, so prompts do not hit the prefix cache) for an operator-level view: the split inside the model

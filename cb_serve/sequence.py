@@ -91,8 +91,6 @@ class Sequence:
         # makes a new outer list (the model runner's rows, ``block_table_rows``, copy only what is new).
         self.block_tables: list[list[int]] = [[]]
         self.stop_reason: int | str | None = None
-        self.cumulative_logprob = 0.0
-        self.logprobs: list[dict[int, Logprob]] = []
         self.num_preemptions = 0
         self.matcher: Any = None  # its GrammarMatcher when the request constrains its output
         self.spec_token_ids: list[int] = []  # drafts the next step verifies (speculative decoding)

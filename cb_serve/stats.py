@@ -13,7 +13,7 @@ class StepPhases:
     schedule_s: float = 0.0  # the scheduler's decisions
     prepare_s: float = 0.0  # building the batch's tensors (input ids, positions, block tables)
     execute_s: float = 0.0  # the model forward, logits and sampling
-    output_s: float = 0.0  # appending tokens, stop checks, detokenizing, making outputs
+    output_s: float = 0.0  # appending tokens, the stops that need no text, making the records (text: the front end)
 
     @property
     def total_s(self) -> float:

@@ -190,7 +190,7 @@ def test_the_rules_see_the_imports():
     """The checker is not vacuous: it finds the engine's imports of the model executor and the
     leaves, and the serve layer's imports of the public API."""
     engine = {m for m, _ in imports(SOURCES["cb_serve.engine.core"])}
-    assert {"cb_serve.model_executor.model_runner", "cb_serve.sequence"} <= engine
+    assert {"cb_serve.model_executor.step_output", "cb_serve.sequence"} <= engine
     assert ("cb_serve", "AsyncLLM") in imports(SOURCES["cb_serve.serve.engine_replica"])
 
 

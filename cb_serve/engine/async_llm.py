@@ -1,6 +1,11 @@
 """Asyncio front of the engine: the step loop runs in a background thread; any number of
 coroutines call ``generate`` and iterate their outputs.
 
+The engine thread runs steps and hands each stream its records (token ids, ``EngineCoreOutput``);
+the front end, each ``generate`` coroutine with its request's ``RequestState``, detokenizes, checks
+stop strings and makes the outputs, so that work overlaps the engine's next step. A stop string
+goes back to the engine as a ``stop`` item.
+
 Every call crosses to the engine thread through the ``Inbox`` (``inbox.py``: a stream per
 ``generate`` call, request ids held until the engine lets go of them). The engine thread
 handles each item on its own, so one that raises fails only itself; it skips a call whose
@@ -21,20 +26,25 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cb_serve.config import EngineConfig
-from cb_serve.engine.gc_heap import frozen_heap
-from cb_serve.engine.inbox import Inbox, Item, Stream, call_soon, put_all, settle, wait_or_timeout
+from cb_serve.engine.engine_loop import EngineLoop
+from cb_serve.engine.inbox import (
+    Inbox,
+    Item,
+    Stream,
+    wait_or_timeout,
+)
 from cb_serve.engine.llm_engine import LLMEngine, StepListener
+from cb_serve.engine.output_processor import OutputListener
+from cb_serve.engine.request_state import RequestState
 from cb_serve.errors import (
     EngineDeadError,
     EngineError,
-    EngineOverloadedError,
     EngineShutdownError,
-    EngineUnavailableError,
     RequestFailedError,
 )
 from cb_serve.inputs import PromptType
 from cb_serve.lora_request import LoRARequest
-from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device
+from cb_serve.model_executor.device_context import concrete_device
 from cb_serve.outputs import RequestOutput
 from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
@@ -43,7 +53,7 @@ from cb_serve.stats import EngineStats
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLM:
+class AsyncLLM(EngineLoop):
     """Thread-safe, asyncio-friendly engine. ``generate`` validates in the caller (bad input
     raises ``InvalidRequestError``, a ``ValueError``, at once), then streams ``RequestOutput``s;
     leaving the iteration early (client gone, ``CancelledError``) aborts the request and frees
@@ -57,7 +67,7 @@ class AsyncLLM:
         self.max_model_len = self._engine.max_model_len
         self.block_size = self._engine.block_size
         self.worker_pids = self._engine.worker_pids  # tensor-parallel workers' processes
-        # The engine thread detokenizes with its own tokenizer; callers tokenize with this copy.
+        # Callers tokenize and detokenize with this copy; the engine thread has its own (grammars).
         self.tokenizer = copy.deepcopy(self._engine.tokenizer)
         self.processor = self._engine.processor.with_tokenizer(self.tokenizer)
         # Requests held (running, waiting or not yet taken by the engine thread) fill at most
@@ -109,19 +119,37 @@ class AsyncLLM:
         if lora_request is not None:
             processed.lora_weights = await asyncio.to_thread(self._engine.read_lora, lora_request)
             processed.lora_request = lora_request
+        state = RequestState(request_id, processed, self.tokenizer, processed.arrival_time)
         stream = await self._inbox.add(request_id, processed)
-        finished = False
+        left = True  # the engine still runs it and nothing told it to stop: leaving aborts it
+        reported = False  # the output listeners had its last output
         try:
-            while not finished:
+            while not state.finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
+                    left = False
                     raise item
-                finished = item.finished
-                yield item
+                try:
+                    out, stops = state.process(item)
+                except Exception as e:  # noqa: BLE001 - this request's own failure: the engine goes on
+                    logger.error("request %s failed while its output was made", request_id, exc_info=e)
+                    self._send(("abort", stream, "failed"))  # the engine lets go of it, counted as failed
+                    out, stops = state.failed_output(RequestFailedError("This request failed on the server.")), []
+                if stops:  # stop strings: the engine stops those sequences (and lets go of the request)
+                    self._send(("stop", stream, stops))
+                left = not (state.engine_finished or state.finished)
+                if out is None:
+                    continue
+                self._engine.output_listeners.notify(request_id, out)
+                reported = out.finished
+                if out.error is not None:
+                    raise out.error
+                yield out
         finally:
-            if not finished:
+            if left:
                 self._send(("abort", stream, None))
+            if not reported:
+                self._engine.output_listeners.notify(request_id, None)
 
     async def add_lora(self, lora_request: LoRARequest, timeout_s: float = 30.0) -> None:
         """Reads and checks an adapter (on a worker thread), then has the engine hold it in host
@@ -180,6 +208,15 @@ class AsyncLLM:
     def remove_step_listener(self, listener: StepListener) -> None:
         self._engine.remove_step_listener(listener)
 
+    def add_output_listener(self, listener: OutputListener) -> None:
+        """``listener(request_id, output)`` runs in the caller's coroutine for every ``RequestOutput`` a
+        ``generate`` call makes (before the caller sees it), and with None when a request ends without a
+        finished output: queue what you need and return. An exception in it is logged, never raised."""
+        self._engine.add_output_listener(listener)
+
+    def remove_output_listener(self, listener: OutputListener) -> None:
+        self._engine.remove_output_listener(listener)
+
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
@@ -206,129 +243,3 @@ class AsyncLLM:
         self._inbox.wake.set()
         self._thread.join(timeout=30)
         self._engine.shutdown()
-
-    # ---- engine thread --------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            bind_thread_to_device(self._device)
-            with frozen_heap(collect=True):  # the loop runs as long as the engine: start from a clean heap
-                self._steps()
-        except BaseException as e:  # noqa: BLE001 - the engine cannot go on; callers are told at once
-            logger.exception("engine loop died")
-            self.error = e
-        finally:
-            self._end_loop()
-
-    def _steps(self) -> None:
-        engine, wake = self._engine, self._inbox.wake
-        while not self._stop:
-            wake.clear()
-            self._drain_inbox()
-            if not engine.has_unfinished_requests():
-                self._snapshot()
-                wake.wait(timeout=1.0)
-                continue
-            outputs = engine.step()  # contains every failure it can survive
-            self._snapshot()  # before the outputs: a caller sees stats at least as new
-            self._deliver(outputs)
-
-    def _snapshot(self) -> None:
-        self._stats = self._engine.get_stats()
-        if self._digest_wanted:
-            self._digest_wanted = False
-            self._digest = self._engine.cache_digest()
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hands a step's outputs to their streams: one wake-up per event loop, not per output."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput | BaseException]]] = {}
-        ended = []
-        for out in outputs:
-            stream = self._live.get(out.request_id)
-            if stream is None:
-                continue
-            by_loop.setdefault(stream.loop, []).append((stream, out.error if out.error is not None else out))
-            if out.finished:
-                del self._live[out.request_id]
-                ended.append(stream)
-        for loop, items in by_loop.items():
-            call_soon(loop, put_all, items)
-        for stream in ended:  # after its last output is on its way, as one delivery at a time did
-            self._inbox.release(stream)
-
-    def _drain_inbox(self) -> None:
-        while (item := self._inbox.get()) is not None:
-            try:
-                self._handle(item)
-            except Exception as e:  # noqa: BLE001 - one item's failure, never the loop's
-                logger.error("engine call %r failed", item[0], exc_info=e)
-                if item[0] != "call":
-                    self._forget(item[1])
-                self._inbox.fail(item, RequestFailedError("This request failed on the server."))
-
-    def _handle(self, item: Item) -> None:
-        op, target, payload = item
-        if op == "call":
-            if target.set_running_or_notify_cancel():  # False: its caller gave up
-                try:
-                    result = payload()
-                except Exception as e:  # noqa: BLE001 - the caller gets it
-                    settle(target, error=e)
-                else:
-                    settle(target, result)
-            return
-        request_id = target.request_id
-        if op == "abort":
-            if self._live.get(request_id) is target:  # not an earlier request's late abort
-                del self._live[request_id]
-                self._engine.abort_request(request_id)
-            self._inbox.release(target)
-            return
-        assert op == "add" and request_id not in self._live, (op, request_id)
-        try:
-            self._engine.add_processed_request(request_id, payload)
-        except (ValueError, EngineOverloadedError) as e:  # the request's own input, or a full queue
-            self._inbox.fail(item, e)
-            return
-        self._live[request_id] = target
-
-    def _forget(self, stream: Stream) -> None:
-        """Drops whatever the engine holds of ``stream``'s request (not of another stream's
-        request with the same id)."""
-        holder = self._live.get(stream.request_id)
-        if holder is stream:
-            del self._live[stream.request_id]
-        if holder in (None, stream):
-            try:
-                self._engine.abort_request(stream.request_id)
-            except Exception:  # noqa: BLE001 - best effort; the stream ends anyway
-                logger.exception("aborting request %s failed", stream.request_id)
-
-    def _not_running(self) -> EngineError:
-        if self._inbox.closing is not None:
-            return EngineShutdownError("The server is shutting down; retry the request.")
-        return EngineUnavailableError("The engine is not running; retry the request.")
-
-    def _end_loop(self) -> None:
-        """The loop has ended: everything sent to it or waiting on it fails now (what the engine
-        never took with ``EngineUnavailableError``, safe to retry elsewhere), and anything sent
-        later fails as it is sent."""
-        items, held = self._inbox.end()
-        try:  # first: a caller told of the end finds the request's KV blocks already free
-            self._engine.abort_request(list(self._engine.requests))
-        except Exception:  # noqa: BLE001 - best effort: the replica is replaced anyway
-            logger.exception("freeing the requests of the stopped engine failed")
-        for item in items:
-            self._inbox.fail(item, self._not_running())
-        for stream in self._live.values():
-            dead = self.error is not None
-            self._inbox.release(stream)  # first: a caller that sees the error finds its id free
-            stream.put(
-                EngineDeadError("The engine replica failed; retry the request.") if dead else self._not_running()
-            )
-        self._live.clear()
-        for stream in held:  # none is expected: each was queued (failed above) or taken
-            if not stream.ended:
-                stream.put(self._not_running())
-                self._inbox.release(stream)
-        if self.error is not None:
-            self._engine.shutdown()  # no step will run again: stop the tensor-parallel workers

@@ -1,7 +1,8 @@
 """``EngineCore``: the request table and the step (vLLM v1's engine core): admit, schedule,
-execute, update, make outputs. Each capability joins the step at one named line of ``step`` or
-``_execute``; failures are contained here, at this one level, and every request ends through
-``_end``."""
+execute, update. A step returns one ``EngineCoreOutput`` per advanced sequence: token ids, no
+text (the front end's ``OutputProcessor`` makes the outputs). Each capability joins the step at one
+named line of ``step`` or ``_execute``; failures are contained here, at this one level, and every
+request ends through ``_end``."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import time
 from dataclasses import dataclass
 
 from cb_serve.engine.builder import EngineParts
-from cb_serve.engine.output_processor import OutputProcessor
-from cb_serve.engine.request_state import RequestState
+from cb_serve.engine.core_output import EngineCoreOutput
+from cb_serve.engine.core_request import CoreRequest
 from cb_serve.engine.stats_recorder import StatsRecorder, StepInProgress
+from cb_serve.engine.token_updater import TokenUpdater
 from cb_serve.errors import EngineFatalError, EngineOverloadedError, RequestFailedError, StepFailedError
-from cb_serve.model_executor.model_runner import StepResult
-from cb_serve.model_executor.step_output import AsyncStepOutput
-from cb_serve.outputs import CompletionOutput, RequestOutput
+from cb_serve.model_executor.step_output import AsyncStepOutput, StepResult
 from cb_serve.sequence import SchedulerOutput, SequenceStatus
 from cb_serve.spec_decode.speculator import NoSpeculation
 
@@ -63,13 +63,11 @@ class EngineCore:
         self.scheduler, self.executor = parts.scheduler, parts.executor
         self.structured, self.speculator, self.inspector = parts.structured, parts.speculator, parts.inspector
         self.faults = parts.faults
-        self.requests: dict[str, RequestState] = {}
-        self.output_processor = OutputProcessor(
-            self.requests, self.scheduler, self.structured, parts.setup.max_model_len
-        )
+        self.requests: dict[str, CoreRequest] = {}
+        self.token_updater = TokenUpdater(self.requests, self.scheduler, self.structured, parts.setup.max_model_len)
         self.stats = StatsRecorder(
             self.scheduler,
-            self.output_processor,
+            self.token_updater,
             self.structured,
             self.speculator,
             parts.lora,
@@ -95,7 +93,7 @@ class EngineCore:
             limit = self.config.max_waiting_requests
             raise EngineOverloadedError(f"The engine's waiting queue is full ({limit} requests).")
 
-    def add_state(self, state: RequestState) -> None:
+    def add_core_request(self, state: CoreRequest) -> None:
         """Queues a validated request: its sequences go to the scheduler, or with a constraint to
         the structured outputs manager until their grammar is compiled (off this thread). The caller
         has checked ``check_capacity`` (before it took in the request's adapter)."""
@@ -120,13 +118,34 @@ class EngineCore:
             if request_id in self.requests:
                 self._end(request_id, SequenceStatus.FINISHED_ABORTED)
 
+    def stop_sequence(self, request_id: str, index: int, stop: str, num_output_tokens: int) -> bool:
+        """The front end ended sequence ``index`` of the request on stop string ``stop`` after
+        ``num_output_tokens`` tokens: it stops (its blocks free once no step in flight writes them), and
+        the tokens made after the stop are not counted as generated. True when that ended the request (it
+        left the engine's table)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        seq = state.seqs[index]
+        if not seq.is_finished:
+            seq.stop_reason = stop
+            self.token_updater.generation_tokens -= max(0, seq.num_output_tokens - num_output_tokens)
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            if self.inspector is not None:
+                self.inspector.on_finished_outside_step([seq], "stop", self.stats.num_steps)
+        if not state.finished:
+            return False
+        del self.requests[request_id]
+        self.stats.note_ended(state)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         """Requests are live, or a step is in flight (async scheduling: one more ``step`` collects it)."""
         return bool(self.requests) or self.in_flight is not None
 
     # ---- the step -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step: the outputs of the requests it advanced or ended."""
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedules and runs one step: the records of the sequences it advanced or ended."""
         start = time.monotonic()
         outputs = self._admit()  # structured outputs: requests whose grammar is ready join the queue
         if self.async_scheduling and self._can_launch_ahead():  # async scheduling: launch N+1, then take N's
@@ -141,8 +160,8 @@ class EngineCore:
         return outputs if result is None else self._finish(step, sched, result, outputs)
 
     def _finish(
-        self, step: StepInProgress, sched: SchedulerOutput, result: StepResult, outputs: list[RequestOutput]
-    ) -> list[RequestOutput]:
+        self, step: StepInProgress, sched: SchedulerOutput, result: StepResult, outputs: list[EngineCoreOutput]
+    ) -> list[EngineCoreOutput]:
         """The step's tokens into its requests (stops, outputs), then its stats."""
         outputs += self._update_from_output(result)
         self.stats.record(step, sched, result, outputs)
@@ -155,7 +174,7 @@ class EngineCore:
             ids.intersection_update(self.requests)  # requests that left
         return not ids
 
-    def _step_ahead(self, start: float, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _step_ahead(self, start: float, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Schedules and launches the next step, then takes the outputs of the one in flight: the
         host's work for both overlaps the device's (the step's ids reach the next one on the device)."""
         sched = self.scheduler.schedule()  # in-flight tokens count as pending: each running sequence gets its next
@@ -166,7 +185,7 @@ class EngineCore:
         return self._idle(outputs) if launched is None else outputs
 
     def _launch(
-        self, sched: SchedulerOutput, step: StepInProgress, outputs: list[RequestOutput]
+        self, sched: SchedulerOutput, step: StepInProgress, outputs: list[EngineCoreOutput]
     ) -> InFlightStep | None:
         """Launches ``sched``: its sequences' tokens count as computed and each sampling one has a token
         pending. A failure is contained as ``_execute``'s (None)."""
@@ -190,7 +209,7 @@ class EngineCore:
         self.scheduler.update_after_step(sched)
         return InFlightStep(self.num_launched, sched, step, output)
 
-    def _collect(self, prev: InFlightStep, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _collect(self, prev: InFlightStep, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """The outputs of the step in flight, once its sampled ids are on the host (a later step may still
         run). Sequences that ended meanwhile have their tokens dropped; those the step alone kept from their
         blocks give them back."""
@@ -209,7 +228,7 @@ class EngineCore:
     def _steps_completed(self, number: int) -> None:
         self.scheduler.steps_completed(number if self.in_flight is not None else self.num_launched)
 
-    def _drain(self) -> list[RequestOutput]:
+    def _drain(self) -> list[EngineCoreOutput]:
         prev, self.in_flight = self.in_flight, None
         return [] if prev is None else self._collect(prev, [])
 
@@ -220,19 +239,21 @@ class EngineCore:
             logger.exception("device synchronize after a failed launch")
 
     # ---- requests join and leave -------------------------------------------------------
-    def _admit(self) -> list[RequestOutput]:
+    def _admit(self) -> list[EngineCoreOutput]:
         """Sequences whose grammar compiled join the scheduler's queue; refused requests end."""
         ready, refused = self.structured.admit()
         for seq in ready:
             self.scheduler.add(seq)
         return [self._end(request_id, SequenceStatus.FINISHED_ERROR, error) for request_id, error in refused]
 
-    def _idle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _idle(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         if not outputs:
             self.structured.wait(GRAMMAR_POLL_S)  # nothing to run until a grammar is compiled
         return outputs
 
-    def _execute(self, sched: SchedulerOutput, step: StepInProgress, outputs: list[RequestOutput]) -> StepResult | None:
+    def _execute(
+        self, sched: SchedulerOutput, step: StepInProgress, outputs: list[EngineCoreOutput]
+    ) -> StepResult | None:
         """Runs the step on the executor. Failures are contained here: any exception but
         ``EngineFatalError`` fails the step's requests (``StepFailedError``, retryable; their
         outputs join ``outputs``) and frees their KV blocks, and the engine goes on; after
@@ -255,15 +276,15 @@ class EngineCore:
         self.consecutive_step_failures = 0
         return result
 
-    def _update_from_output(self, result: StepResult) -> list[RequestOutput]:
-        outputs, failed = self.output_processor.update_from_output(result)
+    def _update_from_output(self, result: StepResult) -> list[EngineCoreOutput]:
+        outputs, failed = self.token_updater.update_from_output(result)
         for request_id, e in failed.items():
             logger.error("request %s failed while its output was processed", request_id, exc_info=e)
             error = RequestFailedError("This request failed on the server.")
             outputs.append(self._end(request_id, SequenceStatus.FINISHED_ERROR, error))
         return outputs
 
-    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
         self.stats.num_failed_steps += 1
         self.consecutive_step_failures += 1
         request_ids = list(dict.fromkeys(seq.request_id for seq in sched.seqs))
@@ -274,10 +295,10 @@ class EngineCore:
         return [self._end(r, SequenceStatus.FINISHED_ERROR, failure) for r in request_ids if r in self.requests]
 
     # ---- ending a request: the one path -----------------------------------------------
-    def _end(self, request_id: str, status: SequenceStatus, error: Exception | None = None) -> RequestOutput:
+    def _end(self, request_id: str, status: SequenceStatus, error: Exception | None = None) -> EngineCoreOutput:
         """Ends every unfinished sequence of the request with ``status``, freeing its KV blocks (a
-        request still waiting for its grammar holds none), and forgets it. Its final output carries
-        ``error`` (an abort's output is dropped). A request that failed on its own, or was refused
+        request still waiting for its grammar holds none), and forgets it. Its last record carries
+        ``error`` (an abort's record is dropped). A request that failed on its own, or was refused
         before it ran, is counted as failed; one aborted or failed with its step is named in the
         next step's ``ended_request_ids`` (no finished output reaches the step listeners)."""
         state = self.requests.pop(request_id)
@@ -294,5 +315,13 @@ class EngineCore:
             self.stats.num_failed_requests += 1
         if error is None or isinstance(error, StepFailedError):
             self.stats.note_ended(state)
-        completions = [CompletionOutput(i, "", [], finish_reason="error") for i in range(len(state.seqs))]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True, error=error)
+        index = unfinished[0].index if unfinished else 0
+        return EngineCoreOutput(
+            request_id,
+            index,
+            [],
+            finish_reason=status.finish_reason,
+            request_finished=True,
+            time=time.monotonic(),
+            error=error,
+        )

@@ -22,13 +22,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from cb_serve.engine.core_output import EngineCoreOutput
 from cb_serve.errors import EngineError, EngineOverloadedError, EngineUnavailableError, RequestIdInUseError
-from cb_serve.outputs import RequestOutput
 
 # How long a request waits for an earlier request with its id to end (client retries reuse ids).
 REQUEST_ID_WAIT_S = 2.0
 
-# ("add", Stream, ProcessedRequest) | ("abort", Stream, None) | ("call", concurrent Future, function)
+# ("add", Stream, ProcessedRequest) | ("abort", Stream, None | "failed")
+# | ("stop", Stream, [(index, stop string, output tokens kept)])
+# | ("call", concurrent Future, function)
 Item = tuple[str, Any, Any]
 
 
@@ -39,10 +41,36 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: A
         pass
 
 
-def put_all(items: list[tuple[Stream, RequestOutput | BaseException]]) -> None:
-    """In a stream's event loop: each item into its stream's queue (a step's outputs for this loop)."""
+def put_all(items: list[tuple[Stream, list[EngineCoreOutput]]]) -> None:
+    """In a stream's event loop: each item into its stream's queue (a step's records for this loop)."""
     for stream, item in items:
         stream.queue.put_nowait(item)
+
+
+def by_stream_and_loop(
+    live: dict[str, Stream], records: list[EngineCoreOutput]
+) -> tuple[dict[asyncio.AbstractEventLoop, list[tuple[Stream, list[EngineCoreOutput]]]], list[Stream]]:
+    """A step's records of the requests in ``live`` (request id -> stream; a finished request leaves
+    it), one list per stream, grouped by the streams' event loops; and the streams whose request the
+    engine let go of."""
+    by_stream: dict[Stream, list[EngineCoreOutput]] = {}
+    ended = []
+    for rec in records:
+        stream = live.get(rec.request_id)
+        if stream is None:
+            continue
+        group = by_stream.get(stream)
+        if group is None:
+            by_stream[stream] = [rec]
+        else:
+            group.append(rec)
+        if rec.request_finished:
+            del live[rec.request_id]
+            ended.append(stream)
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, list[EngineCoreOutput]]]] = {}
+    for stream, group in by_stream.items():
+        by_loop.setdefault(stream.loop, []).append((stream, group))
+    return by_loop, ended
 
 
 def settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -77,11 +105,11 @@ class Stream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[EngineCoreOutput] | BaseException] = asyncio.Queue()
         self.ended = False  # the engine holds nothing of it (set under Inbox.lock)
         self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []  # calls waiting for its id
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: list[EngineCoreOutput] | BaseException) -> None:
         call_soon(self.loop, self.queue.put_nowait, item)
 
 
@@ -167,7 +195,7 @@ class Inbox:
             if target.set_running_or_notify_cancel():  # False: its caller gave up
                 settle(target, error=error)
             return
-        if op == "add":
+        if op in ("add", "stop"):  # a stop: the caller may still wait for its other sequences
             target.put(error)
         self.release(target)
 

@@ -1,15 +1,19 @@
-"""The synchronous engine's public API: add requests, call ``step()`` until they finish (the step
-itself is ``EngineCore``'s; the parts are made by ``builder.build``)."""
+"""The synchronous engine's public API: add requests, call ``step()`` until they finish. The step
+itself is ``EngineCore``'s (token ids); this class's ``step`` then runs the front end's
+``OutputProcessor`` on them (text, stop strings, outputs) in the same thread. The parts are made by
+``builder.build``."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from cb_serve.config import EngineConfig
 from cb_serve.engine.builder import build
 from cb_serve.engine.core import EngineCore
+from cb_serve.engine.core_output import EngineCoreOutput
+from cb_serve.engine.core_request import CoreRequest
 from cb_serve.engine.inspector import queue_rows
+from cb_serve.engine.output_processor import OutputListener, OutputListeners, OutputProcessor
 from cb_serve.engine.processor import ProcessedRequest
 from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.stats_recorder import StepListener
@@ -19,6 +23,7 @@ from cb_serve.inputs import PromptType
 from cb_serve.lora.manager import AdapterKey, adapter_ids, checked
 from cb_serve.lora.peft_adapter import LoRAWeights
 from cb_serve.lora_request import LoRARequest
+from cb_serve.outputs import RequestOutput
 from cb_serve.prefix_hash import PrefixDigest
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.stats import EngineStats
@@ -42,6 +47,32 @@ class LLMEngine(EngineCore):
         self.tokenizer, self.processor = parts.tokenizer, parts.processor
         self.block_manager, self.lora = parts.block_manager, parts.lora
         self.cpu_kernels = parts.cpu_kernels
+        self.output_processor = OutputProcessor()  # the front end, run by ``step`` on this thread
+        self.output_listeners = OutputListeners()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step, then makes its outputs: the requests it advanced or ended."""
+        outputs, stops, failed = self.output_processor.process_outputs(self.core_step())
+        for request_id, index, stop, num_tokens in stops:
+            self.stop_sequence(request_id, index, stop, num_tokens)
+        for request_id in failed:  # the front end failed them: the engine lets go of them
+            self.stats.num_failed_requests += 1
+            super().abort_request(request_id)
+        if self.output_listeners.listeners:
+            for out in outputs:
+                self.output_listeners.notify(out.request_id, out)
+        return outputs
+
+    def core_step(self) -> list[EngineCoreOutput]:
+        """The engine thread's step alone (``EngineCore.step``): its records, no text."""
+        return super().step()
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        super().abort_request(ids)
+        for request_id in ids:
+            if self.output_processor.abort(request_id):
+                self.output_listeners.notify(request_id, None)
 
     @property
     def runner(self):
@@ -84,6 +115,15 @@ class LLMEngine(EngineCore):
     def remove_step_listener(self, listener: StepListener) -> None:
         self.stats.listeners = tuple(x for x in self.stats.listeners if x is not listener)
 
+    def add_output_listener(self, listener: OutputListener) -> None:
+        """``listener(request_id, output)`` runs where the front end makes each ``RequestOutput`` (this
+        class's ``step``; ``AsyncLLM``: the caller's coroutine), and with None when a request ends
+        without a finished output: it must be quick. An exception in it is logged, never raised."""
+        self.output_listeners.add(listener)
+
+    def remove_output_listener(self, listener: OutputListener) -> None:
+        self.output_listeners.remove(listener)
+
     # ---- requests -------------------------------------------------------------------
     def add_request(
         self,
@@ -106,6 +146,15 @@ class LLMEngine(EngineCore):
     def add_processed_request(
         self, request_id: str, processed: ProcessedRequest, arrival_time: float | None = None
     ) -> None:
+        if arrival_time is not None:
+            processed.arrival_time = arrival_time
+        state = RequestState(request_id, processed, self.tokenizer, processed.arrival_time)
+        self.add_engine_request(request_id, processed)
+        self.output_processor.add_request(state)
+
+    def add_engine_request(self, request_id: str, processed: ProcessedRequest) -> None:
+        """The engine's part of ``add_processed_request`` (``AsyncLLM``'s engine thread: its front end
+        keeps the request's ``RequestState``)."""
         self.check_capacity()  # before an adapter is taken in
         if processed.lora_request is not None:
             weights, processed.lora_weights = processed.lora_weights, None  # handed over: held once, here
@@ -113,8 +162,7 @@ class LLMEngine(EngineCore):
         faults = frozenset()
         if self.faults is not None:
             faults = self.faults.kinds_for_prompt(processed.prompt or self.tokenizer.decode(processed.prompt_token_ids))
-        state = RequestState(request_id, processed, self.tokenizer, arrival_time or time.monotonic(), faults)
-        self.add_state(state)
+        self.add_core_request(CoreRequest(request_id, processed, processed.arrival_time, faults))
 
     def checked_priority(self, priority: int) -> int:
         """``priority`` if this engine can honour it, else ``InvalidRequestError`` (param ``priority``):

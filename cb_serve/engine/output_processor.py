@@ -1,129 +1,107 @@
-"""``OutputProcessor.update_from_output``: what a step's sampled tokens do to their requests.
-
-Each emitted token is appended, counted and checked for a stop (stop tokens and strings,
-``max_tokens``, the context length, a complete grammar); a speculating sequence's accepted drafts
-have their KV counted as computed; the tokens a grammar forces next are appended without a step of
-their own (jump-forward); then each advanced request's output is made and a finished one leaves
-the engine's table.
-
-This is one module beside the scheduler rather than the scheduler's ``update_from_output`` (vLLM
-v1 puts stop tokens in its scheduler and stop strings in a front-end ``OutputProcessor``): stop
-strings need the request's detokenizer and end sequences in the same step as stop tokens, so one
-owner decides every stop, and the scheduler stays a tokenizer-free allocator of tokens and blocks.
-"""
+"""The front end's ``OutputProcessor`` (vLLM v1's): the engine's ``EngineCoreOutput`` records into the
+``RequestOutput``s clients see, one ``RequestState`` per request, for the synchronous ``LLMEngine``
+(``AsyncLLM`` keeps each request's state in its ``generate`` coroutine instead, and processes records
+there). Detokenizing, stop strings and output assembly all happen here, never in the engine's step."""
 
 from __future__ import annotations
 
-import time
+import logging
+from collections.abc import Callable
 
+from cb_serve.engine.core_output import EngineCoreOutput
 from cb_serve.engine.request_state import RequestState
-from cb_serve.engine.scheduler import Scheduler
-from cb_serve.fault_injection import FaultInjector
-from cb_serve.model_executor.model_runner import StepResult
+from cb_serve.errors import RequestFailedError
 from cb_serve.outputs import RequestOutput
-from cb_serve.sequence import Sequence, SequenceStatus
-from cb_serve.structured_outputs.manager import StructuredOutputManager
 
-MAX_JUMP_TOKENS = 64  # forced tokens appended to one sequence between two steps
+logger = logging.getLogger(__name__)
+
+# (request id, output): every output the front end makes; None once a request ends without a finished
+# output (its caller left, or it failed)
+OutputListener = Callable[[str, RequestOutput | None], None]
+
+# (request id, index, stop string, output tokens kept): a sequence a stop string ended that the
+# engine still runs
+RequestStop = tuple[str, int, str, int]
+
+
+def by_request(records: list[EngineCoreOutput]) -> dict[str, list[EngineCoreOutput]]:
+    """A step's records grouped by request, in the order of each request's first record."""
+    groups: dict[str, list[EngineCoreOutput]] = {}
+    for rec in records:
+        group = groups.get(rec.request_id)
+        if group is None:
+            groups[rec.request_id] = [rec]
+        else:
+            group.append(rec)
+    return groups
+
+
+class OutputListeners:
+    """Who hears of every output the front end makes (``add_output_listener`` of ``LLMEngine`` and
+    ``AsyncLLM``): each runs where the output is made, must be quick, and never raises into it."""
+
+    def __init__(self) -> None:
+        self.listeners: tuple[OutputListener, ...] = ()
+
+    def add(self, listener: OutputListener) -> None:
+        self.listeners = (*self.listeners, listener)
+
+    def remove(self, listener: OutputListener) -> None:
+        self.listeners = tuple(x for x in self.listeners if x is not listener)
+
+    def notify(self, request_id: str, out: RequestOutput | None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(request_id, out)
+            except Exception:  # noqa: BLE001 - an observer must not fail the request
+                logger.exception("output listener %r failed", listener)
 
 
 class OutputProcessor:
-    def __init__(
-        self,
-        requests: dict[str, RequestState],
-        scheduler: Scheduler,
-        structured: StructuredOutputManager,
-        max_model_len: int,
-    ) -> None:
-        self.requests = requests  # the engine's table: a finished request leaves it here
-        self.scheduler = scheduler
-        self.structured = structured
-        self.max_model_len = max_model_len
-        self.prompt_tokens = self.generation_tokens = 0  # cumulative, as vLLM counts them
+    def __init__(self) -> None:
+        self.states: dict[str, RequestState] = {}
+        self.num_parallel = 0  # requests with n > 1 (without any, a step has one record per request)
 
-    def update_from_output(self, result: StepResult) -> tuple[list[RequestOutput], dict[str, BaseException]]:
-        """The outputs of the requests the step advanced, and the requests that failed on the way
-        (their own failure: the engine ends them)."""
-        now = time.monotonic()
-        changed: dict[str, set[int]] = {}
-        failed: dict[str, BaseException] = {}
-        for seq, entries in result.prompt_logprobs:  # before the tokens: the output that has them carries them
-            if not seq.is_finished and seq.request_id in self.requests:
-                if not seq.prompt_logprobs:
-                    seq.prompt_logprobs.append(None)  # the first prompt token has none
-                state = self.requests[seq.request_id]
-                seq.prompt_logprobs.extend(state.with_token_text(e) for e in entries)
-        for seq, emitted, logprobs in zip(result.sampling_seqs, result.token_ids, result.logprobs):
-            if seq.request_id in failed or seq.is_finished:  # finished: while its step was in flight (async)
+    def add_request(self, state: RequestState) -> None:
+        assert state.request_id not in self.states, state.request_id
+        self.states[state.request_id] = state
+        self.num_parallel += len(state.seqs) > 1
+
+    def _forget(self, request_id: str) -> RequestState | None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.num_parallel -= len(state.seqs) > 1
+        return state
+
+    def abort(self, request_id: str) -> bool:
+        """Forgets the request; False if it held nothing of it."""
+        return self._forget(request_id) is not None
+
+    def process_outputs(
+        self, records: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[RequestStop], list[str]]:
+        """The step's outputs, the stops the engine must hear of (``EngineCore.stop_sequence``), and the
+        requests whose processing failed here (each has its error output; the engine must end them). A
+        request leaves once its client has its last output."""
+        outputs: list[RequestOutput] = []
+        stops: list[RequestStop] = []
+        failed: list[str] = []
+        groups = by_request(records).items() if self.num_parallel else ((r.request_id, [r]) for r in records)
+        for request_id, group in groups:
+            state = self.states.get(request_id)
+            if state is None:  # ended here (a stop string) while the engine still ran it
                 continue
             try:
-                self._append_emitted(seq, emitted, logprobs, now)
-                self._jump_forward(seq, now)
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                failed[seq.request_id] = e
-            finally:
-                seq.spec_token_ids = []
-            changed.setdefault(seq.request_id, set()).add(seq.index)
-        return self._make_outputs(changed, failed), failed
-
-    def _append_emitted(self, seq: Sequence, emitted: list[int], logprobs: list, now: float) -> None:
-        """The sampled token; after drafts, the accepted ones and the target's token after them, each
-        draft's KV counted as computed once it is accepted. A stop among them ends the sequence there."""
-        for i, token_id in enumerate(emitted):
-            if i:  # the previous token was an accepted draft: this step wrote its KV
-                seq.num_computed_tokens += 1
-            self.append_token(seq, token_id, logprobs[i], now)
-            if seq.is_finished:
-                return
-        if len(emitted) > 1:  # not on the plain decode's hot path: update_after_step committed its blocks
-            self.scheduler.block_manager.commit_computed(seq)  # blocks the accepted drafts filled
-
-    def _jump_forward(self, seq: Sequence, now: float) -> None:
-        """Appends the tokens the grammar forces next: they join the sequence's next step as a chunk."""
-        if seq.is_finished or seq.matcher is None:  # only a grammar forces tokens
-            return
-        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens, MAX_JUMP_TOKENS)
-        for token_id in self.structured.forced_tokens(seq, room):
-            self.append_token(seq, token_id, None, now, forced=True)
-            if seq.is_finished:
-                return
-
-    def append_token(
-        self, seq: Sequence, token_id: int, logprobs: dict | None, now: float, forced: bool = False
-    ) -> None:
-        seq.append_token(token_id, now, forced)
-        self.generation_tokens += 1
-        state = self.requests[seq.request_id]
-        if not state.prompt_tokens_counted:
-            state.prompt_tokens_counted = True
-            self.prompt_tokens += seq.num_prompt_tokens
-        if logprobs is not None:
-            seq.logprobs.append(state.with_token_text(logprobs))
-            seq.cumulative_logprob += logprobs[token_id].logprob
-        complete = self.structured.accept_token(seq, token_id)
-        at_limit = seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
-        decision = state.stop_checker.update(token_id, seq.num_output_tokens, at_limit, state.detokenizers[seq.index])
-        if decision is None and complete:
-            decision = ("stop", None)  # the grammar is complete
-        if decision is not None:
-            reason, seq.stop_reason = decision
-            status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
-            self.scheduler.finish(seq, status)
-
-    def _make_outputs(self, changed: dict[str, set[int]], failed: dict[str, BaseException]) -> list[RequestOutput]:
-        outputs = []
-        for request_id, indices in changed.items():
-            if request_id in failed:
-                continue
-            state = self.requests[request_id]
-            try:
-                FaultInjector.before_output(state.faults)
-                out = state.make_output(indices)
-            except Exception as e:  # noqa: BLE001 - this request's own failure
-                failed[request_id] = e
+                out, seq_stops = state.process(group)
+            except Exception as e:  # noqa: BLE001 - this request's own failure (its detokenizer, say)
+                logger.error("request %s failed while its output was made", request_id, exc_info=e)
+                self._forget(request_id)
+                outputs.append(state.failed_output(RequestFailedError("This request failed on the server.")))
+                failed.append(request_id)
                 continue
             if out is not None:
                 outputs.append(out)
+            stops += [(request_id, *stop) for stop in seq_stops]
             if state.finished:
-                del self.requests[request_id]
-        return outputs
+                self._forget(request_id)
+        return outputs, stops, failed

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cb_serve.config import EngineConfig
@@ -25,6 +26,7 @@ class ProcessedRequest:
     lora_request: LoRARequest | None = None
     lora_weights: Any = None  # the adapter read off the engine thread (``LoRAManager.read``), if it was
     priority: int = 0  # scheduling_policy "priority": lower first
+    arrival_time: float = field(default_factory=time.monotonic)  # when the front end took it in
 
 
 class InputProcessor:

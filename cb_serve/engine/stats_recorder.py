@@ -10,14 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cb_serve.engine.core_output import EngineCoreOutput
+from cb_serve.engine.core_request import CoreRequest
 from cb_serve.engine.inspector import Inspector
-from cb_serve.engine.output_processor import OutputProcessor
-from cb_serve.engine.request_state import RequestState
 from cb_serve.engine.scheduler import Scheduler
+from cb_serve.engine.token_updater import TokenUpdater
 from cb_serve.lora.manager import LoRAManager, lora_stats
 from cb_serve.model_executor.jit_compiles import num_triton_compiles
-from cb_serve.model_executor.model_runner import StepResult
-from cb_serve.outputs import RequestOutput
+from cb_serve.model_executor.step_output import StepResult
 from cb_serve.sequence import SchedulerOutput
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
 from cb_serve.stats import EngineStats, StepPhases, StepStats
@@ -25,7 +25,7 @@ from cb_serve.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-StepListener = Callable[[StepStats, list[RequestOutput]], None]
+StepListener = Callable[[StepStats, list[EngineCoreOutput]], None]  # the step's records (token ids)
 
 
 @dataclass
@@ -43,7 +43,7 @@ class StatsRecorder:
     def __init__(
         self,
         scheduler: Scheduler,
-        outputs: OutputProcessor,
+        outputs: TokenUpdater,
         structured: StructuredOutputManager,
         speculator: Speculator | NoSpeculation,
         lora: LoRAManager | None,
@@ -66,7 +66,7 @@ class StatsRecorder:
         )
         return StepInProgress(start, time.monotonic(), num_decode_tokens, before)
 
-    def note_ended(self, state: RequestState) -> None:
+    def note_ended(self, state: CoreRequest) -> None:
         """Names a request that ended with no finished output passed to the step listeners in
         the next step's ``StepStats.ended_request_ids`` if it ran (observers may hold its state)."""
         if any(seq.times.first_token is not None for seq in state.seqs):

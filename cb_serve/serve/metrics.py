@@ -7,8 +7,10 @@ to counters, and labels every series with the Serve ``deployment``, ``replica`` 
 ``cb_serve_generation_tokens`` below is scraped as
 ``ray_cb_serve_generation_tokens_total{model_name=..., replica=...}``.
 
-Cost on the engine: ``EngineMetrics`` adds one step listener that appends ``(StepStats,
-outputs)`` to a deque (O(1), in the engine thread). A daemon thread drains it every
+Cost on the engine: ``EngineMetrics`` adds one step listener that appends each ``StepStats`` to a
+deque (O(1), in the engine thread), and one output listener that appends each ``RequestOutput`` the
+front end makes (in the caller's coroutine), and the end of a request that had no finished output, to
+the same deque. A daemon thread drains it every
 ``interval_s`` and does the recording: per step two histogram observations (two more on steps
 with constrained sequences, one per grammar compiled, one for a mixture of experts' imbalance), per
 request and token what the latency histograms need, counters as deltas of the engine's own cumulative
@@ -196,7 +198,7 @@ class EngineMetrics:
     listener and ``get_stats()``). ``api``: a module with Counter/Gauge/Histogram classes
     (``ray.serve.metrics`` by default; tests pass fakes)."""
 
-    MAX_PENDING_STEPS = 1 << 16  # bounds memory if the flusher ever stalls
+    MAX_PENDING_EVENTS = 1 << 17  # bounds memory if the flusher ever stalls
 
     def __init__(self, engine: AsyncLLM, model: str, interval_s: float = 1.0, api: ModuleType | None = None) -> None:
         api = api or _serve_metrics()
@@ -204,23 +206,29 @@ class EngineMetrics:
         self.m = {name: _make(api, name, (*MODEL_TAGS, *EXTRA_TAGS.get(name, ())), tags) for name in ENGINE_METRICS}
         self._engine = engine
         self._counted = dict.fromkeys(_COUNTER_FIELDS, 0)
-        self._steps: deque[tuple[StepStats, list[RequestOutput]]] = deque(maxlen=self.MAX_PENDING_STEPS)
+        self._events: deque[StepStats | tuple[str, RequestOutput | None]] = deque(maxlen=self.MAX_PENDING_EVENTS)
         self._last_token: dict[str, float] = {}  # request id -> its latest token time (monotonic)
         self._expert_tokens: Any = None  # a mixture of experts: tokens per expert of the steps being flushed
         self._lock = threading.Lock()  # one flush at a time (the thread and close())
         self._stop = threading.Event()
         self.interval_s = interval_s
         engine.add_step_listener(self.on_step)
+        engine.add_output_listener(self.on_output)
         self._thread = threading.Thread(target=self._run, name="cb-serve-metrics", daemon=True)
         self._thread.start()
 
-    def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+    def on_step(self, stats: StepStats, _records: list) -> None:
         """Step listener (engine thread): queue the step, nothing else."""
-        self._steps.append((stats, outputs))
+        self._events.append(stats)
+
+    def on_output(self, request_id: str, out: RequestOutput | None) -> None:
+        """Output listener (the caller's coroutine): queue the output, nothing else."""
+        self._events.append((request_id, out))
 
     def close(self) -> None:
         """Stops the flusher after one last flush."""
         self._engine.remove_step_listener(self.on_step)
+        self._engine.remove_output_listener(self.on_output)
         self._stop.set()
         self._thread.join(timeout=10)
         self.flush()
@@ -235,12 +243,16 @@ class EngineMetrics:
     def flush(self) -> None:
         """Records the queued steps and the engine's current counters and gauges."""
         with self._lock:
-            while self._steps:
-                self._record_step(*self._steps.popleft())
+            while self._events:
+                event = self._events.popleft()
+                if isinstance(event, StepStats):
+                    self._record_step(event)
+                else:
+                    self._record_output(*event)
             self._record_expert_tokens()
             self._record_stats(self._engine.get_stats())
 
-    def _record_step(self, step: StepStats, outputs: list[RequestOutput]) -> None:
+    def _record_step(self, step: StepStats) -> None:
         m = self.m
         m["batch_token_fill_ratio"].observe(step.budget_fill)
         m["batch_num_seqs"].observe(step.num_seqs)
@@ -252,31 +264,37 @@ class EngineMetrics:
             self._expert_tokens = tokens if self._expert_tokens is None else self._expert_tokens + tokens
         for request_id in step.ended_request_ids:
             self._last_token.pop(request_id, None)
-        for out in outputs:
-            t = out.metrics
-            if t is None or t.last_token_time is None:  # a failed request's output carries no metrics
-                if out.finished:
-                    self._last_token.pop(out.request_id, None)
-                continue
-            prev = self._last_token.get(out.request_id)
-            if prev is None:  # the request's first output: its first token
-                m["time_to_first_token_seconds"].observe(t.first_token_time - t.arrival_time)
-                if t.first_scheduled_time is not None:
-                    m["request_queue_time_seconds"].observe(t.first_scheduled_time - t.arrival_time)
-            # Each completion of a DELTA output advanced by its new tokens: one sampled, maybe more a
-            # grammar forced (jump-forward); the step's interval is shared among them, per token.
-            for c in out.outputs:
-                new = max(1, len(c.token_ids)) - (prev is None)
-                for _ in range(new):
-                    m["inter_token_latency_seconds"].observe(0.0 if prev is None else (t.last_token_time - prev) / new)
+
+    def _record_output(self, request_id: str, out: RequestOutput | None) -> None:
+        """A request's latencies: its first token, each token after it, its end (None: it ended without
+        a finished output, and is forgotten)."""
+        if out is None:
+            self._last_token.pop(request_id, None)
+            return
+        m, t = self.m, out.metrics
+        if t is None or t.last_token_time is None:  # a failed request's output carries no metrics
             if out.finished:
                 self._last_token.pop(out.request_id, None)
-                m["e2e_request_latency_seconds"].observe((t.finished_time or t.last_token_time) - t.arrival_time)
-                reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
-                lora = out.lora_request.lora_name if out.lora_request is not None else ""
-                m["request_success"].inc(1, tags={"finished_reason": reason, "lora_name": lora})
-            else:
-                self._last_token[out.request_id] = t.last_token_time
+            return
+        prev = self._last_token.get(out.request_id)
+        if prev is None:  # the request's first output: its first token
+            m["time_to_first_token_seconds"].observe(t.first_token_time - t.arrival_time)
+            if t.first_scheduled_time is not None:
+                m["request_queue_time_seconds"].observe(t.first_scheduled_time - t.arrival_time)
+        # Each completion of a DELTA output advanced by its new tokens: one sampled, maybe more a
+        # grammar forced (jump-forward); the step's interval is shared among them, per token.
+        for c in out.outputs:
+            new = max(1, len(c.token_ids)) - (prev is None)
+            for _ in range(new):
+                m["inter_token_latency_seconds"].observe(0.0 if prev is None else (t.last_token_time - prev) / new)
+        if out.finished:
+            self._last_token.pop(out.request_id, None)
+            m["e2e_request_latency_seconds"].observe((t.finished_time or t.last_token_time) - t.arrival_time)
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None) or "stop"
+            lora = out.lora_request.lora_name if out.lora_request is not None else ""
+            m["request_success"].inc(1, tags={"finished_reason": reason, "lora_name": lora})
+        else:
+            self._last_token[out.request_id] = t.last_token_time
 
     def _record_grammar(self, step: StepStats) -> None:
         """Structured outputs: the step's compiles, and its mask fill and wait if it had constrained rows."""

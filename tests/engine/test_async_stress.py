@@ -3,7 +3,8 @@ end, left after a few outputs, cancelled at a random moment or before its first 
 inspect with tiny timeouts or cancelled; stats and cache digests; request ids drawn from a
 small pool so ids are reused while their earlier requests are still being aborted.
 
-With speculative decoding too (drafts accepted and rejected between the aborts).
+With speculative decoding too (drafts accepted and rejected between the aborts), and with stop
+strings (the front end ends a stream on one while the engine runs ahead, under async scheduling too).
 
 After every step (a step listener on the engine thread): the KV blocks are exactly those the
 live sequences hold, and every request the engine holds has the stream that added it (none
@@ -36,8 +37,14 @@ MAX_TOKENS = 24
 PROMPTS = [[7 + i, 40 + 3 * i] * (4 + i) for i in range(5)]  # some share nothing, some a prefix
 
 
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+def greedy(max_tokens: int, stop: str | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+        stop=[stop] if stop else None,
+    )
 
 
 @pytest.mark.parametrize("mode", ["plain", "speculative", "async"])
@@ -49,7 +56,11 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
     model = str(random_model_dir("llama"))
     args = dict(max_model_len=256, num_gpu_blocks=24, max_num_seqs=4, max_num_batched_tokens=64)
     offline = LLM(model, **args)
-    expected = [out.outputs[0].token_ids for out in offline.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)]
+    outs = offline.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+    expected = [out.outputs[0].token_ids for out in outs]
+    stops = [out.outputs[0].text[-8:-4] for out in outs]  # near the end, so a stream often stops on one
+    stopped = offline.generate(PROMPTS, [greedy(MAX_TOKENS, stop) for stop in stops], use_tqdm=False)
+    expected_stopped = [out.outputs[0].token_ids for out in stopped]
     del offline
     monkeypatch.setattr(inbox_module, "REQUEST_ID_WAIT_S", 0.2)
     spec = {"speculative_config": FIXED_K} if speculate else {"async_scheduling": mode == "async"}
@@ -71,28 +82,33 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
     rng = random.Random(SEED)
     counts: Counter[str] = Counter()
 
-    async def generate(request_id: str, prompt: int, max_tokens: int, leave_after: int | None) -> None:
+    async def generate(
+        request_id: str, prompt: int, max_tokens: int, leave_after: int | None, stop: bool = False
+    ) -> None:
         tokens: list[int] = []
-        stream = llm.generate(PROMPTS[prompt], greedy(max_tokens), request_id)
+        stream = llm.generate(PROMPTS[prompt], greedy(max_tokens, stops[prompt] if stop else None), request_id)
         try:
             async for out in stream:
                 assert out.request_id == request_id
                 tokens += out.outputs[0].token_ids
+                if out.outputs[0].finish_reason == "stop":
+                    counts["stopped on a string"] += 1  # not EOS: it is ignored
                 assert tokens == expected[prompt][: len(tokens)], (request_id, prompt, tokens)  # its own, so far
                 if leave_after is not None and len(tokens) >= leave_after:
                     counts["left early"] += 1
                     return
         finally:
             await stream.aclose()
-        assert tokens == expected[prompt][:max_tokens], (request_id, prompt, tokens)
-        counts["completed"] += 1
+        assert tokens == (expected_stopped if stop else expected)[prompt][:max_tokens], (request_id, prompt, tokens)
+        counts["completed with a stop string" if stop else "completed"] += 1
 
     async def one_call() -> None:
         kind = rng.choice(["complete", "leave", "cancel", "cancel-at-once", "inspect", "stats"])
         request_id = f"id{rng.randrange(8)}"
         call = None
         if kind == "complete":
-            call = generate(request_id, rng.randrange(len(PROMPTS)), rng.randint(1, MAX_TOKENS), None)
+            max_tokens = rng.randint(1, MAX_TOKENS)
+            call = generate(request_id, rng.randrange(len(PROMPTS)), max_tokens, None, stop=rng.random() < 0.5)
         elif kind == "leave":
             call = generate(request_id, rng.randrange(len(PROMPTS)), MAX_TOKENS, rng.randint(1, 4))
         elif kind in ("cancel", "cancel-at-once"):
@@ -139,6 +155,7 @@ def test_random_cancels_of_every_call_leave_the_engine_whole(random_model_dir, m
         assert llm.is_alive and not violations, violations[:3]
         assert llm.get_stats().kv_blocks_used == 0
         assert counts["completed"] and counts["left early"] and counts["cancel cancelled"], counts
+        assert counts["completed with a stop string"] and counts["stopped on a string"], counts
         if speculate:
             spec_counters = llm.engine.speculator.counters
             assert 0 < spec_counters.num_accepted_tokens < spec_counters.num_draft_tokens, spec_counters

@@ -429,7 +429,7 @@ def test_graphs_are_captured_and_replayed_on_the_runner_gpu(monkeypatch):
 def test_engine_thread_binds_the_engine_device(random_model_dir, monkeypatch):
     """AsyncLLM's engine thread makes the engine's device its current one (per host thread) before
     its first step; on CPU that call leaves CUDA alone (see above)."""
-    from cb_serve.engine import async_llm
+    from cb_serve.engine import async_llm, engine_loop
 
     bound: list[tuple[str, torch.device]] = []
     done = threading.Event()
@@ -438,7 +438,7 @@ def test_engine_thread_binds_the_engine_device(random_model_dir, monkeypatch):
         bound.append((threading.current_thread().name, device))
         done.set()
 
-    monkeypatch.setattr(async_llm, "bind_thread_to_device", spy)
+    monkeypatch.setattr(engine_loop, "bind_thread_to_device", spy)
     engine = async_llm.AsyncLLM(
         EngineConfig.from_kwargs(model=str(random_model_dir("llama")), max_model_len=128, num_gpu_blocks=32)
     )

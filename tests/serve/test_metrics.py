@@ -218,6 +218,8 @@ def test_speculative_decoding_counters_follow_the_steps():
     class Engine:
         def add_step_listener(self, listener) -> None: ...
 
+        def add_output_listener(self, listener) -> None: ...
+
     metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
     metrics._stop.set()  # no flusher: the steps are recorded by hand below
     base = dict(num_decode_tokens=15, num_prefill_tokens=0, num_scheduled_tokens=15, token_budget=64, num_preempted=0)
@@ -244,14 +246,16 @@ def test_expert_load_is_counted_per_expert_and_its_imbalance_per_step():
     class Engine:
         def add_step_listener(self, listener) -> None: ...
 
+        def add_output_listener(self, listener) -> None: ...
+
     metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
     metrics._stop.set()  # no flusher: the steps are recorded by hand below
     base = dict(num_decode_tokens=4, num_prefill_tokens=0, num_scheduled_tokens=4, token_budget=64, num_preempted=0)
     balanced = np.array([[2, 2, 2, 2], [2, 2, 2, 2]])  # 4 tokens, top 2, two MoE layers of 4 experts
     skewed = np.array([[4, 4, 0, 0], [8, 0, 0, 0]])  # layer 1 sends every pair to expert 0
     for counts in (balanced, skewed):
-        metrics._record_step(StepStats(num_seqs=4, duration_s=0.01, expert_load=ExpertLoad((0, 1), counts), **base), [])
-    metrics._record_step(StepStats(num_seqs=4, duration_s=0.01, **base), [])  # a dense step: nothing
+        metrics._record_step(StepStats(num_seqs=4, duration_s=0.01, expert_load=ExpertLoad((0, 1), counts), **base))
+    metrics._record_step(StepStats(num_seqs=4, duration_s=0.01, **base))  # a dense step: nothing
     metrics._record_expert_tokens()
     m = metrics.m
     by_expert = {dict(tags)["expert"]: sum(v) for tags, v in m["moe_expert_tokens"].values.items()}
