@@ -19,7 +19,7 @@ from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor import gguf_cache, weight_cache
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
-from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, safetensors_files
+from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, LazyTensor, safetensors_files
 from cb_serve.model_executor.layers.rotary import longrope_switch
 from cb_serve.model_executor.models import CausalLM, model_class
 
@@ -102,9 +102,12 @@ def memoized_per_gguf(load: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# Multimodal checkpoints served as their text model (the vision tower's weights unread): HF's own
-# ``AutoModelForCausalLM`` loads such a checkpoint so (``model.language_model.*`` read as ``model.*``).
-TEXT_MODEL_OF = frozenset({"qwen3_5", "qwen3_5_moe"})
+# Multimodal checkpoints served as their text model (the vision tower's weights unread): Qwen3.5, Gemma 3
+# and 4 (``Gemma3ForConditionalGeneration``...), Mistral 3 / Magistral (``text_model_state``).
+TEXT_MODEL_OF = frozenset({"qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "mistral3"})
+# Where their text stack is stored: (its prefix, its LM head). Qwen3.5 and transformers 5's own layout;
+# then the layout Gemma 3 and Mistral 3 were published in (which transformers still saves them in).
+TEXT_LAYOUTS = (("model.language_model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"))
 
 
 @memoized_per_gguf
@@ -176,6 +179,19 @@ def rope_tables(rotary: torch.nn.Module | None, max_positions: int, config) -> t
     return stack([cos for cos, _ in tables]), stack([sin for _, sin in tables])
 
 
+def text_model_state(lazy: LazyCheckpoint) -> dict[str, LazyTensor] | None:
+    """A multimodal checkpoint's text stack under HF's ``*ForCausalLM`` names (``model.language_model.X``
+    or ``language_model.model.X`` read as ``model.X``, its LM head as ``lm_head.weight``), each tensor
+    read when it is copied; None for a checkpoint without one."""
+    for prefix, head in TEXT_LAYOUTS:
+        if prefix + "embed_tokens.weight" in lazy:
+            state = {"model." + name[len(prefix) :]: lazy[name] for name in lazy if name.startswith(prefix)}
+            if head in lazy:
+                state["lm_head.weight"] = lazy[head]
+            return state
+    return None
+
+
 def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module | None:
     """The HF architecture's rotary module for ``config``, without its weights: the model is built
     on the meta device only to find the module's class."""
@@ -230,22 +246,28 @@ def load_model(
     that slice (``checkpoint.LazyCheckpoint``), otherwise it loads the whole model first."""
     from transformers import AutoModelForCausalLM
 
-    files = None if shard is None or shard.size == 1 or source.gguf_file else safetensors_files(source.path)
+    files = None if source.gguf_file else safetensors_files(source.path)
     lazy = LazyCheckpoint(files, dtype) if files is not None else None
-    if lazy is not None and "model.embed_tokens.weight" in lazy:  # HF's own names: read only this rank's slices
-        hf_config, state = config, lazy
+    text_state = None if lazy is None else text_model_state(lazy)
+    tp_lazy = lazy is not None and shard is not None and shard.size > 1 and "model.embed_tokens.weight" in lazy
+    if tp_lazy or text_state is not None:  # HF's own names (a rank reads only its slices), or the text stack's
+        hf_config, state = config, text_state if text_state is not None else lazy
         cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len, config)
     else:
 
         def from_pretrained():
-            return AutoModelForCausalLM.from_pretrained(
+            model, info = AutoModelForCausalLM.from_pretrained(
                 source.path,
                 config=copy.deepcopy(config),  # not parsed again (from a GGUF file: seconds)
                 dtype=dtype,
                 trust_remote_code=trust_remote_code,
                 low_cpu_mem_usage=True,
+                output_loading_info=True,
                 **source.hf_kwargs(),
             )
+            if missing := sorted(info.get("missing_keys") or ()):  # never serve weights transformers made up
+                raise ValueError(f"{source.path!r}: weights not in the checkpoint: {', '.join(missing[:5])}")
+            return model
 
         if source.gguf_file is not None:  # dequantized once, then read from the disk cache (``weight_cache``)
             hf_config = config

@@ -14,9 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from cb_serve.serve.request_parts import NO_MEDIA_INPUT
+
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # what chat's FunctionDefinition takes
 KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-BLOCKS_SERVED = "content blocks other than text, tool_use, tool_result"
+BLOCKS_SERVED = f"content blocks other than text, tool_use, tool_result ({NO_MEDIA_INPUT})"
 
 
 class Strict(BaseModel):

@@ -41,6 +41,17 @@ class StructuredOutputs(Strict):
         )
 
 
+# Why image, audio and file inputs are refused (a 400 naming the part): no vision or audio encoder is
+# served; a multimodal checkpoint (Gemma 3 / 4, Mistral 3, Qwen3.5) runs as its text model.
+NO_MEDIA_INPUT = "no image, audio or file input: multimodal models are served as their text model"
+
+
+def media_parts_refused(kinds: list[str]) -> str | None:
+    """What ``unsupported()`` names for content parts of types ``kinds`` (none: None)."""
+    kinds = sorted(set(kinds))
+    return f"content parts of type {', '.join(kinds)} ({NO_MEDIA_INPUT})" if kinds else None
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -136,8 +147,8 @@ class ChatMessage(BaseModel):
     def unsupported(self) -> str | None:
         if self.role == "function" or self.function_call:
             return "function calling (the deprecated form: use tools)"
-        if isinstance(self.content, list) and any(p.type != "text" for p in self.content):
-            return "content parts other than text"
+        if isinstance(self.content, list):
+            return media_parts_refused([p.type for p in self.content if p.type != "text"])
         return None
 
     def to_template(self) -> dict[str, Any]:

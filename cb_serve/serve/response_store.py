@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
 from cb_serve import ParsedToolCall
-from cb_serve.serve.request_parts import JsonObjectText
+from cb_serve.serve.request_parts import JsonObjectText, media_parts_refused
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PARTS = ("input_text", "output_text")
@@ -87,8 +87,7 @@ def text_of(content: str | list[Any]) -> str:
 
 def parts_unsupported(content: str | list[Any]) -> str | None:
     """What a content holds that is not text (images, files, audio), or None."""
-    kinds = sorted({p.type for p in content if isinstance(p, Other)}) if isinstance(content, list) else []
-    return f"content parts of type {', '.join(kinds)} (text only)" if kinds else None
+    return media_parts_refused([p.type for p in content if isinstance(p, Other)] if isinstance(content, list) else [])
 
 
 class MessageItem(Item):

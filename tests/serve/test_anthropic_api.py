@@ -392,3 +392,21 @@ def test_client_stream_count_and_errors() -> None:
     assert count.input_tokens == len("Be brief. Weather in Paris?".split()) + 10
     assert refused.body["error"]["type"] == "invalid_request_error" and "messages.0.content.0" in refused.message
     assert failed.body["error"] == {"type": "overloaded_error", "message": "The engine replica failed."}
+
+
+def test_image_inputs_are_refused_naming_the_missing_vision_support() -> None:
+    """A multimodal checkpoint runs as its text model: an image part is a 400 that says so, in the
+    chat API's messages and in Anthropic's blocks."""
+    from cb_serve.serve.protocol import ChatCompletionRequest
+    from cb_serve.serve.request_parts import NO_MEDIA_INPUT
+
+    image_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [image_part]}]})
+    assert chat.unsupported() == [("messages.0", f"content parts of type image_url ({NO_MEDIA_INPUT})")]
+    body = FRONTEND.request_model.model_validate({"model": "m", "max_tokens": 8, "messages": [USER_IMAGE]})
+    with pytest.raises(InvalidRequestError) as refused:
+        FRONTEND.to_chat(body)
+    assert NO_MEDIA_INPUT in str(refused.value)
+
+
+USER_IMAGE = {"role": "user", "content": [IMAGE]}
