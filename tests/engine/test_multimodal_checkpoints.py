@@ -15,36 +15,11 @@ from models import stress_engine_args, tiny_config
 
 from cb_serve import LLM
 
+TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 VISION = {  # the smallest towers each config class takes
-    "gemma3": dict(
-        model_type="siglip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    ),
-    "gemma4": dict(
-        model_type="gemma4_vision",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        position_embedding_size=64,
-    ),
-    "mistral3": dict(
-        model_type="pixtral",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        head_dim=16,
-        image_size=28,
-        patch_size=14,
-    ),
+    "gemma3": dict(TOWER, model_type="siglip_vision_model", image_size=28, patch_size=14),
+    "gemma4": dict(TOWER, model_type="gemma4_vision", num_key_value_heads=2, head_dim=16, position_embedding_size=64),
+    "mistral3": dict(TOWER, model_type="pixtral", head_dim=16, image_size=28, patch_size=14),
 }
 TEXT = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "mistral3": "mistral"}
 
