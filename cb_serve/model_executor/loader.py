@@ -103,8 +103,8 @@ def memoized_per_gguf(load: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # Multimodal checkpoints served as their text model (the vision tower's weights unread): Qwen3.5, Gemma 3
-# and 4 (``Gemma3ForConditionalGeneration``...), Mistral 3 / Magistral (``text_model_state``).
-TEXT_MODEL_OF = frozenset({"qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "mistral3"})
+# and 4 (``Gemma3ForConditionalGeneration``...), Mistral 3 / Magistral, Qwen3-VL (``text_model_state``).
+TEXT_MODEL_OF = frozenset({"qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "mistral3", "qwen3_vl"})
 # Where their text stack is stored: (its prefix, its LM head). Qwen3.5 and transformers 5's own layout;
 # then the layout Gemma 3 and Mistral 3 were published in (which transformers still saves them in).
 TEXT_LAYOUTS = (("model.language_model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"))
@@ -195,11 +195,14 @@ def text_model_state(lazy: LazyCheckpoint) -> dict[str, LazyTensor] | None:
 def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module | None:
     """The HF architecture's rotary module for ``config``, without its weights: the model is built
     on the meta device only to find the module's class."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    rotary = skeleton.model.rotary_emb
+        try:
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).model
+        except ValueError:  # a text model transformers has no *ForCausalLM for (Qwen3-VL's)
+            skeleton = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+    rotary = skeleton.rotary_emb
     return None if rotary is None else type(rotary)(config=config)
 
 

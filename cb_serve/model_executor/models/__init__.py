@@ -31,6 +31,9 @@ MODELS: dict[str, type[CausalLM]] = {
     "mistral": LlamaForCausalLM,  # Llama's plan: its sliding window comes from the config
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    # Qwen3-VL's language model on text: Qwen3's layers; its M-RoPE, with a text token's three positions
+    # equal, turns each pair by that position (the RoPE tables are its own rotary module's)
+    "qwen3_vl_text": Qwen3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gemma4_text": Gemma4ForCausalLM,
