@@ -27,7 +27,13 @@ from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, Samp
 from cb_serve.stats import EngineStats, StepPhases, StepStats
 from cb_serve.structured_outputs_params import ConstraintLimits, StructuredOutputsParams
 from cb_serve.tool_format import tool_call_constraint
-from cb_serve.tool_parser import ParsedToolCall, ToolCallParser
+from cb_serve.tool_parser import (
+    TOOL_CALL_PARSERS,
+    ParsedToolCall,
+    Qwen3CoderToolParser,
+    ToolCallParser,
+    tool_call_parser_for_template,
+)
 
 __all__ = [
     "LLM",
@@ -42,6 +48,9 @@ __all__ = [
     "ConstraintLimits",
     "tool_call_constraint",
     "ToolCallParser",
+    "Qwen3CoderToolParser",
+    "TOOL_CALL_PARSERS",
+    "tool_call_parser_for_template",
     "ParsedToolCall",
     "ReasoningParser",
     "ReasoningSplitter",

@@ -1,10 +1,20 @@
 """Tool calls out of generated text, as it streams: ``<tool_call>`` blocks (``tool_format.py``)
-become calls; everything else stays content. A block whose JSON is not a call (or a list of calls,
-as SmolLM2 was trained to write) stays content too, as vLLM's Hermes parser does."""
+become calls; everything else stays content. What a block holds is the family's format:
+
+- ``hermes`` (Hermes, Qwen2.5, Qwen3, SmolLM3, and the built-in prompt): JSON,
+  ``{"name": ..., "arguments": {...}}`` (or a list of calls, as SmolLM2 was trained to write);
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): XML, ``<function=NAME><parameter=KEY>value</parameter>...
+  </function>``, each value typed by the tool's parameter schema (a string stays as written).
+
+The format is chosen from the model's chat template (``tool_call_parser_for_template``) unless the
+``tool_call_parser`` engine argument names one (vLLM's flag). A block that does not parse stays
+content, as vLLM's parsers leave it; a JSON block is read by every parser (what a forced call's
+grammar writes)."""
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,9 +61,14 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ToolCallParser:
-    """Feed text as it comes; each call returns (content to send now, calls completed now)."""
+    """Feed text as it comes; each call returns (content to send now, calls completed now). The Hermes
+    format; subclasses read other block bodies (``parse_block``). ``tools``: the request's tools (OpenAI's
+    shape), for formats whose values are typed by the schema."""
 
-    def __init__(self) -> None:
+    name = "hermes"
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
         self.calls: list[ParsedToolCall] = []
         self._pending = ""  # held back: a possible tag start, or an open block
         self._in_block = False
@@ -80,13 +95,17 @@ class ToolCallParser:
             block = self._pending[: end + len(TOOL_CALL_CLOSE)]
             self._pending = self._pending[len(block) :]
             self._in_block = False
-            calls = parse_calls(block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)])
+            calls = self.parse_block(block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)])
             if calls is None:
                 content.append(block)
             else:
                 found += calls
                 self.calls += calls
         return "".join(content), found
+
+    def parse_block(self, body: str) -> list[ParsedToolCall] | None:
+        """The calls one block holds, or None (it stays content)."""
+        return parse_calls(body)
 
     def finish(self) -> str:
         """Content still held back (an unclosed block stays text)."""
@@ -96,3 +115,62 @@ class ToolCallParser:
     def _content(self, text: str) -> str:
         # Between and after calls, only the newlines that separate blocks: not content.
         return "" if self.calls and not text.strip() else text
+
+
+FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's value as written in XML: a string where the schema says so (or the text is no JSON
+    value), else the JSON value it spells (the template writes ``True`` / ``False`` as Python does)."""
+    if schema is not None and schema.get("type") == "string":
+        return text
+    try:
+        return json.loads({"True": "true", "False": "false", "None": "null"}.get(text, text))
+    except ValueError:
+        return text
+
+
+class Qwen3CoderToolParser(ToolCallParser):
+    """``<tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n</function>\n</tool_call>``
+    (Qwen3-Coder's and Qwen3.5's templates): one call per block, one newline around each value trimmed."""
+
+    name = "qwen3_coder"
+
+    def parse_block(self, body: str) -> list[ParsedToolCall] | None:
+        body = body.strip()
+        if not body.startswith("<function="):
+            return parse_calls(body)
+        match = FUNCTION.fullmatch(body)
+        if match is None:
+            return None
+        name, inner = match.group(1).strip(), match.group(2)
+        properties = self._properties(name)
+        arguments = {}
+        for key, value in PARAMETER.findall(inner):
+            key = key.strip()
+            value = value.removeprefix("\n").removesuffix("\n")
+            arguments[key] = typed_value(value, properties.get(key))
+        if PARAMETER.sub("", inner).strip():  # text outside the parameters: not a call
+            return None
+        return [ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))]
+
+    def _properties(self, name: str) -> dict[str, Any]:
+        for tool in self.tools:
+            function = tool.get("function", tool)
+            if function.get("name") == name:
+                return (function.get("parameters") or {}).get("properties") or {}
+        return {}
+
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"hermes": ToolCallParser, "qwen3_coder": Qwen3CoderToolParser}
+
+
+def tool_call_parser_for_template(template: str | dict[str, str] | None) -> str:
+    """The tool-call format a chat template writes calls in (its markers); ``hermes`` by default (the
+    built-in tool prompt for a template without tools writes it too)."""
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    if any("<function=" in t and "<parameter=" in t for t in texts):
+        return "qwen3_coder"
+    return "hermes"

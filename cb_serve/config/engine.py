@@ -11,11 +11,13 @@ from typing import Any
 from cb_serve.config.lora import LoRAConfig
 from cb_serve.config.speculative import SpeculativeConfig
 from cb_serve.fault_injection import FaultInjector
+from cb_serve.tool_parser import TOOL_CALL_PARSERS as TOOL_CALL_PARSER_CLASSES
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
 SCHEDULING_POLICIES = ["fcfs", "priority"]
 REASONING_PARSERS = ["deepseek_r1", "qwen3"]
+TOOL_CALL_PARSERS = list(TOOL_CALL_PARSER_CLASSES)
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 
 
@@ -96,6 +98,12 @@ class EngineConfig:
         "Models that think in <think>...</think>: deepseek_r1 or qwen3 (vLLM's names). The HTTP API returns the "
         "thinking as `reasoning`, and structured outputs and tool calls apply after it ends.",
         choices=REASONING_PARSERS,
+    )
+    tool_call_parser: str | None = _arg(
+        None,
+        "The format tool calls are written in: hermes (JSON in <tool_call> blocks) or qwen3_coder (XML in them); "
+        "by default, the one the model's chat template writes (vLLM's --tool-call-parser).",
+        choices=TOOL_CALL_PARSERS,
     )
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
@@ -203,6 +211,8 @@ class EngineConfig:
             raise ValueError(f"Unknown scheduling_policy {self.scheduling_policy!r} (one of {SCHEDULING_POLICIES}).")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"Unknown reasoning_parser {self.reasoning_parser!r} (one of {REASONING_PARSERS}).")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"Unknown tool_call_parser {self.tool_call_parser!r} (one of {TOOL_CALL_PARSERS}).")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
 

@@ -4,6 +4,7 @@ the content (with tools: whole calls, each in the delta where its block closes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from cb_serve import ToolCallParser
@@ -37,10 +38,16 @@ class ChoiceAssembler:
     ``tool_calls``; ``max_calls`` keeps that many calls (1 for ``parallel_tool_calls: false``)."""
 
     def __init__(
-        self, index: int, tools: bool, max_calls: int | None = None, reasoning: ReasoningSplitter | None = None
+        self,
+        index: int,
+        tools: bool,
+        max_calls: int | None = None,
+        reasoning: ReasoningSplitter | None = None,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
     ) -> None:
+        """``tool_parser``: makes the parser of the model's tool-call format (None: Hermes)."""
         self.index, self.max_calls, self.splitter = index, max_calls, reasoning
-        self.parser = ToolCallParser() if tools else None
+        self.parser = (tool_parser or ToolCallParser)() if tools else None
         self.content, self.reasoning = "", ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -71,7 +71,7 @@ async def _frontend(pipeline: RequestPipeline, request: Request, api: ChatFronte
         return _error(api, e)
     ctx = ResponseContext(run.meta.id, run.meta.created, run.meta.model)
     reasoning = pipeline.reasoning(run, req)
-    assembler = ChoiceAssembler(0, run.meta.tools, run.meta.max_calls, reasoning and reasoning())
+    assembler = ChoiceAssembler(0, run.meta.tools, run.meta.max_calls, reasoning and reasoning(), run.meta.tool_parser)
     usage = UsageInfo()
     deltas = _deltas(run, assembler, usage)
     if req.stream:

@@ -28,7 +28,17 @@ from pydantic import BaseModel, Field, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cb_serve import EngineConfig, InvalidRequestError, LoRARequest, PromptEncoder, ReasoningParser, prefix_block_hashes
+from cb_serve import (
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+    InvalidRequestError,
+    LoRARequest,
+    PromptEncoder,
+    ReasoningParser,
+    ToolCallParser,
+    prefix_block_hashes,
+    tool_call_parser_for_template,
+)
 from cb_serve import reasoning_parser as make_reasoning_parser
 from cb_serve.serve.anthropic_api import MessagesFrontend
 from cb_serve.serve.api_error import REQUEST_ID_HEADER, APIError, short
@@ -114,6 +124,7 @@ class RequestPipeline:
         self._model_name: str | None = settings.served_model_name
         self._engine_info: dict[str, Any] | None = None
         self._reasoning_parser: ReasoningParser | None = None
+        self._tool_parser_name: str | None = None
 
     # -- validate --------------------------------------------------------------------------------------
 
@@ -228,7 +239,9 @@ class RequestPipeline:
         started = await start_all(self.engine, payloads)
         model = lora.lora_name if lora is not None else await self.model()
         max_calls = 1 if chat and req.parallel_tool_calls is False else None
-        meta = ResponseMeta(request_id, int(time.time()), model, chat, chat and req.tool_mode != "none", max_calls)
+        tools = chat and req.tool_mode != "none"
+        parser = self.tool_parser(req.prompt_tools()) if tools else None
+        meta = ResponseMeta(request_id, int(time.time()), model, chat, tools, max_calls, parser)
         await self._note_replica(started[0], request_id, headers, lora)
         return Run(started, meta, headers, req.n, prompts)
 
@@ -264,6 +277,15 @@ class RequestPipeline:
                                     lora_name)  # fmt: skip
 
     # -- stream ----------------------------------------------------------------------------------------
+
+    def tool_parser(self, tools: list[dict[str, Any]] | None) -> Callable[[], ToolCallParser]:
+        """Makes each choice's tool-call parser: the engine argument's format, else its chat template's."""
+        if self._tool_parser_name is None:
+            chosen = self.engine_config.tool_call_parser
+            self._tool_parser_name = chosen or self.encoder.with_tokenizer(
+                lambda tok: tool_call_parser_for_template(getattr(tok, "chat_template", None))
+            )
+        return functools.partial(TOOL_CALL_PARSERS[self._tool_parser_name], tools)
 
     def reasoning(self, run: Run, req: ChatCompletionRequest) -> Callable[[], ReasoningSplitter] | None:
         """Makes each choice's reasoning splitter (None: no reasoning parser, or not asked for)."""

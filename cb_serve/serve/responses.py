@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cb_serve import ToolCallParser
 from cb_serve.serve.choice_assembler import ChoiceAssembler, ReasoningSplitter
 from cb_serve.serve.engine_chunk import EngineChunk
 
@@ -22,6 +23,7 @@ class ResponseMeta:
     chat: bool
     tools: bool
     max_calls: int | None
+    tool_parser: Callable[[], ToolCallParser] | None = None  # makes each choice's parser (None: Hermes)
 
     def base(self, stream: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
@@ -29,7 +31,8 @@ class ResponseMeta:
 
     def choices(self, n: int, reasoning: Callable[[], ReasoningSplitter] | None = None) -> list[Choice]:
         """``reasoning``: makes each choice's reasoning splitter (None: no reasoning parser)."""
-        return [Choice(i, self.chat, self.tools, self.max_calls, reasoning and reasoning()) for i in range(n)]
+        make = self.tool_parser
+        return [Choice(i, self.chat, self.tools, self.max_calls, reasoning and reasoning(), make) for i in range(n)]
 
 
 class Usage:
@@ -144,10 +147,11 @@ class Choice:
         tools: bool = False,
         max_calls: int | None = None,
         reasoning: ReasoningSplitter | None = None,
+        tool_parser: Callable[[], ToolCallParser] | None = None,
     ) -> None:
         """``max_calls``: the calls kept (1 for ``parallel_tool_calls: false``; later ones are dropped)."""
         self.index, self.chat = index, chat
-        self.assembler = ChoiceAssembler(index, tools, max_calls, reasoning)
+        self.assembler = ChoiceAssembler(index, tools, max_calls, reasoning, tool_parser)
         self.held_back = tools or reasoning is not None  # a chunk may add nothing to send yet
         self.logprobs: list[dict] = []
         self.prompt_logprobs: list[dict | None] | None = None  # vLLM's extra, when asked for

@@ -6,6 +6,7 @@ named choices whose calls always parse and fit the tool's schema."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -298,3 +299,98 @@ def test_free_form_and_non_object_parameters():
         request(tools=many, tool_choice="required").to_sampling_params(16, None)
     assert e.value.param == "tools" and "together" in str(e.value)
     assert request(tools=many).to_sampling_params(16, None).structured_outputs is None  # auto compiles nothing
+
+
+# ---- Qwen3-Coder / Qwen3.5: XML calls (issue 52) -------------------------------------------------
+QWEN3_CODER_TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "qwen3_coder.jinja").read_text()
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "zip": {"type": "string"},
+                "days": {"type": "integer"},
+                "hourly": {"type": "boolean"},
+                "place": {"type": "object"},
+            },
+        },
+    },
+}
+CALLS = [
+    ("forecast", {"city": "New York\nNY", "zip": "10001", "days": 3, "hourly": True, "place": {"lat": 40.7}}),
+    ("get_time", {"tz": "UTC"}),
+]
+
+
+def qwen3_coder_reply(tokenizer, calls: list[tuple[str, dict]], content: str = "") -> str:
+    """What the model writes for ``calls``: the assistant turn the real template renders for them."""
+    tool_calls = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": content, "tool_calls": tool_calls},
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, tools=[FORECAST, CLOCK], chat_template=QWEN3_CODER_TEMPLATE, tokenize=False
+    )
+    return text.rsplit("<|im_start|>assistant", 1)[1].removesuffix("<|im_end|>\n").removeprefix("\n")
+
+
+def test_qwen3_coder_calls_from_the_real_template_parse_back_whole_and_streamed(tokenizer):
+    from cb_serve import Qwen3CoderToolParser, tool_call_parser_for_template
+
+    assert tool_call_parser_for_template(QWEN3_CODER_TEMPLATE) == "qwen3_coder"
+    assert tool_call_parser_for_template(tokenizer.chat_template) == "hermes"  # SmolLM2: the built-in prompt
+    reply = qwen3_coder_reply(tokenizer, CALLS, content="Let me check.")
+    assert "<function=forecast>" in reply and "<parameter=days>\n3\n</parameter>" in reply
+
+    def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+        parser = Qwen3CoderToolParser([FORECAST, CLOCK])
+        content = "".join(parser.feed(p)[0] for p in pieces) + parser.finish()
+        return content, [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+    content, calls = parse([reply])
+    assert content.strip() == "Let me check." and calls == CALLS  # "10001" stays a string: its schema says so
+    for cut in range(1, len(reply), 3):
+        assert parse([reply[:cut], reply[cut:]]) == (content, calls)
+    json_block = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'  # a forced call
+    assert parse([json_block])[1] == [("get_time", {"tz": "CET"})]
+
+
+def test_qwen3_coder_malformed_or_cut_calls_come_back_as_text(tokenizer):
+    from cb_serve import Qwen3CoderToolParser
+
+    reply = qwen3_coder_reply(tokenizer, CALLS[:1])
+    for cut in range(len(reply) - len("</tool_call>")):
+        parser = Qwen3CoderToolParser([FORECAST])
+        assert parser.feed(reply[:cut])[0] + parser.finish() == reply[:cut] and not parser.calls
+    for bad in ("<function=f>\n<parameter=x>1</parameter>\ntrailing text\n</function>", "<function=f>\n1", "x"):
+        parser = Qwen3CoderToolParser()
+        text = f"<tool_call>\n{bad}\n</tool_call>"
+        assert parser.feed(text)[0] + parser.finish() == text and not parser.calls
+
+
+def test_the_tool_call_parser_engine_argument_is_checked():
+    from cb_serve import EngineConfig
+
+    assert EngineConfig(tool_call_parser="qwen3_coder").tool_call_parser == "qwen3_coder"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        EngineConfig(tool_call_parser="nope")
+
+
+def test_a_response_choice_takes_the_model_format_parser(tokenizer):
+    """The HTTP layer's choices parse with the parser the pipeline chose (``ResponseMeta.tool_parser``)."""
+    import functools
+
+    from cb_serve import Qwen3CoderToolParser
+
+    reply = qwen3_coder_reply(tokenizer, CALLS)
+    choice = Choice(0, chat=True, tools=True, tool_parser=functools.partial(Qwen3CoderToolParser, [FORECAST, CLOCK]))
+    for c in chunks(reply):
+        choice.add(c)
+    body = choice.body()
+    assert body["finish_reason"] == "tool_calls" and body["message"]["content"] is None
+    got = [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in body["message"]["tool_calls"]]
+    assert got == CALLS
