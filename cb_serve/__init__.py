@@ -29,6 +29,7 @@ from cb_serve.structured_outputs_params import ConstraintLimits, StructuredOutpu
 from cb_serve.tool_format import tool_call_constraint
 from cb_serve.tool_parser import (
     TOOL_CALL_PARSERS,
+    Llama3JsonToolParser,
     ParsedToolCall,
     Qwen3CoderToolParser,
     ToolCallParser,
@@ -49,6 +50,7 @@ __all__ = [
     "tool_call_constraint",
     "ToolCallParser",
     "Qwen3CoderToolParser",
+    "Llama3JsonToolParser",
     "TOOL_CALL_PARSERS",
     "tool_call_parser_for_template",
     "ParsedToolCall",

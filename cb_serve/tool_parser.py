@@ -4,7 +4,8 @@ become calls; everything else stays content. What a block holds is the family's 
 - ``hermes`` (Hermes, Qwen2.5, Qwen3, SmolLM3, and the built-in prompt): JSON,
   ``{"name": ..., "arguments": {...}}`` (or a list of calls, as SmolLM2 was trained to write);
 - ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): XML, ``<function=NAME><parameter=KEY>value</parameter>...
-  </function>``, each value typed by the tool's parameter schema (a string stays as written).
+  </function>``, each value typed by the tool's parameter schema (a string stays as written);
+- ``llama3_json`` (Llama 3.1 to 3.3): the whole reply is ``{"name": ..., "parameters": {...}}``.
 
 The format is chosen from the model's chat template (``tool_call_parser_for_template``) unless the
 ``tool_call_parser`` engine argument names one (vLLM's flag). A block that does not parse stays
@@ -40,6 +41,11 @@ def parse_calls(body: str) -> list[ParsedToolCall] | None:
         value = json.loads(body)
     except ValueError:
         return None
+    return calls_of(value)
+
+
+def calls_of(value: Any) -> list[ParsedToolCall] | None:
+    """The calls a JSON value spells (a call, or a list of calls), or None."""
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:
@@ -164,7 +170,66 @@ class Qwen3CoderToolParser(ToolCallParser):
         return {}
 
 
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"hermes": ToolCallParser, "qwen3_coder": Qwen3CoderToolParser}
+class Llama3JsonToolParser(ToolCallParser):
+    """Llama 3.x's JSON calls: the reply is ``{"name": NAME, "parameters": {...}}`` (the ``<|python_tag|>``
+    that may precede it is a special token, gone from the text), several separated by ``;``. A reply that
+    starts with ``{`` is held back until it ends and read whole (text if it is no call); any other reply
+    is content, its ``<tool_call>`` blocks read as Hermes ones (what a forced call's grammar writes)."""
+
+    name = "llama3_json"
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
+        self._json: bool | None = None  # undecided until the reply's first character that is not a space
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        if self._json is None:
+            self._held += text
+            start = self._held.lstrip()
+            if not start:
+                return "", []
+            self._json = start.startswith("{")
+            text, self._held = self._held, ""
+        if self._json:
+            self._held += text
+            return "", []
+        return super().feed(text)
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        if not self._json:
+            return held + super().finish()
+        calls = json_calls(held)
+        if calls is None:
+            return held
+        self.calls += calls
+        return ""
+
+
+def json_calls(text: str) -> list[ParsedToolCall] | None:
+    """The calls of JSON values separated by ``;`` (and spaces) that make up all of ``text``, or None."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or (calls and text[pos] == ";")):
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        found = calls_of(value)
+        if found is None:
+            return None
+        calls += found
+
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": ToolCallParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
 
 
 def tool_call_parser_for_template(template: str | dict[str, str] | None) -> str:
@@ -173,4 +238,6 @@ def tool_call_parser_for_template(template: str | dict[str, str] | None) -> str:
     texts = template.values() if isinstance(template, dict) else [template or ""]
     if any("<function=" in t and "<parameter=" in t for t in texts):
         return "qwen3_coder"
+    if any("<|start_header_id|>" in t and '"parameters": ' in t for t in texts):  # Llama 3.1 / 3.2 / 3.3
+        return "llama3_json"
     return "hermes"

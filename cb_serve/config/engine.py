@@ -101,7 +101,8 @@ class EngineConfig:
     )
     tool_call_parser: str | None = _arg(
         None,
-        "The format tool calls are written in: hermes (JSON in <tool_call> blocks) or qwen3_coder (XML in them); "
+        "The format tool calls are written in: hermes (JSON in <tool_call> blocks), qwen3_coder (XML in them) or "
+        "llama3_json (the reply a JSON call); "
         "by default, the one the model's chat template writes (vLLM's --tool-call-parser).",
         choices=TOOL_CALL_PARSERS,
     )

@@ -64,10 +64,12 @@ class ChoiceAssembler:
         calls = []
         if self.parser is not None:
             text, calls = self.parser.feed(text)
+            if finished:  # a format read whole at the end (Llama 3's JSON) completes its calls here
+                before = len(self.parser.calls)
+                text += self.parser.finish()
+                calls = calls + self.parser.calls[before:]
             if self.max_calls is not None:
                 calls = calls[: max(0, self.max_calls - self.num_calls)]
-            if finished:
-                text += self.parser.finish()
         self.num_calls += len(calls)
         self.content += text
         self.reasoning += reasoning

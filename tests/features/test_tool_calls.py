@@ -394,3 +394,45 @@ def test_a_response_choice_takes_the_model_format_parser(tokenizer):
     assert body["finish_reason"] == "tool_calls" and body["message"]["content"] is None
     got = [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in body["message"]["tool_calls"]]
     assert got == CALLS
+
+
+# ---- Llama 3.x: the reply is a JSON call (issue 52) -------------------------------------------------
+LLAMA3_TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "llama3_json.jinja").read_text()
+
+
+def llama3_reply(tokenizer, name: str, arguments: dict) -> str:
+    """What the model writes for one call: the assistant turn the real template renders for it."""
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    text = tokenizer.apply_chat_template(
+        messages, tools=[FORECAST, CLOCK], chat_template=LLAMA3_TEMPLATE, tokenize=False
+    )
+    return text.rsplit("<|start_header_id|>assistant<|end_header_id|>\n\n", 1)[1].removesuffix("<|eot_id|>")
+
+
+def test_llama3_json_calls_from_the_real_template_parse_back_whole_and_streamed(tokenizer):
+    from cb_serve import Llama3JsonToolParser, tool_call_parser_for_template
+
+    assert tool_call_parser_for_template(LLAMA3_TEMPLATE) == "llama3_json"
+    name, arguments = CALLS[0]
+    reply = llama3_reply(tokenizer, name, arguments)
+    assert reply.startswith('{"name": "forecast", "parameters": ')
+
+    def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+        parser = Llama3JsonToolParser([FORECAST, CLOCK])
+        content = "".join(parser.feed(p)[0] for p in pieces) + parser.finish()
+        return content, [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+    assert parse([reply]) == ("", [CALLS[0]])
+    for cut in range(1, len(reply), 3):
+        assert parse([reply[:cut], reply[cut:]]) == ("", [CALLS[0]])
+    two = f'{reply}; {{"name": "get_time", "parameters": {{"tz": "UTC"}}}}'
+    assert parse([two]) == ("", CALLS)
+    for text in ("It is sunny.", reply[:-3], '{"temp": 18}', "  {not json"):  # plain, cut, not a call, malformed
+        assert parse([text]) == (text, [])
+    block = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'  # a forced call
+    assert parse([block]) == ("Sure. ", [("get_time", {"tz": "CET"})])
+    choice = Choice(0, chat=True, tools=True, tool_parser=Llama3JsonToolParser)  # the call completes at the end
+    deltas = [d for d in (choice.delta(c) for c in chunks(reply)) if d is not None]
+    calls = [t["function"]["name"] for d in deltas for t in d["delta"].get("tool_calls", [])]
+    assert calls == ["forecast"] and deltas[-1]["finish_reason"] == "tool_calls"
