@@ -40,3 +40,15 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def by_request(records: list[EngineCoreOutput]) -> dict[str, list[EngineCoreOutput]]:
+    """A step's records grouped by request, in the order of each request's first record."""
+    groups: dict[str, list[EngineCoreOutput]] = {}
+    for rec in records:
+        group = groups.get(rec.request_id)
+        if group is None:
+            groups[rec.request_id] = [rec]
+        else:
+            group.append(rec)
+    return groups

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from cb_serve.engine.core_output import EngineCoreOutput
+from cb_serve.engine.core_output import EngineCoreOutput, by_request
 from cb_serve.errors import EngineError, EngineOverloadedError, EngineUnavailableError, RequestIdInUseError
 
 # How long a request waits for an earlier request with its id to end (client retries reuse ids).
@@ -53,23 +53,16 @@ def by_stream_and_loop(
     """A step's records of the requests in ``live`` (request id -> stream; a finished request leaves
     it), one list per stream, grouped by the streams' event loops; and the streams whose request the
     engine let go of."""
-    by_stream: dict[Stream, list[EngineCoreOutput]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, list[EngineCoreOutput]]]] = {}
     ended = []
-    for rec in records:
-        stream = live.get(rec.request_id)
+    for request_id, group in by_request(records).items():
+        stream = live.get(request_id)
         if stream is None:
             continue
-        group = by_stream.get(stream)
-        if group is None:
-            by_stream[stream] = [rec]
-        else:
-            group.append(rec)
-        if rec.request_finished:
-            del live[rec.request_id]
-            ended.append(stream)
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, list[EngineCoreOutput]]]] = {}
-    for stream, group in by_stream.items():
         by_loop.setdefault(stream.loop, []).append((stream, group))
+        if group[-1].request_finished:  # the request's last record: none follows it
+            del live[request_id]
+            ended.append(stream)
     return by_loop, ended
 
 

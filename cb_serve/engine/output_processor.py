@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from cb_serve.engine.core_output import EngineCoreOutput
+from cb_serve.engine.core_output import EngineCoreOutput, by_request
 from cb_serve.engine.request_state import RequestState
 from cb_serve.errors import RequestFailedError
 from cb_serve.outputs import RequestOutput
@@ -22,18 +22,6 @@ OutputListener = Callable[[str, RequestOutput | None], None]
 # (request id, index, stop string, output tokens kept): a sequence a stop string ended that the
 # engine still runs
 RequestStop = tuple[str, int, str, int]
-
-
-def by_request(records: list[EngineCoreOutput]) -> dict[str, list[EngineCoreOutput]]:
-    """A step's records grouped by request, in the order of each request's first record."""
-    groups: dict[str, list[EngineCoreOutput]] = {}
-    for rec in records:
-        group = groups.get(rec.request_id)
-        if group is None:
-            groups[rec.request_id] = [rec]
-        else:
-            group.append(rec)
-    return groups
 
 
 class OutputListeners:

@@ -117,15 +117,15 @@ class RequestState:
         if rec.new_prompt_logprobs is not None:
             self.prompt_logprobs = [None if e is None else self.with_token_text(e) for e in rec.new_prompt_logprobs]
         ids, logprobs, detok = rec.new_token_ids, rec.new_logprobs, self.detokenizers[rec.index]
+        if ids:
+            s.first_token = s.first_token or rec.time
+            s.last_token = rec.time
         if logprobs is None and not rec.finished and not self.stop_checker.stop_strings:
             # the hot path: the engine found no stop in these tokens, and there is no stop string to find
             s.token_ids += ids
             if detok is not None:
                 for token_id in ids:
                     detok.append(token_id)
-            if ids:
-                s.first_token = s.first_token or rec.time
-                s.last_token = rec.time
             return False
         last = len(ids) - 1
         decision: StopDecision | None = None
@@ -138,9 +138,6 @@ class RequestState:
             decision = self.stop_checker.update(token_id, len(s.token_ids), at_limit, detok)
             if decision is not None:
                 break
-        if ids:
-            s.first_token = s.first_token or rec.time
-            s.last_token = rec.time
         if decision is None and rec.finished:
             decision = (rec.finish_reason, rec.stop_reason)  # a complete grammar, an abort
         if decision is None:
