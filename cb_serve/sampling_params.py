@@ -191,13 +191,14 @@ class SamplingParams:
     @property
     def needs_host_each_step(self) -> bool:
         """The host must see each sampled token (or its logits) before the next step is prepared: a grammar's
-        mask, prompt logprobs, min_tokens' ban and the logits processors. Async scheduling runs the steps of
-        such a request synchronously (logprobs come back with the sampled ids)."""
+        mask, prompt logprobs, and bad words of more than one token (whether the output ends in a word's first
+        tokens). Async scheduling runs the steps of such a request synchronously (logprobs come back with the
+        sampled ids). ``min_tokens`` needs the output's length alone, and the penalties take the step in
+        flight's token on the device (``logits_processors.Penalties``): they run ahead."""
         return bool(
             self.structured_outputs is not None
             or self.prompt_logprobs is not None
-            or self.min_tokens
-            or self.has_logits_processors
+            or any(len(word) > 1 for word in self.bad_words_token_ids)
         )
 
     def for_child(self, index: int) -> SamplingParams:

@@ -103,7 +103,18 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator().manual_seed(params.seed)
+        self._device_generator: torch.Generator | None = None
         self.times = SequenceTimes() if arrival_time is None else SequenceTimes(arrival=arrival_time)
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """Its seeded generator on ``device``, where its draws are made: the CPU one, or one on the accelerator
+        (made on first use, seeded alike; its draws differ from the CPU's, as in vLLM), so that no vocabulary-sized
+        draw is made on the host and copied each step."""
+        if self.generator is None or device.type == "cpu":
+            return self.generator
+        if self._device_generator is None:
+            self._device_generator = torch.Generator(device).manual_seed(self.params.seed)
+        return self._device_generator
 
     def __repr__(self) -> str:
         return (
@@ -155,10 +166,12 @@ class Sequence:
 
     def banned_token_ids(self) -> list[int]:
         """Token ids the sampler must not pick yet: stop tokens and EOS before ``min_tokens`` (a
-        constrained sequence: none, its grammar decides where the output ends)."""
+        constrained sequence: none, its grammar decides where the output ends). A pending token (async
+        scheduling) counts: the ban is of the token this step samples."""
         if self.matcher is not None:
             return []
-        return self.min_tokens_banned if self.num_output_tokens < self.params.min_tokens else []
+        made = self.num_output_tokens + self.num_pending_tokens
+        return self.min_tokens_banned if made < self.params.min_tokens else []
 
     def append_token(self, token_id: int, now: float, forced: bool = False) -> None:
         """A sampled token (the sequence caught up), or one its grammar ``forced`` after it (jump-forward)."""

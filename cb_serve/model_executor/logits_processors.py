@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cb_serve.attention.base import host_to_device
 from cb_serve.sampling_params import SamplingParams
 from cb_serve.sequence import Sequence
 
@@ -53,7 +54,8 @@ class RequestTensors:
 
 def bad_word_bans(seq: Sequence, words: list[tuple[list[int], int]]) -> list[int]:
     """The last tokens of the bad words whose other tokens end ``seq``'s output (vLLM matches the output
-    only, not the prompt; a one-token word is always banned)."""
+    only, not the prompt; a one-token word is always banned). Longer words step synchronously: no pending token."""
+    assert not seq.num_pending_tokens or all(not prefix for prefix, _ in words), seq
     tokens, num_output = seq.token_ids, seq.num_output_tokens
     return [
         last for prefix, last in words if not prefix or (len(prefix) <= num_output and tokens[-len(prefix) :] == prefix)
@@ -64,10 +66,15 @@ def has_penalty(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or bool(params.frequency_penalty) or bool(params.presence_penalty)
 
 
+PrevSampled = tuple[torch.Tensor, dict]  # async scheduling: the step in flight's ids and each sequence's row in them
+
+
 @dataclass
 class Penalties:
     """The penalized rows: their tokens and penalties. Only the logits of the rows' tokens change: they are
-    gathered, penalized and written back (a token listed twice gets the same value twice)."""
+    gathered, penalized and written back (a token listed twice gets the same value twice). A row whose last
+    token is pending (async scheduling: sampled by the step in flight) has a placeholder there, filled on the
+    device from that step's ids (``pending``), as the step's input ids are."""
 
     rows: torch.Tensor  # int64 [R]
     tokens: torch.Tensor  # int64 [R, L]: the prompt's (with a repetition penalty) and the output's, then the first
@@ -75,21 +82,30 @@ class Penalties:
     repetition: torch.Tensor  # float32 [R]
     frequency: torch.Tensor  # float32 [R]
     presence: torch.Tensor  # float32 [R]
+    pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, column, row in prev ids)
+    prev_ids: torch.Tensor | None = None  # the step in flight's sampled ids (on the device)
 
     @classmethod
-    def from_rows(cls, seqs: list[Sequence], rows: list[int]) -> Penalties | None:
+    def from_rows(cls, seqs: list[Sequence], rows: list[int], prev: PrevSampled | None = None) -> Penalties | None:
         """``seqs[row]`` for each of ``rows``: the tokens padded in numpy, one iteration per row. A row without a
         repetition penalty needs its output's tokens only (none yet: nothing to do)."""
         starts = {row: 0 if seqs[row].params.repetition_penalty != 1.0 else seqs[row].num_prompt_tokens for row in rows}
-        rows = [row for row in rows if seqs[row].num_tokens > starts[row]]
+        ends = {row: seqs[row].num_tokens + seqs[row].num_pending_tokens for row in rows}
+        rows = [row for row in rows if ends[row] > starts[row]]
         if not rows:
             return None
-        lengths = [seqs[row].num_tokens - starts[row] for row in rows]
+        lengths = [ends[row] - starts[row] for row in rows]
         tokens = np.empty((len(rows), max(lengths)), dtype=np.int64)
         in_output = np.zeros(tokens.shape, dtype=np.float32)
+        pending: list[tuple[int, int, int]] = []
         for i, (row, length) in enumerate(zip(rows, lengths)):
             seq, start = seqs[row], starts[row]
-            tokens[i, :length] = seq.token_ids[start:] if start else seq.token_ids
+            known = seq.num_tokens - start
+            tokens[i, :known] = seq.token_ids[start:] if start else seq.token_ids
+            if known < length:  # one pending token, sampled by the step in flight
+                assert prev is not None and length == known + 1, (seq, known, length)
+                pending.append((i, known, prev[1][seq.seq_id]))
+                tokens[i, known] = 0  # padding that copies it is a token of no count in a row without repetition
             tokens[i, length:] = tokens[i, 0]
             in_output[i, seq.num_prompt_tokens - start : length] = 1.0
         params = [seqs[row].params for row in rows]
@@ -97,7 +113,7 @@ class Penalties:
         def floats(name: str) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32)
 
-        return cls(
+        out = cls(
             torch.tensor(rows, dtype=torch.int64),
             torch.from_numpy(tokens),
             torch.from_numpy(in_output),
@@ -105,17 +121,25 @@ class Penalties:
             floats("frequency_penalty"),
             floats("presence_penalty"),
         )
+        if pending:
+            out.pending = tuple(torch.tensor(column, dtype=torch.int64) for column in zip(*pending))
+            out.prev_ids = prev[0]
+        return out
 
     def apply(self, logits: torch.Tensor) -> None:
         device = logits.device
-        rows, tokens = self.rows.to(device)[:, None], self.tokens.to(device)
+        rows, tokens = host_to_device(self.rows, device)[:, None], host_to_device(self.tokens, device)
+        if self.pending is not None:
+            at_row, at_column, prev_row = (host_to_device(t, device) for t in self.pending)
+            tokens[at_row, at_column] = self.prev_ids[prev_row]
         x = logits[rows, tokens]
-        rep = self.repetition.to(device)[:, None]  # 1 (exact: x / 1 == x * 1 == x) in a row of output tokens only
+        rep = host_to_device(self.repetition, device)[:, None]  # 1 (exact: x / 1 == x * 1 == x): output tokens only
         x = torch.where(x > 0, x / rep, x * rep)
         if bool((self.frequency != 0).any() or (self.presence != 0).any()):
             counts = torch.zeros(tokens.shape[0], logits.shape[1], device=device)
-            counts = counts.scatter_add_(1, tokens, self.in_output.to(device)).gather(1, tokens)
-            x = x - self.frequency.to(device)[:, None] * counts - self.presence.to(device)[:, None] * (counts > 0)
+            counts = counts.scatter_add_(1, tokens, host_to_device(self.in_output, device)).gather(1, tokens)
+            frequency, presence = (host_to_device(t, device)[:, None] for t in (self.frequency, self.presence))
+            x = x - frequency * counts - presence * (counts > 0)
         logits[rows, tokens] = x
 
 
@@ -135,8 +159,10 @@ class LogitsProcessors:
     penalties: Penalties | None
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence]) -> LogitsProcessors | None:
-        """Row ``i`` is ``seqs[i]``'s; None when no row has a processor."""
+    def from_seqs(cls, seqs: list[Sequence], prev: PrevSampled | None = None) -> LogitsProcessors | None:
+        """Row ``i`` is ``seqs[i]``'s; None when no row has a processor. ``prev``: async scheduling's step in
+        flight, whose tokens the penalties count (bad words of one token need no tokens; longer ones make a
+        request step synchronously)."""
         active = [row for row, seq in enumerate(seqs) if seq.params.has_logits_processors]
         if not active:
             return None
@@ -163,21 +189,21 @@ class LogitsProcessors:
             allowed,
             tuple(torch.tensor(list(column), dtype=torch.int64) for column in zip(*banned)) if banned else None,
             bias,
-            Penalties.from_rows(seqs, penalized) if penalized else None,
+            Penalties.from_rows(seqs, penalized, prev) if penalized else None,
         )
 
     def apply(self, logits: torch.Tensor) -> None:
         """Applies every processor to ``logits`` (float32 ``[N, vocab]``), in place."""
         device = logits.device
         if self.allowed is not None:
-            rows, id_rows, ids = (t.to(device) for t in self.allowed)
+            rows, id_rows, ids = (host_to_device(t, device) for t in self.allowed)
             kept = logits[id_rows, ids]
             logits[rows] = NEG_INF
             logits[id_rows, ids] = kept
         if self.banned is not None:
-            logits[self.banned[0].to(device), self.banned[1].to(device)] = NEG_INF
+            logits[host_to_device(self.banned[0], device), host_to_device(self.banned[1], device)] = NEG_INF
         if self.bias is not None:
-            rows, ids, values = (t.to(device) for t in self.bias)
+            rows, ids, values = (host_to_device(t, device) for t in self.bias)
             logits.index_put_((rows, ids), values, accumulate=True)
         if self.penalties is not None:
             self.penalties.apply(logits)

@@ -254,7 +254,8 @@ class ModelRunner:
         """Prepares, runs and samples one step without waiting for it (async scheduling): the sampled ids
         stay on the device for the next step's inputs and start their copy to the host (their logprobs too).
         The engine launches only steps that need no host-side look at their logits: no grammar, drafts, prompt
-        logprobs or logits processors (``SamplingParams.needs_host_each_step``)."""
+        logprobs or bad words of several tokens (``SamplingParams.needs_host_each_step``); the penalties count
+        the step in flight's tokens on the device."""
         start = time.perf_counter()
         inp = self.prepare(sched)
         prepare_s = time.perf_counter() - start
@@ -267,7 +268,8 @@ class ModelRunner:
         else:
             ids = self.greedy_ids(fwd) if takes_raw_argmax(seqs) else None
             if ids is None:
-                batch = SamplingBatch.from_seqs(seqs)
+                prev = None if self.prev_sampled is None else (self.prev_sampled, self.prev_rows)
+                batch = SamplingBatch.from_seqs(seqs, prev, self.device)
                 logits = self.logits(fwd)
                 raw = torch.log_softmax(logits, dim=-1) if any(k is not None for k in batch.num_logprobs) else None
                 ids = self.sampler.sample(logits, batch)
@@ -310,7 +312,7 @@ class ModelRunner:
         single = [i for i, n in enumerate(rows_per_seq) if n == 1]  # sequences sampling one token
         if single:
             one_row = logits if len(single) == len(seqs) else logits[[starts[i] for i in single]]
-            batch = SamplingBatch.from_seqs([seqs[i] for i in single])
+            batch = SamplingBatch.from_seqs([seqs[i] for i in single], device=self.device)
             grammar_rows = [row for row, i in enumerate(single) if seqs[i].seq_id in masks]
             if grammar_rows:
                 bitmask = torch.cat([masks[seqs[single[row]].seq_id] for row in grammar_rows])

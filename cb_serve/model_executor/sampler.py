@@ -10,10 +10,12 @@ import torch
 from cb_serve import cpu_ops
 from cb_serve.attention.base import host_to_device
 from cb_serve.model_executor.layers.greedy_head import greedy_tokens
-from cb_serve.model_executor.logits_processors import LogitsProcessors
+from cb_serve.model_executor.logits_processors import LogitsProcessors, PrevSampled
 from cb_serve.outputs import Logprob
 from cb_serve.sequence import Sequence
 from cb_serve.structured_outputs.base import apply_bitmask
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -32,7 +34,11 @@ class SamplingBatch:
     processors: LogitsProcessors | None = None  # penalties, logit_bias, allowed_token_ids, bad_words (None: no row)
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence]) -> SamplingBatch:
+    def from_seqs(
+        cls, seqs: list[Sequence], prev: PrevSampled | None = None, device: torch.device = CPU
+    ) -> SamplingBatch:
+        """``prev``: async scheduling's step in flight (its sampled ids, each sequence's row), whose tokens the
+        penalties count on the device; ``device``: where the logits are (a seeded row draws there)."""
         params = [s.params for s in seqs]
         banned = []
         for row, seq in enumerate(seqs):
@@ -44,11 +50,11 @@ class SamplingBatch:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            generators=[s.generator for s in seqs],
+            generators=[s.generator_on(device) for s in seqs],
             num_logprobs=[p.logprobs for p in params],
             banned=banned,
             all_greedy=all(p.greedy for p in params),
-            processors=LogitsProcessors.from_seqs(seqs),
+            processors=LogitsProcessors.from_seqs(seqs, prev),
         )
 
 
@@ -150,7 +156,11 @@ class Sampler:
                 (len(unseeded), vocab), device=device
             ).uniform_()
         for row, g in enumerate(batch.generators):
-            if g is not None:  # CPU generators: the same draws on every device
+            if g is None:
+                continue
+            if g.device.type == device.type:  # its own generator where the logits are (``Sequence.generator_on``)
+                u[row].uniform_(generator=g)
+            else:
                 u[row] = host_to_device(torch.empty(vocab).uniform_(generator=g), device)
         return (probs / u.log_().neg_()).argmax(dim=-1)
 

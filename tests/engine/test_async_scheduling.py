@@ -6,8 +6,8 @@ needs a GPU.
 Each test compares an engine with ``async_scheduling=True`` against one without: the same greedy and seeded
 tokens, text and finish reasons, under stop strings that span tokens, ``max_tokens`` and the context length,
 ``n > 1``, shared prefixes, preemption by recompute, aborts of requests in flight, requests that need the
-host each step mixed in (logprobs, a grammar, penalties), a hybrid recurrent model and a mixture of experts;
-and every KV block and state slot back at the end."""
+host each step mixed in (prompt logprobs, a grammar), penalties, bias and min_tokens run ahead, a hybrid
+recurrent model and a mixture of experts; and every KV block and state slot back at the end."""
 
 from __future__ import annotations
 
@@ -105,8 +105,6 @@ def test_requests_that_need_the_host_each_step_run_synchronously_beside_the_othe
     sync, ahead = pair
     host_each_step = [
         SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=1),
-        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=12, min_tokens=5),
         SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[0-9]{4}")),
     ]
     params = [*host_each_step, *params_mix(5)[: len(PROMPTS) - len(host_each_step)]]
@@ -114,6 +112,44 @@ def test_requests_that_need_the_host_each_step_run_synchronously_beside_the_othe
         assert p.needs_host_each_step
     got, want = run(ahead, PROMPTS, params), run(sync, PROMPTS, params)
     assert got == want
+    assert_all_back(ahead)
+
+
+AHEAD_PROCESSORS = [  # each changes the logits every step, from the tokens so far or from its own data
+    dict(repetition_penalty=1.3),
+    dict(frequency_penalty=1.5, presence_penalty=0.5),
+    dict(repetition_penalty=0.8, presence_penalty=-1.0),
+    dict(frequency_penalty=-2.0),  # seen tokens favoured: the step in flight's token counts at once
+    dict(logit_bias={11: 5.0, 12: 3.0, 40: -100.0}),
+    dict(allowed_token_ids=[11, 12, 13, 14, 40, 41]),
+    dict(frequency_penalty=2.0, seed=3, temperature=0.9),
+    dict(repetition_penalty=1.2, logit_bias={13: 2.0}, min_tokens=4, seed=8, temperature=0.8),
+]
+
+
+def test_penalties_bias_allowed_ids_and_min_tokens_run_ahead(pair):
+    """None of these needs the host to see the step in flight's token: the penalties count it on the device.
+    The same tokens as synchronous steps, mixed with plain requests, under preemption; one launched ahead."""
+    sync, ahead = pair
+    eos = ahead.get_tokenizer().eos_token_id
+    processors = [*AHEAD_PROCESSORS, dict(min_tokens=5, logit_bias={eos: 100.0})]  # EOS the first allowed pick
+    params = [
+        SamplingParams(max_tokens=14, ignore_eos=i % 2 == 0 and i < 8, **{"temperature": 0, **kw})
+        for i, kw in enumerate(processors)
+    ]
+    assert not any(p.needs_host_each_step for p in params)
+    engine = ahead.engine
+    engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, params[1])
+    assert engine.step() == [] and engine.in_flight is not None  # launched ahead
+    while engine.has_unfinished_requests():
+        engine.step()
+    mixed = params + params_mix(7)[len(params) :]
+    got, want = run(ahead, PROMPTS, mixed), run(sync, PROMPTS, mixed)
+    assert got == want
+    plain = run(sync, PROMPTS, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    changed = [g[0][0] != p[0][0] for g, p in zip(got, plain)]
+    assert changed[3], "the negative frequency penalty had no effect: the test would not see a missed count"
+    assert len(got[-1][0][0]) == 6 and got[-1][0][2] == "stop"  # 5 tokens, then EOS: the ban ended in time
     assert_all_back(ahead)
 
 
@@ -276,7 +312,8 @@ def test_failures_under_async_scheduling_give_every_block_back(random_model_dir,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_launches_never_wait_for_the_device(random_model_dir):
     """Under torch's sync debug mode ("error": any host wait for the device raises), every launch of a step
-    ahead: prefills, decode graphs, greedy, temperature with top-k / top-p / min-p, seeds, logprobs."""
+    ahead: prefills, decode graphs, greedy, temperature with top-k / top-p / min-p, seeds (drawn on the device),
+    logprobs, penalties (the step in flight's token counted there), bias, allowed ids and min_tokens."""
     model = str(random_model_dir("llama"))
     llm = LLM(model, device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks=64, max_num_seqs=8)
     engine = llm.engine
@@ -295,7 +332,10 @@ def test_cuda_launches_never_wait_for_the_device(random_model_dir):
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0.7, seed=11, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0, logprobs=2, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=2, logit_bias={11: 3.0}, min_tokens=8, max_tokens=8),
+        SamplingParams(temperature=0, allowed_token_ids=[11, 12, 13], presence_penalty=1.0, max_tokens=8),
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[: len(params)]], params, use_tqdm=False)
     assert all(o.error is None and len(o.outputs[0].token_ids) == 8 for o in outs)
     assert_all_back(llm)

@@ -395,3 +395,13 @@ def test_a_request_with_processors_gets_no_drafts(random_model_dir, tiny_llm):
     assert ours(llm, [prompt] * 3, params) == expected
     assert proposer.asked and not any(seq.params.has_logits_processors for seq in proposer.asked)
     assert llm.engine.speculator.counters.num_accepted_tokens > 0  # the plain request did speculate
+
+
+def test_only_grammars_prompt_logprobs_and_longer_bad_words_need_the_host_each_step():
+    """Async scheduling runs a request ahead unless the host must see its last token first: penalties take it on
+    the device, ``min_tokens`` needs the output's length, a bias or one-token bad word no tokens at all."""
+    assert not SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, min_tokens=3).needs_host_each_step
+    assert not SamplingParams(logit_bias={3: 1.0}, allowed_token_ids=[3, 4]).needs_host_each_step
+    assert not SamplingParams(bad_words_token_ids=((5,), (9,))).needs_host_each_step
+    assert SamplingParams(bad_words_token_ids=((5,), (6, 7))).needs_host_each_step
+    assert SamplingParams(prompt_logprobs=0).needs_host_each_step
