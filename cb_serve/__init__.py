@@ -27,9 +27,12 @@ from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, Samp
 from cb_serve.stats import EngineStats, StepPhases, StepStats
 from cb_serve.structured_outputs_params import ConstraintLimits, StructuredOutputsParams
 from cb_serve.tool_format import tool_call_constraint
-from cb_serve.tool_parser import (
+from cb_serve.tool_parsers import (
     TOOL_CALL_PARSERS,
+    DeepSeekV3ToolParser,
+    GraniteToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     ParsedToolCall,
     Qwen3CoderToolParser,
     ToolCallParser,
@@ -50,7 +53,10 @@ __all__ = [
     "tool_call_constraint",
     "ToolCallParser",
     "Qwen3CoderToolParser",
+    "DeepSeekV3ToolParser",
+    "GraniteToolParser",
     "Llama3JsonToolParser",
+    "MistralToolParser",
     "TOOL_CALL_PARSERS",
     "tool_call_parser_for_template",
     "ParsedToolCall",

@@ -40,7 +40,6 @@ LEAVES = {
     "stats",
     "structured_outputs_params",
     "tool_format",
-    "tool_parser",
 }
 # The cb_serve.* groups each group may import (besides itself and the leaves).
 ALLOWED = {
@@ -49,6 +48,7 @@ ALLOWED = {
     "attention": {"cpu_ops"},
     "structured_outputs": set(),  # constraint backends and their manager: below the model runner
     "reasoning": set(),  # reasoning parsers (think tags in text and tokens): the engine and the HTTP layer read them
+    "tool_parsers": set(),  # tool-call formats in text: the HTTP layer reads them, through the public API
     "distributed": set(),  # tensor-parallel shards and communicator: below the model
     "lora": {"cpu_ops"},  # adapters' loading, slots and batched apply: below the model runner
     "model_executor": {"attention", "cpu_ops", "distributed", "lora", "structured_outputs"},

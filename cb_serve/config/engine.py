@@ -11,13 +11,12 @@ from typing import Any
 from cb_serve.config.lora import LoRAConfig
 from cb_serve.config.speculative import SpeculativeConfig
 from cb_serve.fault_injection import FaultInjector
-from cb_serve.tool_parser import TOOL_CALL_PARSERS as TOOL_CALL_PARSER_CLASSES
 
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
 SCHEDULING_POLICIES = ["fcfs", "priority"]
 REASONING_PARSERS = ["deepseek_r1", "qwen3"]
-TOOL_CALL_PARSERS = list(TOOL_CALL_PARSER_CLASSES)
+TOOL_CALL_PARSERS = ["hermes", "qwen3_coder", "llama3_json", "mistral", "granite", "deepseek_v3"]  # tool_parsers'
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 
 
@@ -101,8 +100,9 @@ class EngineConfig:
     )
     tool_call_parser: str | None = _arg(
         None,
-        "The format tool calls are written in: hermes (JSON in <tool_call> blocks), qwen3_coder (XML in them) or "
-        "llama3_json (the reply a JSON call); "
+        "The format tool calls are written in: hermes (JSON in <tool_call> blocks), qwen3_coder (XML in them), "
+        "llama3_json (the reply a JSON call), mistral ([TOOL_CALLS] then calls), granite (<|tool_call|> then a "
+        "JSON list) or deepseek_v3 (its tool-call tokens); "
         "by default, the one the model's chat template writes (vLLM's --tool-call-parser).",
         choices=TOOL_CALL_PARSERS,
     )

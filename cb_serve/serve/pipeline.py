@@ -227,6 +227,10 @@ class RequestPipeline:
             params = req.to_sampling_params(cap if chat else 16, cap)
         except InvalidRequestError as e:
             raise APIError(400, short(str(e)), param=e.param) from None
+        tools = chat and req.tool_mode != "none"
+        parser = self.tool_parser(req.prompt_tools()) if tools else None
+        if parser is not None and parser.func.keeps_special_tokens:  # its markers are special tokens
+            params.skip_special_tokens = False
         info = await self.info()
         prompts = [truncate(p, req.truncate_prompt_tokens, info["max_model_len"]) for p in prompts]
         payloads = [
@@ -239,8 +243,6 @@ class RequestPipeline:
         started = await start_all(self.engine, payloads)
         model = lora.lora_name if lora is not None else await self.model()
         max_calls = 1 if chat and req.parallel_tool_calls is False else None
-        tools = chat and req.tool_mode != "none"
-        parser = self.tool_parser(req.prompt_tools()) if tools else None
         meta = ResponseMeta(request_id, int(time.time()), model, chat, tools, max_calls, parser)
         await self._note_replica(started[0], request_id, headers, lora)
         return Run(started, meta, headers, req.n, prompts)
@@ -278,7 +280,7 @@ class RequestPipeline:
 
     # -- stream ----------------------------------------------------------------------------------------
 
-    def tool_parser(self, tools: list[dict[str, Any]] | None) -> Callable[[], ToolCallParser]:
+    def tool_parser(self, tools: list[dict[str, Any]] | None) -> functools.partial[ToolCallParser]:
         """Makes each choice's tool-call parser: the engine argument's format, else its chat template's."""
         if self._tool_parser_name is None:
             chosen = self.engine_config.tool_call_parser

@@ -374,7 +374,10 @@ def test_qwen3_coder_malformed_or_cut_calls_come_back_as_text(tokenizer):
 
 def test_the_tool_call_parser_engine_argument_is_checked():
     from cb_serve import EngineConfig
+    from cb_serve.config.engine import TOOL_CALL_PARSERS as NAMES
+    from cb_serve.tool_parsers import TOOL_CALL_PARSERS
 
+    assert NAMES == list(TOOL_CALL_PARSERS) and all(TOOL_CALL_PARSERS[n].name == n for n in NAMES)
     assert EngineConfig(tool_call_parser="qwen3_coder").tool_call_parser == "qwen3_coder"
     with pytest.raises(ValueError, match="tool_call_parser"):
         EngineConfig(tool_call_parser="nope")
@@ -436,3 +439,188 @@ def test_llama3_json_calls_from_the_real_template_parse_back_whole_and_streamed(
     deltas = [d for d in (choice.delta(c) for c in chunks(reply)) if d is not None]
     calls = [t["function"]["name"] for d in deltas for t in d["delta"].get("tool_calls", [])]
     assert calls == ["forecast"] and deltas[-1]["finish_reason"] == "tool_calls"
+
+
+# ---- Mistral: [TOOL_CALLS] then a JSON list, or NAME[ARGS]{...} per call (issue 52) ------------------
+MISTRAL_TEMPLATES = {
+    name: (Path(__file__).parents[1] / "fixtures" / "chat_templates" / f"{name}.jinja").read_text()
+    for name in ("mistral3_json", "ministral3")
+}
+
+
+def mistral_reply(tokenizer, template: str, calls: list[tuple[str, dict]], content: str = "") -> str:
+    """What the model writes for ``calls``: the assistant turn the real template renders for them."""
+    tool_calls = [
+        {"id": f"call{i}abcdefgh", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(calls)
+    ]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": content, "tool_calls": tool_calls},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=[FORECAST, CLOCK], chat_template=template, tokenize=False)
+    return text.split("[/INST]", 1)[1].removesuffix(tokenizer.eos_token)
+
+
+@pytest.mark.parametrize("template", MISTRAL_TEMPLATES)
+def test_mistral_calls_from_the_real_templates_parse_back_whole_and_streamed(tokenizer, template):
+    from cb_serve import MistralToolParser, tool_call_parser_for_template
+
+    assert tool_call_parser_for_template(MISTRAL_TEMPLATES[template]) == "mistral"
+    reply = mistral_reply(tokenizer, MISTRAL_TEMPLATES[template], CALLS)
+    expect_start = "[TOOL_CALLS] [{" if template == "mistral3_json" else "[TOOL_CALLS]forecast[ARGS]{"
+    assert reply.startswith(expect_start), reply
+
+    def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+        parser = MistralToolParser([FORECAST, CLOCK])
+        content = "".join(parser.feed(p)[0] for p in pieces) + parser.finish()
+        return content, [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+    assert parse([reply]) == ("", CALLS)
+    for cut in range(1, len(reply), 2):
+        assert parse([reply[:cut], reply[cut:]]) == ("", CALLS)
+    assert parse(["Let me look. ", reply]) == ("Let me look. ", CALLS)  # content before the marker streams
+    choice = Choice(0, chat=True, tools=True, tool_parser=MistralToolParser)  # the HTTP message
+    for c in chunks("Let me look. " + reply):
+        choice.add(c)
+    body = choice.body()
+    got = [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in body["message"]["tool_calls"]]
+    assert body["finish_reason"] == "tool_calls" and body["message"]["content"] == "Let me look. " and got == CALLS
+    if template == "ministral3":  # the first call is read once the second's marker closes it
+        parser = MistralToolParser()
+        second = reply.index("[TOOL_CALLS]", 1)
+        assert parser.feed(reply[: second + 3])[1] == []
+        assert [c.name for c in parser.feed(reply[second + 3 :])[1]] == ["forecast"]
+        assert parser.finish() == "" and [c.name for c in parser.calls] == ["forecast", "get_time"]
+
+
+def test_mistral_malformed_or_cut_calls_come_back_as_text():
+    from cb_serve import MistralToolParser
+
+    good = '[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}'
+    for text in (good[:-1], good[: len("[TOOL_CALLS]get_")], '[TOOL_CALLS] [{"name": 3}]', "[TOOL_CALLS]", "plain"):
+        parser = MistralToolParser()
+        assert parser.feed(text)[0] + parser.finish() == text and not parser.calls, text
+    parser = MistralToolParser()  # a bad call after a good one: the good one stays a call
+    content = parser.feed(good + "[TOOL_CALLS]oops{")[0] + parser.finish()
+    assert content == "[TOOL_CALLS]oops{" and [c.name for c in parser.calls] == ["get_time"]
+    parser = MistralToolParser()  # the older v11 form without [ARGS], and a call id
+    parser.feed('[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"tz": "CET"}[TOOL_CALLS]get_time{"tz": "UTC"}')
+    assert parser.finish() == "" and [json.loads(c.arguments)["tz"] for c in parser.calls] == ["CET", "UTC"]
+    block = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'  # a forced call
+    parser = MistralToolParser()
+    assert parser.feed(block)[0] + parser.finish() == "Sure. " and [c.name for c in parser.calls] == ["get_time"]
+
+
+def test_mistral_markers_reach_the_parser_only_with_special_tokens_kept(tokenizer):
+    """``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens in Mistral's tokenizers: the default detokenization
+    drops them, so a request read by the Mistral parser keeps special tokens (vLLM's ``adjust_request``)."""
+    import copy
+
+    from cb_serve import MistralToolParser
+    from cb_serve.engine.detokenizer import IncrementalDetokenizer
+
+    assert MistralToolParser.keeps_special_tokens and not ToolCallParser.keeps_special_tokens
+    mistral = copy.deepcopy(tokenizer)
+    mistral.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    reply = mistral_reply(tokenizer, MISTRAL_TEMPLATES["ministral3"], CALLS[1:])
+    ids = mistral.encode(reply, add_special_tokens=False)
+    assert mistral.convert_tokens_to_ids("[TOOL_CALLS]") in ids
+    for keep in (True, False):
+        detok = IncrementalDetokenizer(mistral, [], skip_special_tokens=not keep)
+        parser, content = MistralToolParser(), ""
+        for token_id in ids:
+            before = len(detok.text)
+            detok.append(token_id)
+            content += parser.feed(detok.text[before:])[0]
+        content += parser.finish()
+        calls = [(c.name, json.loads(c.arguments)) for c in parser.calls]
+        assert (calls, content) == (
+            (CALLS[1:], "") if keep else ([], reply.replace("[TOOL_CALLS]", "").replace("[ARGS]", ""))
+        )
+
+
+# ---- Granite 3.x: the reply is <|tool_call|> then a JSON list (issue 52) -------------------------------
+GRANITE_TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "granite3.jinja").read_text()
+
+
+def test_granite_calls_in_the_format_its_template_asks_for_parse_back_whole_and_streamed(tokenizer):
+    """Granite 3.3's template renders no assistant calls; its system prompt asks for ``<|tool_call|>`` and a JSON
+    list, which is what the model card shows. The marker is a special token: with it skipped the list is read."""
+    from cb_serve import GraniteToolParser, tool_call_parser_for_template
+
+    assert tool_call_parser_for_template(GRANITE_TEMPLATE) == "granite"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Weather?"}], tools=[FORECAST, CLOCK], chat_template=GRANITE_TEMPLATE,
+        tokenize=False, add_generation_prompt=True,
+    )  # fmt: skip
+    assert "respond only with <|tool_call|> followed by a JSON list of tools used" in prompt
+    assert prompt.endswith("<|start_of_role|>assistant<|end_of_role|>") and '"name": "forecast"' in prompt
+    listed = json.dumps([{"name": n, "arguments": a} for n, a in CALLS])
+
+    def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+        parser = GraniteToolParser([FORECAST, CLOCK])
+        content = "".join(parser.feed(p)[0] for p in pieces) + parser.finish()
+        return content, [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+    for reply in ("<|tool_call|>" + listed, listed, " " + listed):  # the marker kept, skipped, after a space
+        assert parse([reply]) == ("", CALLS)
+        for cut in range(1, len(reply), 3):
+            assert parse([reply[:cut], reply[cut:]]) == ("", CALLS)
+    for text in ("It is sunny.", "<|tool_call|>" + listed[:-2], "[1, 2] are numbers.", "<|tool", "<b>hi</b>"):
+        assert parse([text]) == (text, [])  # plain, cut, a list that is no call, a cut marker, a tag
+    block = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'  # a forced call
+    assert parse([block]) == ("Sure. ", [("get_time", {"tz": "CET"})])
+
+
+# ---- DeepSeek V3 / V3.1: calls between its own delimiter tokens (issue 52) ------------------------------
+DEEPSEEK_TEMPLATES = {
+    name: (Path(__file__).parents[1] / "fixtures" / "chat_templates" / f"{name}.jinja").read_text()
+    for name in ("deepseek_v3", "deepseek_v31")
+}
+
+
+def deepseek_reply(tokenizer, template: str, calls: list[tuple[str, dict]], content: str) -> str:
+    """What the model writes for ``calls``: the assistant turn the real template renders for them (V3.1's
+    template takes the arguments as JSON text)."""
+    v31 = "thinking" in template
+    tool_calls = [
+        {"type": "function", "function": {"name": n, "arguments": json.dumps(a) if v31 else a}} for n, a in calls
+    ]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": content, "tool_calls": tool_calls},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=[FORECAST, CLOCK], chat_template=template, tokenize=False)
+    reply = text.split("</think>", 1)[1] if v31 else text.rsplit("<｜Assistant｜>", 1)[1]
+    return reply.split("<｜end▁of▁sentence｜>")[0].strip()  # (V3's template indents the turn)
+
+
+@pytest.mark.parametrize("template", DEEPSEEK_TEMPLATES)
+def test_deepseek_calls_from_the_real_templates_parse_back_whole_and_streamed(tokenizer, template):
+    from cb_serve import DeepSeekV3ToolParser, tool_call_parser_for_template
+
+    assert tool_call_parser_for_template(DEEPSEEK_TEMPLATES[template]) == "deepseek_v3"
+
+    def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+        parser = DeepSeekV3ToolParser([FORECAST, CLOCK])
+        content = "".join(parser.feed(p)[0] for p in pieces) + parser.finish()
+        return content, [(c.name, json.loads(c.arguments)) for c in parser.calls]
+
+    for content in ("", "Let me check."):
+        reply = deepseek_reply(tokenizer, DEEPSEEK_TEMPLATES[template], CALLS, content)
+        assert "<｜tool▁call▁begin｜>" in reply and reply.endswith("<｜tool▁calls▁end｜>"), reply
+        assert parse([reply]) == (content, CALLS)
+        for cut in range(1, len(reply), 3):
+            assert parse([reply[:cut], reply[cut:]]) == (content, CALLS)
+    block = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'  # a forced call
+    assert parse([block]) == ("Sure. ", [("get_time", {"tz": "CET"})])
+
+
+def test_deepseek_malformed_or_cut_calls_come_back_as_text():
+    from cb_serve import DeepSeekV3ToolParser
+
+    call = '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "UTC"}<｜tool▁call▁end｜>'
+    for bad in (call[:-3], call.replace('{"tz"', "{tz"), call.replace("<｜tool▁sep｜>", ""), "plain <｜tool▁"):
+        parser = DeepSeekV3ToolParser()
+        assert parser.feed(bad)[0] + parser.finish() == bad and not parser.calls, bad

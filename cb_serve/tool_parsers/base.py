@@ -1,0 +1,140 @@
+"""The tool-call parser's interface and the Hermes format: ``<tool_call>`` blocks (``tool_format.py``) holding
+``{"name": ..., "arguments": {...}}`` (or a list of calls) become calls; everything else stays content. Other
+formats subclass ``ToolCallParser``; the JSON readers here are shared by them."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from cb_serve.tool_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's ``function.arguments``)
+    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        """The ``tool_calls`` entry of a message, or of a stream delta when ``index`` is given."""
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def parse_calls(body: str) -> list[ParsedToolCall] | None:
+    """The calls in one block's JSON, or None when it holds none."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return calls_of(value)
+
+
+def calls_of(value: Any) -> list[ParsedToolCall] | None:
+    """The calls a JSON value spells (a call, or a list of calls), or None."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(ParsedToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls or None
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag`` (held back: the tag may follow)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """Feed text as it comes; each call returns (content to send now, calls completed now). The Hermes
+    format; subclasses read other block bodies (``parse_block``). ``tools``: the request's tools (OpenAI's
+    shape), for formats whose values are typed by the schema."""
+
+    name = "hermes"
+    keeps_special_tokens = False  # the format's markers are special tokens (the request's text must keep them)
+    blocks: tuple[tuple[str, str], ...] = ((TOOL_CALL_OPEN, TOOL_CALL_CLOSE),)  # (open, close) of each kind
+    dropped: tuple[str, ...] = ()  # markers around the blocks that are neither content nor calls
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []
+        self.calls: list[ParsedToolCall] = []
+        self._pending = ""  # held back: a possible tag start, or an open block
+        self._in_block: tuple[str, str] | None = None
+        self._tags = [*(pair[0] for pair in self.blocks), *self.dropped]
+
+    def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        self._pending += text
+        content: list[str] = []
+        found: list[ParsedToolCall] = []
+        while True:
+            if self._in_block is None:
+                found_tags = ((self._pending.find(t), t) for t in self._tags if t in self._pending)
+                start, tag = min(found_tags, default=(-1, ""))
+                if start < 0 and self.calls and not self._pending.strip():
+                    break  # whitespace after a call: content only if more text follows
+                if start < 0:
+                    keep = max(partial_suffix(self._pending, t) for t in self._tags)
+                    content.append(self._content(self._pending[: len(self._pending) - keep]))
+                    self._pending = self._pending[len(self._pending) - keep :]
+                    break
+                content.append(self._content(self._pending[:start]))
+                self._pending = self._pending[start:]
+                if tag in self.dropped:
+                    self._pending = self._pending[len(tag) :]
+                    continue
+                self._in_block = next(pair for pair in self.blocks if pair[0] == tag)
+            opened, close = self._in_block
+            end = self._pending.find(close)
+            if end < 0:
+                break
+            block = self._pending[: end + len(close)]
+            self._pending = self._pending[len(block) :]
+            self._in_block = None
+            calls = self.parse_block(block[len(opened) : -len(close)], opened)
+            if calls is None:
+                content.append(block)
+            else:
+                found += calls
+                self.calls += calls
+        return "".join(content), found
+
+    def parse_block(self, body: str, opened: str = TOOL_CALL_OPEN) -> list[ParsedToolCall] | None:
+        """The calls one block holds (``opened``: its open tag), or None (it stays content)."""
+        return parse_calls(body)
+
+    def finish(self) -> str:
+        """Content still held back (an unclosed block stays text)."""
+        rest, self._pending, self._in_block = self._pending, "", None
+        return self._content(rest)
+
+    def _content(self, text: str) -> str:
+        # Between and after calls, only the newlines that separate blocks: not content.
+        return "" if self.calls and not text.strip() else text
+
+
+def json_calls(text: str) -> list[ParsedToolCall] | None:
+    """The calls of JSON values separated by ``;`` (and spaces) that make up all of ``text``, or None."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or (calls and text[pos] == ";")):
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        found = calls_of(value)
+        if found is None:
+            return None
+        calls += found
