@@ -22,7 +22,7 @@ from cb_serve.llm import LLM
 from cb_serve.lora_request import LoRARequest
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
-from cb_serve.reasoning import ReasoningParser, ReasoningSplitter, reasoning_parser
+from cb_serve.reasoning import HarmonySplitter, ReasoningParser, ReasoningSplitter, reasoning_parser
 from cb_serve.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 from cb_serve.stats import EngineStats, StepPhases, StepStats
 from cb_serve.structured_outputs_params import ConstraintLimits, StructuredOutputsParams
@@ -31,6 +31,7 @@ from cb_serve.tool_parsers import (
     TOOL_CALL_PARSERS,
     DeepSeekV3ToolParser,
     GraniteToolParser,
+    HarmonyToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
     ParsedToolCall,
@@ -55,6 +56,8 @@ __all__ = [
     "Qwen3CoderToolParser",
     "DeepSeekV3ToolParser",
     "GraniteToolParser",
+    "HarmonySplitter",
+    "HarmonyToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
     "TOOL_CALL_PARSERS",

@@ -29,6 +29,7 @@ LEAVES = {
     "config",
     "errors",
     "fault_injection",
+    "harmony_format",
     "inputs",
     "kv_cache_interface",
     "lora_request",

@@ -16,7 +16,15 @@ ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
 SCHEDULING_POLICIES = ["fcfs", "priority"]
 REASONING_PARSERS = ["deepseek_r1", "qwen3"]
-TOOL_CALL_PARSERS = ["hermes", "qwen3_coder", "llama3_json", "mistral", "granite", "deepseek_v3"]  # tool_parsers'
+TOOL_CALL_PARSERS = [  # tool_parsers.TOOL_CALL_PARSERS' names
+    "hermes",
+    "qwen3_coder",
+    "llama3_json",
+    "mistral",
+    "granite",
+    "deepseek_v3",
+    "openai",
+]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 
 
@@ -102,7 +110,7 @@ class EngineConfig:
         None,
         "The format tool calls are written in: hermes (JSON in <tool_call> blocks), qwen3_coder (XML in them), "
         "llama3_json (the reply a JSON call), mistral ([TOOL_CALLS] then calls), granite (<|tool_call|> then a "
-        "JSON list) or deepseek_v3 (its tool-call tokens); "
+        "JSON list), deepseek_v3 (its tool-call tokens) or openai (gpt-oss's Harmony commentary channel); "
         "by default, the one the model's chat template writes (vLLM's --tool-call-parser).",
         choices=TOOL_CALL_PARSERS,
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 from cb_serve.reasoning.base import ReasoningParser
 from cb_serve.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from cb_serve.reasoning.harmony import HarmonySplitter
 from cb_serve.reasoning.qwen3 import Qwen3ReasoningParser
 from cb_serve.reasoning.splitter import ReasoningSplitter
 
@@ -23,6 +24,7 @@ def reasoning_parser(name: str, tokenizer: Any) -> ReasoningParser:
 __all__ = [
     "PARSERS",
     "DeepSeekR1ReasoningParser",
+    "HarmonySplitter",
     "Qwen3ReasoningParser",
     "ReasoningParser",
     "ReasoningSplitter",

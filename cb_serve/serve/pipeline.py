@@ -31,6 +31,8 @@ from ray.serve.handle import DeploymentHandle
 from cb_serve import (
     TOOL_CALL_PARSERS,
     EngineConfig,
+    HarmonySplitter,
+    HarmonyToolParser,
     InvalidRequestError,
     LoRARequest,
     PromptEncoder,
@@ -229,7 +231,8 @@ class RequestPipeline:
             raise APIError(400, short(str(e)), param=e.param) from None
         tools = chat and req.tool_mode != "none"
         parser = self.tool_parser(req.prompt_tools()) if tools else None
-        if parser is not None and parser.func.keeps_special_tokens:  # its markers are special tokens
+        harmony = chat and self.tool_format() == HarmonyToolParser.name  # every reply is channels
+        if harmony or (parser is not None and parser.func.keeps_special_tokens):  # markers are special tokens
             params.skip_special_tokens = False
         info = await self.info()
         prompts = [truncate(p, req.truncate_prompt_tokens, info["max_model_len"]) for p in prompts]
@@ -280,18 +283,24 @@ class RequestPipeline:
 
     # -- stream ----------------------------------------------------------------------------------------
 
-    def tool_parser(self, tools: list[dict[str, Any]] | None) -> functools.partial[ToolCallParser]:
-        """Makes each choice's tool-call parser: the engine argument's format, else its chat template's."""
+    def tool_format(self) -> str:
+        """The model's tool-call format: the engine argument's, else its chat template's."""
         if self._tool_parser_name is None:
             chosen = self.engine_config.tool_call_parser
             self._tool_parser_name = chosen or self.encoder.with_tokenizer(
                 lambda tok: tool_call_parser_for_template(getattr(tok, "chat_template", None))
             )
-        return functools.partial(TOOL_CALL_PARSERS[self._tool_parser_name], tools)
+        return self._tool_parser_name
+
+    def tool_parser(self, tools: list[dict[str, Any]] | None) -> functools.partial[ToolCallParser]:
+        """Makes each choice's tool-call parser, of the model's format."""
+        return functools.partial(TOOL_CALL_PARSERS[self.tool_format()], tools)
 
     def reasoning(self, run: Run, req: ChatCompletionRequest) -> Callable[[], ReasoningSplitter] | None:
         """Makes each choice's reasoning splitter (None: no reasoning parser, or not asked for)."""
         name = self.engine_config.reasoning_parser
+        if name is None and self.tool_format() == HarmonyToolParser.name:  # gpt-oss: the analysis channel
+            return (lambda: DroppedReasoning(HarmonySplitter())) if not req.include_reasoning else HarmonySplitter
         if name is None:
             return None
         if self._reasoning_parser is None:  # the engine replicas checked the tokenizer has think tokens

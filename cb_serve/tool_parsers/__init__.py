@@ -10,7 +10,9 @@
   ``NAME[ARGS]{...}`` per call. ``[TOOL_CALLS]`` is a special token: a request read by this parser keeps
   special tokens in its text (``keeps_special_tokens``, as vLLM's ``adjust_request`` does);
 - ``granite`` (Granite 3.x): the reply is ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]``;
-- ``deepseek_v3`` (DeepSeek V3, R1, V3.1): ``<｜tool▁call▁begin｜>`` blocks between its section tokens.
+- ``deepseek_v3`` (DeepSeek V3, R1, V3.1): ``<｜tool▁call▁begin｜>`` blocks between its section tokens;
+- ``openai`` (gpt-oss, Harmony): ``commentary`` messages to ``functions.NAME``, as the Harmony splitter passes
+  them on (``reasoning/harmony.py``).
 
 The format is chosen from the model's chat template (``tool_call_parser_for_template``) unless the
 ``tool_call_parser`` engine argument names one (vLLM's flag). A block that does not parse stays
@@ -19,8 +21,10 @@ grammar writes)."""
 
 from __future__ import annotations
 
+from cb_serve.harmony_format import is_harmony_template
 from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, calls_of, json_calls, parse_calls
 from cb_serve.tool_parsers.deepseek_v3 import CALL_BEGIN, DeepSeekV3ToolParser
+from cb_serve.tool_parsers.harmony import HarmonyToolParser
 from cb_serve.tool_parsers.mistral import MISTRAL_CALLS, MistralToolParser
 from cb_serve.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from cb_serve.tool_parsers.whole_reply import GRANITE_CALLS, GraniteToolParser, Llama3JsonToolParser
@@ -28,6 +32,7 @@ from cb_serve.tool_parsers.whole_reply import GRANITE_CALLS, GraniteToolParser, 
 __all__ = [
     "DeepSeekV3ToolParser",
     "GraniteToolParser",
+    "HarmonyToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
     "ParsedToolCall",
@@ -48,6 +53,7 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "mistral": MistralToolParser,
     "granite": GraniteToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
+    "openai": HarmonyToolParser,
 }
 
 
@@ -59,6 +65,8 @@ def tool_call_parser_for_template(template: str | dict[str, str] | None) -> str:
         return "qwen3_coder"
     if any("<|start_header_id|>" in t and '"parameters": ' in t for t in texts):  # Llama 3.1 / 3.2 / 3.3
         return "llama3_json"
+    if any(is_harmony_template(t) for t in texts):  # gpt-oss
+        return "openai"
     if any(CALL_BEGIN in t for t in texts):  # DeepSeek V3, R1, V3.1
         return "deepseek_v3"
     if any(MISTRAL_CALLS in t for t in texts):

@@ -444,14 +444,14 @@ def test_llama3_json_calls_from_the_real_template_parse_back_whole_and_streamed(
 # ---- Mistral: [TOOL_CALLS] then a JSON list, or NAME[ARGS]{...} per call (issue 52) ------------------
 MISTRAL_TEMPLATES = {
     name: (Path(__file__).parents[1] / "fixtures" / "chat_templates" / f"{name}.jinja").read_text()
-    for name in ("mistral3_json", "ministral3")
+    for name in ("mistral3_json", "ministral3", "mistral_small_3_2")
 }
 
 
 def mistral_reply(tokenizer, template: str, calls: list[tuple[str, dict]], content: str = "") -> str:
     """What the model writes for ``calls``: the assistant turn the real template renders for them."""
     tool_calls = [
-        {"id": f"call{i}abcdefgh", "type": "function", "function": {"name": n, "arguments": a}}
+        {"id": f"a{i}bcdefgh", "type": "function", "function": {"name": n, "arguments": a}}
         for i, (n, a) in enumerate(calls)
     ]
     messages = [
@@ -468,7 +468,11 @@ def test_mistral_calls_from_the_real_templates_parse_back_whole_and_streamed(tok
 
     assert tool_call_parser_for_template(MISTRAL_TEMPLATES[template]) == "mistral"
     reply = mistral_reply(tokenizer, MISTRAL_TEMPLATES[template], CALLS)
-    expect_start = "[TOOL_CALLS] [{" if template == "mistral3_json" else "[TOOL_CALLS]forecast[ARGS]{"
+    expect_start = {
+        "mistral3_json": "[TOOL_CALLS] [{",
+        "ministral3": "[TOOL_CALLS]forecast[ARGS]{",
+        "mistral_small_3_2": "[TOOL_CALLS]forecast[CALL_ID]a0bcdefgh[ARGS]{",
+    }[template]
     assert reply.startswith(expect_start), reply
 
     def parse(pieces: list[str]) -> tuple[str, list[tuple[str, dict]]]:
