@@ -1,12 +1,14 @@
 """How tool calls look in the model's text: Hermes-style ``<tool_call>`` blocks holding
 ``{"name": ..., "arguments": {...}}``, the format most open chat templates use (Qwen2.5, Hermes,
 SmolLM3). For a chat template without tools (SmolLM2's) the conversation is rendered with the
-built-in prompt below; ``required`` and named tool choices become a grammar over the same format,
-so the arguments always fit the tool's ``parameters`` schema."""
+built-in prompt below; ``required`` and named tool choices become a grammar over the same format
+(``tool_call_constraint``; other formats write their own, ``ToolCallParser.constraint``, with the helpers at
+the end), so the arguments always fit the tool's ``parameters`` schema."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from cb_serve.structured_outputs_params import StructuredOutputsParams
@@ -72,9 +74,9 @@ def render_builtin(messages: list[dict[str, Any]], tools: list[dict[str, Any]] |
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
-def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of one call of any of ``tools`` (OpenAI tool objects). Each tool's
-    ``parameters`` move under the root's ``$defs`` (its own ``$defs`` beside them, renamed), so
+def tool_call_schema(tools: list[dict[str, Any]], arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call of any of ``tools`` (OpenAI tool objects), ``{"name", arguments_key}``.
+    Each tool's ``parameters`` move under the root's ``$defs`` (its own ``$defs`` beside them, renamed), so
     its ``$ref``s, which name its own root, still resolve."""
     defs: dict[str, Any] = {}
     calls = []
@@ -87,8 +89,8 @@ def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         defs[prefix] = params
         calls.append({
             "type": "object",
-            "properties": {"name": {"const": tool["function"]["name"]}, "arguments": {"$ref": f"#/$defs/{prefix}"}},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": tool["function"]["name"]}, arguments_key: {"$ref": f"#/$defs/{prefix}"}},
+            "required": ["name", arguments_key],
             "additionalProperties": False,
         })  # fmt: skip
     return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "$defs": defs}
@@ -135,3 +137,39 @@ def tool_call_constraint(tools: list[dict[str, Any]], parallel: bool) -> Structu
         f"body: %json {json.dumps(schema)}\n"
     )
     return StructuredOutputsParams(grammar=grammar)
+
+
+def arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool's ``parameters`` as the schema its arguments are written to (closed: ``closed``)."""
+    return closed(tool["function"].get("parameters") or NO_PARAMETERS)
+
+
+def json_rule(schema: dict[str, Any]) -> str:
+    """A grammar's ``%json`` for ``schema``, written with the separators of ``json.dumps`` (as histories are)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}"
+
+
+def lark_string(text: str) -> str:
+    """``text`` as a Lark string literal."""
+    return json.dumps(text)
+
+
+def special_token(text: str) -> str:
+    """A marker in a tool-call grammar that may be one special token (``[TOOL_CALLS]``, ``<|channel|>``): the
+    structured-outputs backend makes it that token where the tokenizer has it, else the text
+    (``resolve_special_tokens``)."""
+    return f"<special:{json.dumps(text)}>"
+
+
+SPECIAL_TOKEN = re.compile(r'<special:("(?:[^"\\]|\\.)*")>')
+
+
+def resolve_special_tokens(grammar: str, vocab: dict[str, int]) -> str:
+    """``grammar`` with each ``special_token`` marker made the token ``<[id]>`` of that text (llguidance's
+    syntax), or the text's literal where the vocabulary has no such token."""
+
+    def one(match: re.Match[str]) -> str:
+        text = json.loads(match.group(1))
+        return f"<[{vocab[text]}]>" if text in vocab else lark_string(text)
+
+    return SPECIAL_TOKEN.sub(one, grammar)

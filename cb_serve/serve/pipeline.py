@@ -37,6 +37,7 @@ from cb_serve import (
     LoRARequest,
     PromptEncoder,
     ReasoningParser,
+    StructuredOutputsParams,
     ToolCallParser,
     prefix_block_hashes,
     tool_call_parser_for_template,
@@ -127,6 +128,7 @@ class RequestPipeline:
         self._engine_info: dict[str, Any] | None = None
         self._reasoning_parser: ReasoningParser | None = None
         self._tool_parser_name: str | None = None
+        self._chat_template = ""  # the model's chat template's text (its variants joined), read with the format
 
     # -- validate --------------------------------------------------------------------------------------
 
@@ -225,12 +227,13 @@ class RequestPipeline:
         # Behind Ray Serve's proxy the response gets x-request-id from it (adding ours would repeat it).
         headers = {} if REQUEST_ID_HEADER in request.headers else {REQUEST_ID_HEADER: request_id}
         cap = self.settings.max_tokens_cap
-        try:  # without max_tokens: 16 for completions (OpenAI's default), the cap (or the context) for chat
-            params = req.to_sampling_params(cap if chat else 16, cap)
-        except InvalidRequestError as e:
-            raise APIError(400, short(str(e)), param=e.param) from None
         tools = chat and req.tool_mode != "none"
         parser = self.tool_parser(req.prompt_tools()) if tools else None
+        write_calls = self.calls_writer() if tools else None  # forced calls in the model's own format
+        try:  # without max_tokens: 16 for completions (OpenAI's default), the cap (or the context) for chat
+            params = req.to_sampling_params(cap if chat else 16, cap, write_calls)
+        except InvalidRequestError as e:
+            raise APIError(400, short(str(e)), param=e.param) from None
         harmony = chat and self.tool_format() == HarmonyToolParser.name  # every reply is channels
         if harmony or (parser is not None and parser.func.keeps_special_tokens):  # markers are special tokens
             params.skip_special_tokens = False
@@ -286,11 +289,16 @@ class RequestPipeline:
     def tool_format(self) -> str:
         """The model's tool-call format: the engine argument's, else its chat template's."""
         if self._tool_parser_name is None:
+            template = self.encoder.with_tokenizer(lambda tok: getattr(tok, "chat_template", None))
+            self._chat_template = "\n".join(template.values()) if isinstance(template, dict) else template or ""
             chosen = self.engine_config.tool_call_parser
-            self._tool_parser_name = chosen or self.encoder.with_tokenizer(
-                lambda tok: tool_call_parser_for_template(getattr(tok, "chat_template", None))
-            )
+            self._tool_parser_name = chosen or tool_call_parser_for_template(self._chat_template)
         return self._tool_parser_name
+
+    def calls_writer(self) -> functools.partial[StructuredOutputsParams]:
+        """The grammar of a forced call in the model's format (``tool_choice`` required or named)."""
+        parser = TOOL_CALL_PARSERS[self.tool_format()]
+        return functools.partial(parser.constraint, template=self._chat_template)
 
     def tool_parser(self, tools: list[dict[str, Any]] | None) -> functools.partial[ToolCallParser]:
         """Makes each choice's tool-call parser, of the model's format."""

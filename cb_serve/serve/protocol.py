@@ -27,6 +27,7 @@ from cb_serve import (
 )
 from cb_serve.serve.request_parts import (
     MAX_TOOLS,
+    CallsWriter,
     ChatMessage,
     NamedToolChoice,
     Strict,
@@ -164,11 +165,14 @@ class _SamplingRequest(Strict):
     def requested_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
-    def constraint(self) -> StructuredOutputsParams | None:
+    def constraint(self, write_calls: CallsWriter | None = None) -> StructuredOutputsParams | None:
         return self.structured_outputs.to_params() if self.structured_outputs is not None else None
 
-    def to_sampling_params(self, default_max_tokens: int | None, max_tokens_cap: int | None) -> SamplingParams:
-        """Raises ``InvalidRequestError`` (a ValueError naming the parameter) when out of range."""
+    def to_sampling_params(
+        self, default_max_tokens: int | None, max_tokens_cap: int | None, write_calls: CallsWriter | None = None
+    ) -> SamplingParams:
+        """Raises ``InvalidRequestError`` (a ValueError naming the parameter) when out of range. ``write_calls``:
+        the grammar of forced calls in the model's tool-call format (``ToolCallParser.constraint``)."""
         max_tokens = self.requested_max_tokens()
         if max_tokens is None:
             max_tokens = default_max_tokens
@@ -203,7 +207,7 @@ class _SamplingRequest(Strict):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA,
-            structured_outputs=self.constraint(),
+            structured_outputs=self.constraint(write_calls),
         )
 
 
@@ -356,14 +360,15 @@ class ChatCompletionRequest(_SamplingRequest):
         """The tools the chat template renders (none for ``tool_choice: "none"``)."""
         return [t.model_dump(exclude_none=True) for t in self.tools or ()] if self.tool_mode != "none" else None
 
-    def tool_constraint(self) -> StructuredOutputsParams | None:
+    def tool_constraint(self, write_calls: CallsWriter | None = None) -> StructuredOutputsParams | None:
         """For ``required`` and named choices, the grammar of the calls; None otherwise."""
-        return tool_choice_constraint(self.tools or [], self.tool_choice, self.tool_mode, self.parallel_tool_calls)
+        choice, parallel = self.tool_choice, self.parallel_tool_calls
+        return tool_choice_constraint(self.tools or [], choice, self.tool_mode, parallel, write_calls)
 
-    def constraint(self) -> StructuredOutputsParams | None:
+    def constraint(self, write_calls: CallsWriter | None = None) -> StructuredOutputsParams | None:
         """``response_format`` (OpenAI) or ``structured_outputs`` (vLLM), not both; a required or
         named tool choice constrains the output to its calls."""
-        tools = self.tool_constraint()
+        tools = self.tool_constraint(write_calls)
         kind = (self.response_format or {}).get("type", "text")
         if tools is not None:
             if kind != "text" or self.structured_outputs is not None:

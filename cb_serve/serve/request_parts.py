@@ -6,6 +6,7 @@ may send back a response message whole)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -174,11 +175,19 @@ def check_tool_schema(parameters: dict[str, Any] | None) -> None:
         raise InvalidRequestError(message, "tools") from None
 
 
+CallsWriter = Callable[[list[dict[str, Any]], bool], StructuredOutputsParams]  # (tools, parallel) -> grammar
+
+
 def tool_choice_constraint(
-    tools: list[ToolDefinition], choice: Any, mode: str, parallel_tool_calls: bool | None
+    tools: list[ToolDefinition],
+    choice: Any,
+    mode: str,
+    parallel_tool_calls: bool | None,
+    write_calls: CallsWriter | None = None,
 ) -> StructuredOutputsParams | None:
     """Checks the tools (unique names, schemas within the caps); for ``required`` and ``named``
-    tool choices (``mode``), the grammar of the calls; None otherwise."""
+    tool choices (``mode``), the grammar of the calls, in the model's format (``write_calls``; Hermes
+    blocks by default); None otherwise."""
     name = repr(choice.function.name if isinstance(choice, NamedToolChoice) else choice)[:80]
     if mode == "none" and choice not in (None, "none"):
         raise InvalidRequestError(f"tool_choice {name} needs tools.", "tool_choice")
@@ -194,7 +203,7 @@ def tool_choice_constraint(
     if not chosen:
         raise InvalidRequestError(f"tool_choice names {name}, which is not in tools.", "tool_choice")
     dumped = [t.model_dump(exclude_none=True) for t in chosen]
-    constraint = tool_call_constraint(dumped, parallel=mode == "required" and parallel_tool_calls is not False)
+    constraint = (write_calls or tool_call_constraint)(dumped, mode == "required" and parallel_tool_calls is not False)
     cap = TOOL_LIMITS.max_grammar_chars
     if len(constraint.grammar or "") > cap:
         raise InvalidRequestError(f"tools: the chosen tools' schemas together exceed {cap} characters.", "tools")

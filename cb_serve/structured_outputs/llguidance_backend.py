@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import llguidance
 import llguidance.hf
@@ -20,6 +21,7 @@ import torch
 from cb_serve.errors import InvalidRequestError
 from cb_serve.structured_outputs.base import CompiledGrammar, GrammarBackend, GrammarMatcher, allocate_bitmask
 from cb_serve.structured_outputs_params import PARAM, StructuredOutputsParams
+from cb_serve.tool_format import SPECIAL_TOKEN, resolve_special_tokens
 
 # Parser resource limits (llguidance's own fuel): a grammar that needs more fails, it never stalls.
 LIMITS = dict(max_grammar_size=200_000, max_lexer_states=100_000, step_lexer_fuel=200_000, verbose_errors=False)
@@ -80,12 +82,15 @@ class LLGuidanceBackend(GrammarBackend):
         """``vocab_size``: the model's (its logits' width, which may exceed the tokenizer's)."""
         self._vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        self._added_tokens = {t: i for t, i in hf_tokenizer.get_added_vocab().items() if i < vocab_size}
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
 
     def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
+        if params.grammar is not None and SPECIAL_TOKEN.search(params.grammar):  # a tool-call format's markers
+            params = replace(params, grammar=resolve_special_tokens(params.grammar, self._added_tokens))
         grammar = self._grammar_text(params)
         limits = llguidance.LLParserLimits(**LIMITS)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=limits)

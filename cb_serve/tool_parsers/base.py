@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cb_serve.tool_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from cb_serve.structured_outputs_params import StructuredOutputsParams
+from cb_serve.tool_format import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    arguments_schema,
+    lark_string,
+    tool_call_constraint,
+    tool_call_schema,
+)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,13 @@ class ToolCallParser:
         """The calls one block holds (``opened``: its open tag), or None (it stays content)."""
         return parse_calls(body)
 
+    @classmethod
+    def constraint(cls, tools: list[dict[str, Any]], parallel: bool, template: str = "") -> StructuredOutputsParams:
+        """The grammar of a forced call (``tool_choice`` required or named) in this format: one or more calls of
+        ``tools`` (one unless ``parallel``), their arguments fitting each tool's schema, and nothing else.
+        ``template``: the model's chat template, for a format with variants."""
+        return tool_call_constraint(tools, parallel)
+
     def finish(self) -> str:
         """Content still held back (an unclosed block stays text)."""
         rest, self._pending, self._in_block = self._pending, "", None
@@ -138,3 +154,25 @@ def json_calls(text: str) -> list[ParsedToolCall] | None:
         if found is None:
             return None
         calls += found
+
+
+def per_tool_rules(
+    tools: list[dict[str, Any]],
+    parallel: bool,
+    call_rule: Callable[[str, dict[str, Any]], str],
+    separator: str = "",
+    start: str = "start",
+) -> str:
+    """Lark rules (llguidance's dialect) of one call (several, joined by ``separator``, when ``parallel``), each
+    a call of one of ``tools`` written by ``call_rule(name, arguments_schema)`` (a rule's body)."""
+    rules = [f"c{i}: {call_rule(t['function']['name'], arguments_schema(t))}" for i, t in enumerate(tools)]
+    repeat = (f" ({lark_string(separator)} call)*" if separator else " call*") if parallel else ""
+    head = f"{start}: call{repeat}\ncall: " + " | ".join(f"c{i}" for i in range(len(tools)))
+    return "\n".join([head, *rules]) + "\n"
+
+
+def listed_calls(tools: list[dict[str, Any]], parallel: bool, arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of a list of calls (one unless ``parallel``)."""
+    schema = tool_call_schema(tools, arguments_key)
+    defs = schema.pop("$defs")
+    return {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1}), "$defs": defs}

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
-from cb_serve.tool_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, parse_calls
+from cb_serve.structured_outputs_params import StructuredOutputsParams
+from cb_serve.tool_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, json_rule, lark_string, special_token
+from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, parse_calls, per_tool_rules
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+FENCE_OPEN, FENCE_CLOSE = "\n```json\n", "\n```"
 FENCED = re.compile(r"([^\n]+)\n```(?:json)?\n(.*)\n```", re.DOTALL)  # V3: NAME, then the fenced arguments
 
 
@@ -42,3 +45,21 @@ class DeepSeekV3ToolParser(ToolCallParser):
         if not isinstance(value, dict) or not name.strip():
             return None
         return [ParsedToolCall(name.strip(), json.dumps(value, ensure_ascii=False))]
+
+    @classmethod
+    def constraint(cls, tools: list[dict[str, Any]], parallel: bool, template: str = "") -> StructuredOutputsParams:
+        """The calls between the section tokens, each in V3's form (a fenced JSON block) where the template
+        writes it, else in V3.1's; every delimiter as its token."""
+        fenced = "```json" in template
+
+        def call(name: str, schema: dict[str, Any]) -> str:
+            if fenced:  # function<｜tool▁sep｜>NAME, then the arguments fenced
+                opened, closed = lark_string(name + FENCE_OPEN), lark_string(FENCE_CLOSE)
+                body = f'"function" {special_token(SEP)} {opened} {json_rule(schema)} {closed}'
+            else:
+                body = f"{lark_string(name)} {special_token(SEP)} {json_rule(schema)}"
+            return f"{special_token(CALL_BEGIN)} {body} {special_token(CALL_END)}"
+
+        rules = per_tool_rules(tools, parallel, call, separator="\n" if fenced else "", start="calls")
+        start = f"start: {special_token(CALLS_BEGIN)} calls {special_token(CALLS_END)}\n"
+        return StructuredOutputsParams(grammar=start + rules)

@@ -6,9 +6,18 @@ import json
 import re
 from typing import Any
 
-from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, json_calls, partial_suffix
+from cb_serve.structured_outputs_params import StructuredOutputsParams
+from cb_serve.tool_format import json_rule, lark_string, special_token
+from cb_serve.tool_parsers.base import (
+    ParsedToolCall,
+    ToolCallParser,
+    json_calls,
+    listed_calls,
+    partial_suffix,
+    per_tool_rules,
+)
 
-MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 MISTRAL_CALL = re.compile(r"([\w.\-]+)(?:\[CALL_ID\][\w\-]+)?(?:\[ARGS\])?(\{.*\})", re.DOTALL)
 
 
@@ -50,6 +59,23 @@ class MistralToolParser(ToolCallParser):
     def _segments(text: str) -> list[str]:
         """``text`` (which starts with a marker) cut before each marker: every piece but the last is closed."""
         return [MISTRAL_CALLS + piece for piece in text.split(MISTRAL_CALLS)[1:]]
+
+    @classmethod
+    def constraint(cls, tools: list[dict[str, Any]], parallel: bool, template: str = "") -> StructuredOutputsParams:
+        """``[TOOL_CALLS]NAME[ARGS]{...}`` per call, or, for a template that writes the older JSON list (no
+        ``[ARGS]``), ``[TOOL_CALLS] [...]``; the markers as their special tokens."""
+        if template and MISTRAL_ARGS not in template:
+            listing = json_rule(listed_calls(tools, parallel))
+            return StructuredOutputsParams(
+                grammar=f'start: {special_token(MISTRAL_CALLS)} " " calls\ncalls: {listing}\n'
+            )
+
+        def call(name: str, schema: dict[str, Any]) -> str:
+            return (
+                f"{special_token(MISTRAL_CALLS)} {lark_string(name)} {special_token(MISTRAL_ARGS)} {json_rule(schema)}"
+            )
+
+        return StructuredOutputsParams(grammar=per_tool_rules(tools, parallel, call))
 
     def _read(self, segments: list[str], content: str, found: list[ParsedToolCall]) -> tuple[str, list]:
         for segment in segments:

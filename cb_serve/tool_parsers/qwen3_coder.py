@@ -6,8 +6,9 @@ import json
 import re
 from typing import Any
 
-from cb_serve.tool_format import TOOL_CALL_OPEN
-from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, parse_calls
+from cb_serve.structured_outputs_params import StructuredOutputsParams
+from cb_serve.tool_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, arguments_schema, json_rule, lark_string
+from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, parse_calls, per_tool_rules
 
 FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -54,3 +55,42 @@ class Qwen3CoderToolParser(ToolCallParser):
             if function.get("name") == name:
                 return (function.get("parameters") or {}).get("properties") or {}
         return {}
+
+    @classmethod
+    def constraint(cls, tools: list[dict[str, Any]], parallel: bool, template: str = "") -> StructuredOutputsParams:
+        """XML blocks as the template writes them: each parameter the schema names, in its order (the required
+        ones always), a string as its text (no ``<`` in it) and any other value as JSON. Tools whose arguments
+        XML cannot spell (no ``properties``, ``$ref``s, open objects) are written as JSON blocks, which this
+        parser reads too."""
+        if not all(xml_spellable(arguments_schema(t)) for t in tools):
+            return super().constraint(tools, parallel, template)
+
+        def call(name: str, schema: dict[str, Any]) -> str:
+            required = set(schema.get("required") or ())
+            parts = [lark_string(f"{TOOL_CALL_OPEN}\n<function={name}>\n")]
+            for key, prop in schema["properties"].items():
+                opened = lark_string(PARAMETER_OPEN.format(key=key))
+                value = f"{opened} {xml_value(prop)} {lark_string(PARAMETER_END)}"
+                parts.append(f"({value})" + ("" if key in required else "?"))
+            return " ".join([*parts, lark_string(f"</function>\n{TOOL_CALL_CLOSE}")])
+
+        return StructuredOutputsParams(grammar=per_tool_rules(tools, parallel, call, separator="\n"))
+
+
+PARAMETER_OPEN, PARAMETER_END = "<parameter={key}>\n", "\n</parameter>\n"
+
+
+def xml_spellable(schema: dict[str, Any]) -> bool:
+    """Arguments XML parameters can spell: a closed object with ``properties`` and no ``$ref``."""
+    closed_object = schema.get("type") == "object" and schema.get("additionalProperties") is False
+    return closed_object and isinstance(schema.get("properties"), dict) and '"$ref"' not in json.dumps(schema)
+
+
+def xml_value(prop: dict[str, Any]) -> str:
+    """A parameter's value rule: a string as written (one of its enum, or text without ``<``), else JSON."""
+    enum = prop.get("enum")
+    if enum and all(isinstance(v, str) for v in enum) and prop.get("type") in (None, "string"):
+        return "(" + " | ".join(lark_string(v) for v in enum) + ")"
+    if prop.get("type") == "string" and not any(k in prop for k in ("pattern", "format", "minLength", "maxLength")):
+        return "/[^<]*/"
+    return json_rule(prop)

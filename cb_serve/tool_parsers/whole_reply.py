@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, json_calls
+from cb_serve.structured_outputs_params import StructuredOutputsParams
+from cb_serve.tool_format import json_rule, special_token, tool_call_schema
+from cb_serve.tool_parsers.base import ParsedToolCall, ToolCallParser, json_calls, listed_calls
 
 
 class WholeReplyToolParser(ToolCallParser):
@@ -60,6 +62,13 @@ class Llama3JsonToolParser(WholeReplyToolParser):
     def read_reply(self, text: str) -> list[ParsedToolCall] | None:
         return json_calls(text)
 
+    @classmethod
+    def constraint(cls, tools: list[dict[str, Any]], parallel: bool, template: str = "") -> StructuredOutputsParams:
+        """``{"name": ..., "parameters": {...}}``, calls separated by ``; ``."""
+        repeat = ' ("; " call)*' if parallel else ""
+        call = json_rule(tool_call_schema(tools, arguments_key="parameters"))
+        return StructuredOutputsParams(grammar=f"start: call{repeat}\ncall: {call}\n")
+
 
 GRANITE_CALLS = "<|tool_call|>"
 
@@ -79,3 +88,9 @@ class GraniteToolParser(WholeReplyToolParser):
     def read_reply(self, text: str) -> list[ParsedToolCall] | None:
         body = text.strip().removeprefix(GRANITE_CALLS).strip()
         return json_calls(body) if body.startswith("[") else None
+
+    @classmethod
+    def constraint(cls, tools: list[dict[str, Any]], parallel: bool, template: str = "") -> StructuredOutputsParams:
+        """``<|tool_call|>`` (its special token) and the JSON list."""
+        listing = json_rule(listed_calls(tools, parallel))
+        return StructuredOutputsParams(grammar=f"start: {special_token(GRANITE_CALLS)} calls\ncalls: {listing}\n")

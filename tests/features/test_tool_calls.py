@@ -148,6 +148,23 @@ def test_tool_choice_modes_and_their_constraints():
     assert "get_time" in named.constraint().grammar and "get_weather" not in named.constraint().grammar
 
 
+def test_forced_calls_are_written_in_the_model_format():
+    """The request's grammar comes from the model's format (``write_calls``: the HTTP layer passes the parser's
+    ``constraint`` with the chat template), for the chosen tools and parallelism."""
+    import functools
+
+    from cb_serve import MistralToolParser
+
+    write = functools.partial(MistralToolParser.constraint, template="... '[TOOL_CALLS]' + name + '[ARGS]' ...")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    params = request(tools=[WEATHER, CLOCK], tool_choice=named).to_sampling_params(16, None, write)
+    grammar = params.structured_outputs.grammar
+    assert '<special:"[TOOL_CALLS]">' in grammar and '"get_time"' in grammar and "get_weather" not in grammar
+    assert "call*" not in grammar  # a named tool: one call
+    required = request(tools=[WEATHER, CLOCK], tool_choice="required").to_sampling_params(16, None, write)
+    assert "call*" in required.structured_outputs.grammar and "get_weather" in required.structured_outputs.grammar
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
