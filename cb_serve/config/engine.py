@@ -15,7 +15,7 @@ from cb_serve.fault_injection import FaultInjector
 ATTENTION_BACKENDS = ["auto", "cpu", "torch", "flash_attn", "triton"]
 EXECUTOR_BACKENDS = ["auto", "mp", "ray"]
 SCHEDULING_POLICIES = ["fcfs", "priority"]
-REASONING_PARSERS = ["deepseek_r1", "qwen3"]
+REASONING_PARSERS = ["deepseek_r1", "qwen3", "granite"]
 TOOL_CALL_PARSERS = [  # tool_parsers.TOOL_CALL_PARSERS' names
     "hermes",
     "qwen3_coder",
@@ -102,8 +102,9 @@ class EngineConfig:
     )
     reasoning_parser: str | None = _arg(
         None,
-        "Models that think in <think>...</think>: deepseek_r1 or qwen3 (vLLM's names). The HTTP API returns the "
-        "thinking as `reasoning`, and structured outputs and tool calls apply after it ends.",
+        "Models that think in <think>...</think>: deepseek_r1 or qwen3 (vLLM's names); granite for Granite 3.2/3.3's "
+        "text markers. The HTTP API returns the thinking as `reasoning`, and structured outputs and tool calls "
+        "apply after it ends (granite: from the first token). gpt-oss (Harmony) needs none.",
         choices=REASONING_PARSERS,
     )
     tool_call_parser: str | None = _arg(

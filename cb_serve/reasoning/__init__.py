@@ -6,11 +6,14 @@ from typing import Any
 
 from cb_serve.reasoning.base import ReasoningParser
 from cb_serve.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+from cb_serve.reasoning.granite import GraniteReasoningParser, GraniteSplitter
 from cb_serve.reasoning.harmony import HarmonySplitter
 from cb_serve.reasoning.qwen3 import Qwen3ReasoningParser
 from cb_serve.reasoning.splitter import ReasoningSplitter
 
-PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GraniteReasoningParser)
+}
 
 
 def reasoning_parser(name: str, tokenizer: Any) -> ReasoningParser:
@@ -24,6 +27,8 @@ def reasoning_parser(name: str, tokenizer: Any) -> ReasoningParser:
 __all__ = [
     "PARSERS",
     "DeepSeekR1ReasoningParser",
+    "GraniteReasoningParser",
+    "GraniteSplitter",
     "HarmonySplitter",
     "Qwen3ReasoningParser",
     "ReasoningParser",

@@ -1,0 +1,95 @@
+"""``granite``: IBM Granite 3.2 and 3.3 (vLLM's ``granite``), whose thinking is text, not tokens. With thinking on
+(the template's ``thinking`` switch), Granite 3.2 writes ``Here is my thought process:`` ... ``Here is my
+response:`` (or ``Here's``), and Granite 3.3 ``<think>...</think><response>...</response>``. An output that
+opens with either start is reasoning up to its end marker, then content (3.3's ``<response>`` tags dropped);
+any other output is all content (thinking was off). At the token level nothing marks the end, so a grammar
+applies from the first token (``think_end_id`` is none)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cb_serve.reasoning.base import ReasoningParser
+from cb_serve.reasoning.splitter import _held_suffix
+
+# (opens the reasoning, ends it, tags dropped from the content)
+FORMS = (
+    ("Here is my thought process:", "Here is my response:", ()),
+    ("Here's my thought process:", "Here's my response:", ()),
+    ("<think>", "</think>", ("<response>", "</response>")),
+)
+
+
+class GraniteSplitter:
+    """Splits one output's text into (reasoning, content) as it streams (``ReasoningSplitter``'s interface)."""
+
+    def __init__(self) -> None:
+        self._form: tuple[str, str, tuple[str, ...]] | None = None
+        self._state = "start"  # start (which form?), reasoning, content
+        self._held = ""
+        self._skip_space = False
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self._held = self._held + text, ""
+        if self._state == "start":
+            start = text.lstrip()
+            form = next((f for f in FORMS if start.startswith(f[0])), None)
+            if form is None and any(f[0].startswith(start) for f in FORMS):
+                self._held = text  # not yet known: a start may be coming
+                return "", ""
+            if form is None:
+                self._state = "content"
+                return "", text
+            self._form, self._state, self._skip_space = form, "reasoning", True
+            text = start[len(form[0]) :]
+        if self._skip_space:  # the spaces after a marker belong to neither part
+            text = text.lstrip()
+            self._skip_space = not text
+        if self._state == "reasoning":
+            end = self._form[1]
+            at = text.find(end)
+            if at < 0:  # held: a marker's beginning, and the spaces that may precede the end marker
+                keep = max(_held_suffix(text, (end,)), len(text) - len(text.rstrip()))
+                keep = len(text) - len(text[: len(text) - keep].rstrip())
+                self._held = text[len(text) - keep :]
+                return text[: len(text) - keep], ""
+            self._state, self._skip_space = "content", True
+            reasoning, rest = text[:at].rstrip(), text[at + len(end) :]
+            return reasoning, self.feed(rest)[1] if rest else ""
+        return "", self._content(text)
+
+    def finish(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        if self._state == "reasoning":
+            return held, ""
+        return "", self._content(held) if self._state == "content" else held
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        whole = GraniteSplitter()
+        reasoning, content = whole.feed(text)
+        more_reasoning, more_content = whole.finish()
+        return (reasoning + more_reasoning) or None, (content + more_content) or None
+
+    def _content(self, text: str) -> str:
+        if self._form is None:
+            return text
+        dropped = self._form[2]
+        keep = _held_suffix(text, dropped) if dropped else 0
+        self._held, text = text[len(text) - keep :], text[: len(text) - keep]
+        for tag in dropped:
+            text = text.replace(tag, "")
+        return text
+
+
+class GraniteReasoningParser(ReasoningParser):
+    name = "granite"
+
+    def __init__(self, tokenizer: Any) -> None:  # no think tokens to look up: the markers are text
+        self.think_start_id = self.think_end_id = -1
+
+    def starts_in_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        return False  # at the token level: the output's text decides (GraniteSplitter)
+
+    def splitter(self, prompt_token_ids: Sequence[int]) -> GraniteSplitter:  # type: ignore[override]
+        return GraniteSplitter()
