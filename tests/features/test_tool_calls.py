@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from tool_defs import CLOCK, WEATHER
 
 from cb_serve import InvalidRequestError, ToolCallParser, tool_call_constraint
 from cb_serve.chat_template import apply_chat_template
@@ -18,25 +19,6 @@ from cb_serve.serve.protocol import ChatCompletionRequest
 from cb_serve.serve.responses import Choice
 from cb_serve.tool_format import closed, render_builtin, template_supports_tools, tool_call_schema
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city"],
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]},
-    },
-}
 TEXT = (
     'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'

@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from test_tool_calls import WEATHER
+from tool_defs import WEATHER
 
 from cb_serve import TOOL_CALL_PARSERS, HarmonySplitter
 from cb_serve.structured_outputs.base import allocate_bitmask
