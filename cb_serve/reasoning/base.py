@@ -28,6 +28,7 @@ class ReasoningParser(ABC):
     when the tokenizer has no single token for either tag (as vLLM does: not a reasoning model)."""
 
     name: ClassVar[str]
+    tags_are_tokens: ClassVar[bool] = True  # the think tags are single tokens (Granite's markers are text)
     start_tag: ClassVar[str] = "<think>"
     end_tag: ClassVar[str] = "</think>"
 

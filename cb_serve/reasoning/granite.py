@@ -84,6 +84,7 @@ class GraniteSplitter:
 
 class GraniteReasoningParser(ReasoningParser):
     name = "granite"
+    tags_are_tokens = False
 
     def __init__(self, tokenizer: Any) -> None:  # no think tokens to look up: the markers are text
         self.think_start_id = self.think_end_id = -1

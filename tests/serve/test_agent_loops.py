@@ -8,16 +8,20 @@ the ``openai`` client, the OpenAI Agents SDK and the ``anthropic`` client. The c
 - the Agents SDK: an agent with both tools, ``tool_choice="required"`` and one call a turn (a random model may
   not end a list of calls in time) runs one tool, sends its result in the next turn (the SDK resets the choice
   to auto) and ends with that turn's text;
-- ``anthropic``: a forced ``tool_use``, then its ``tool_result`` accepted in the next turn.
+- ``anthropic``: a forced ``tool_use``, then its ``tool_result`` accepted in the next turn;
+- gpt-oss: a Harmony turn (written by a grammar) comes back as ``reasoning_content`` and ``content``, whole and
+  streamed.
 
 Families: Llama 3 (``llama3_json``), Mistral (Ministral 3's ``[TOOL_CALLS]NAME[ARGS]``), Qwen3.5's format on a
-Qwen3.5 hybrid model (Qwen3-Coder's template: the XML calls Qwen3.5 writes) and gpt-oss (Harmony). One Ray
-cluster for the module; the families' apps deploy in turn."""
+Qwen3.5 hybrid model (Qwen3-Coder's template: the XML calls Qwen3.5 writes) and gpt-oss (Harmony); by default
+the two whose formats are special tokens or channels (``DEPLOYED``). One Ray cluster for the module; the
+families' apps deploy in turn."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -51,7 +55,13 @@ def cluster():
         yield
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# Every family is a deployment (about 11 s): CI deploys the two whose formats are special tokens (Mistral) or
+# channels (gpt-oss); CB_SERVE_AGENT_FAMILIES=all deploys the four (the grammars and parsers of each are checked
+# without a server in tests/features/test_tool_grammars.py).
+DEPLOYED = list(FAMILIES) if os.environ.get("CB_SERVE_AGENT_FAMILIES") == "all" else ["mistral", "gpt_oss"]
+
+
+@pytest.fixture(scope="module", params=DEPLOYED)
 def family(request, cluster, tmp_path_factory, tokenizer):
     """The family's app, deployed (replacing the previous family's)."""
     arch, template, specials = FAMILIES[request.param]
@@ -150,3 +160,29 @@ def test_anthropic_client_forced_tool_use_and_its_result(family):
     ]
     second = client.messages.create(model="tiny", max_tokens=8, messages=messages, tools=tools)
     assert second.stop_reason in ("max_tokens", "end_turn", "tool_use")
+
+
+HARMONY_REPLY = (  # a grammar makes the random gpt-oss write a whole Harmony turn: reasoning, then the answer
+    'start: <|channel|> "analysis" <|message|> "Thinking it over." <|end|> '
+    '<|start|> "assistant" <|channel|> "final" <|message|> "The answer."'
+)
+
+
+def test_gpt_oss_reasoning_and_content_come_back_apart_streamed_and_not(family):
+    """The analysis channel is ``reasoning_content``, the final channel ``content``, whole and streamed."""
+    if family != "gpt_oss":
+        pytest.skip("Harmony: gpt-oss only")
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{BASE}/v1", api_key="none", timeout=120)
+    body = dict(model="tiny", messages=[{"role": "user", "content": "Why?"}], max_tokens=64,
+                extra_body={"structured_outputs": {"grammar": HARMONY_REPLY}})  # fmt: skip
+    message = client.chat.completions.create(**body).choices[0].message
+    assert message.content == "The answer." and message.model_extra["reasoning_content"] == "Thinking it over."
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**body, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+    assert (reasoning, content) == ("Thinking it over.", "The answer.")
