@@ -68,6 +68,7 @@ class HarmonyStream:
     def __init__(self) -> None:
         self._buffer = ""  # a header being read, or the end of a body that may begin a marker
         self._header: HarmonyHeader | None = None  # the message whose body is being read
+        self._messages = 0  # headers read so far
 
     def feed(self, text: str) -> list[HarmonyPiece]:
         self._buffer += text
@@ -78,6 +79,7 @@ class HarmonyStream:
                 if at < 0:
                     return pieces
                 self._header = HarmonyHeader.parse(self._buffer[:at].removeprefix(START))
+                self._messages += 1
                 self._buffer = self._buffer[at + len(MESSAGE) :]
                 continue
             ends = [(self._buffer.find(m), m) for m in BODY_ENDS if m in self._buffer]
@@ -98,6 +100,8 @@ class HarmonyStream:
         rest, header, self._buffer, self._header = self._buffer, self._header, "", None
         if header is not None:
             return [HarmonyPiece(header, rest, done=True)]
+        if self._messages:  # a header cut off (a limit) after whole messages: no text of its own
+            return []
         return [HarmonyPiece(None, rest, done=True)] if rest.strip() else []
 
 

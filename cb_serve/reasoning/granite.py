@@ -13,12 +13,17 @@ from typing import Any
 from cb_serve.reasoning.base import ReasoningParser
 from cb_serve.reasoning.splitter import _held_suffix
 
-# (opens the reasoning, ends it, tags dropped from the content)
+# (what opens the reasoning, what ends it, tags dropped from the content); Granite 3.2 spells each marker
+# either way (vLLM's parser takes both)
 FORMS = (
-    ("Here is my thought process:", "Here is my response:", ()),
-    ("Here's my thought process:", "Here's my response:", ()),
-    ("<think>", "</think>", ("<response>", "</response>")),
+    (
+        ("Here is my thought process:", "Here's my thought process:"),
+        ("Here is my response:", "Here's my response:"),
+        (),
+    ),
+    (("<think>",), ("</think>",), ("<response>", "</response>")),
 )
+STARTS = tuple(start for starts, _, _ in FORMS for start in starts)
 
 
 class GraniteSplitter:
@@ -34,23 +39,24 @@ class GraniteSplitter:
         text, self._held = self._held + text, ""
         if self._state == "start":
             start = text.lstrip()
-            form = next((f for f in FORMS if start.startswith(f[0])), None)
-            if form is None and any(f[0].startswith(start) for f in FORMS):
+            opened = next((m for m in STARTS if start.startswith(m)), None)
+            if opened is None and any(m.startswith(start) for m in STARTS):
                 self._held = text  # not yet known: a start may be coming
                 return "", ""
-            if form is None:
+            if opened is None:
                 self._state = "content"
                 return "", text
-            self._form, self._state, self._skip_space = form, "reasoning", True
-            text = start[len(form[0]) :]
+            self._form = next(f for f in FORMS if opened in f[0])
+            self._state, self._skip_space = "reasoning", True
+            text = start[len(opened) :]
         if self._skip_space:  # the spaces after a marker belong to neither part
             text = text.lstrip()
             self._skip_space = not text
         if self._state == "reasoning":
-            end = self._form[1]
-            at = text.find(end)
+            ends = self._form[1]
+            at, end = min(((text.find(e), e) for e in ends if e in text), default=(-1, ""))
             if at < 0:  # held: a marker's beginning, and the spaces that may precede the end marker
-                keep = max(_held_suffix(text, (end,)), len(text) - len(text.rstrip()))
+                keep = max(_held_suffix(text, ends), len(text) - len(text.rstrip()))
                 keep = len(text) - len(text[: len(text) - keep].rstrip())
                 self._held = text[len(text) - keep :]
                 return text[: len(text) - keep], ""
@@ -63,7 +69,9 @@ class GraniteSplitter:
         held, self._held = self._held, ""
         if self._state == "reasoning":
             return held, ""
-        return "", self._content(held) if self._state == "content" else held
+        for tag in self._form[2] if self._form is not None else ():  # a cut tag at the end is text
+            held = held.replace(tag, "")
+        return "", held
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         whole = GraniteSplitter()

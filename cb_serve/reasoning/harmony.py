@@ -35,15 +35,15 @@ class HarmonySplitter:
         content: list[str] = []
         for piece in pieces:
             header = piece.header
-            if header is not None and header.channel == "analysis":
-                reasoning.append(piece.text)
-            elif header is not None and header.tool_name is not None:
-                if not self._in_call:
+            if header is not None and header.tool_name is not None:  # a call, on whatever channel (gpt-oss
+                if not self._in_call:  # writes some on analysis)
                     content.append(f"{HARMONY_CALL_OPEN}{header.tool_name}{MESSAGE}")
                 content.append(piece.text)
                 self._in_call = not piece.done
                 if piece.done:
                     content.append(CALL)
+            elif header is not None and header.channel == "analysis":
+                reasoning.append(piece.text)
             else:  # final, a preamble, or text that is no Harmony message
                 content.append(piece.text)
         return "".join(reasoning), "".join(content)

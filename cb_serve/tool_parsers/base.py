@@ -37,7 +37,7 @@ def parse_calls(body: str) -> list[ParsedToolCall] | None:
     """The calls in one block's JSON, or None when it holds none."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's depth
         return None
     return calls_of(value)
 
@@ -148,7 +148,7 @@ def json_calls(text: str) -> list[ParsedToolCall] | None:
             return calls or None
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's depth
             return None
         found = calls_of(value)
         if found is None:

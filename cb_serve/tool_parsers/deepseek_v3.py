@@ -40,7 +40,7 @@ class DeepSeekV3ToolParser(ToolCallParser):
         name, arguments = (fenced.group(1), fenced.group(2)) if fenced and head == "function" else (head, rest)
         try:
             value = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's depth
             return None
         if not isinstance(value, dict) or not name.strip():
             return None

@@ -24,7 +24,7 @@ class HarmonyToolParser(ToolCallParser):
         name, sep, arguments = body.partition(MESSAGE)
         try:
             value = json.loads(arguments) if sep else None
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's depth
             return None
         if not isinstance(value, dict) or not name or any(c.isspace() for c in name):
             return None

@@ -105,7 +105,7 @@ def mistral_calls(text: str) -> list[ParsedToolCall] | None:
         return None
     try:
         arguments = json.loads(match.group(2))
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's depth
         return None
     if not isinstance(arguments, dict):
         return None

@@ -17,11 +17,11 @@ PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
     """A parameter's value as written in XML: a string where the schema says so (or the text is no JSON
     value), else the JSON value it spells (the template writes ``True`` / ``False`` as Python does)."""
-    if schema is not None and schema.get("type") == "string":
+    if schema is not None and is_text(schema):
         return text
     try:
         return json.loads({"True": "true", "False": "false", "None": "null"}.get(text, text))
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the interpreter's depth
         return text
 
 
@@ -80,17 +80,34 @@ class Qwen3CoderToolParser(ToolCallParser):
 PARAMETER_OPEN, PARAMETER_END = "<parameter={key}>\n", "\n</parameter>\n"
 
 
+def is_text(schema: dict[str, Any]) -> bool:
+    """A parameter whose value is written as text: a string, or an enum of strings only."""
+    enum = schema.get("enum")
+    strings = bool(enum) and all(isinstance(v, str) for v in enum)
+    return schema.get("type") == "string" or (strings and "type" not in schema)
+
+
+KEY = re.compile(r"[^\s<>=]([^<>\n]*[^\s<>])?")  # a key the <parameter=KEY> tag reads back as it is
+
+
 def xml_spellable(schema: dict[str, Any]) -> bool:
-    """Arguments XML parameters can spell: a closed object with ``properties`` and no ``$ref``."""
+    """Arguments XML parameters can spell: a closed object with ``properties`` whose keys the tag reads back,
+    no ``$ref``, and no string with a constraint the text rule cannot check (pattern, format, length)."""
     closed_object = schema.get("type") == "object" and schema.get("additionalProperties") is False
-    return closed_object and isinstance(schema.get("properties"), dict) and '"$ref"' not in json.dumps(schema)
+    properties = schema.get("properties")
+    if not closed_object or not isinstance(properties, dict) or '"$ref"' in json.dumps(schema):
+        return False
+    constrained = ("pattern", "format", "minLength", "maxLength")
+    return all(
+        isinstance(p, dict) and KEY.fullmatch(k) and not (is_text(p) and any(c in p for c in constrained))
+        for k, p in properties.items()
+    )
 
 
 def xml_value(prop: dict[str, Any]) -> str:
-    """A parameter's value rule: a string as written (one of its enum, or text without ``<``), else JSON."""
-    enum = prop.get("enum")
-    if enum and all(isinstance(v, str) for v in enum) and prop.get("type") in (None, "string"):
-        return "(" + " | ".join(lark_string(v) for v in enum) + ")"
-    if prop.get("type") == "string" and not any(k in prop for k in ("pattern", "format", "minLength", "maxLength")):
+    """A parameter's value rule: text (one of its enum, or text without ``<``), else JSON."""
+    if is_text(prop) and prop.get("enum"):
+        return "(" + " | ".join(lark_string(v) for v in prop["enum"]) + ")"
+    if is_text(prop):
         return "/[^<]*/"
     return json_rule(prop)

@@ -17,6 +17,9 @@ CASES = [
     ("It will rain.", None, "It will rain."),  # thinking off
     ("<think>cut off mid-thought", "cut off mid-thought", None),  # max_tokens inside the reasoning
     ("Here is", None, "Here is"),  # a start that never completes is content
+    ("Here is my thought process: x\nHere's my response: y", "x", "y"),  # 3.2 spells each marker either way
+    ("<think>a</think><response>Is 2 <", "a", "Is 2 <"),  # an answer cut where a tag could start keeps its end
+    ("<think>a</think><response>see </res", "a", "see </res"),
 ]
 
 

@@ -111,3 +111,13 @@ def test_the_http_choice_carries_reasoning_content_and_calls(tokenizer, include_
     assert body["message"].get("reasoning_content", body["message"].get("reasoning")) == (
         THINK if include_reasoning else None
     )
+
+
+def test_a_call_on_the_analysis_channel_and_a_header_cut_off():
+    """gpt-oss writes some calls on ``analysis`` (vLLM reads them too): still a call. A header cut off by a limit
+    after whole messages is no text of the answer."""
+    thought = "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    call = '<|start|>assistant<|channel|>analysis to=functions.get_weather code<|message|>{"city": "Rome"}'
+    assert run(thought + call, [25]) == ("Need the weather.", "", [("get_weather", {"city": "Rome"})])
+    for cut in ("<|start|>assistant<|channel|>final", "<|start|>assistant<|channel|>commentary to=functions.f <|con"):
+        assert run(thought + cut, [7]) == ("Need the weather.", "", [])

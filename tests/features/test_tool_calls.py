@@ -627,3 +627,38 @@ def test_deepseek_malformed_or_cut_calls_come_back_as_text():
     for bad in (call[:-3], call.replace('{"tz"', "{tz"), call.replace("<｜tool▁sep｜>", ""), "plain <｜tool▁"):
         parser = DeepSeekV3ToolParser()
         assert parser.feed(bad)[0] + parser.finish() == bad and not parser.calls, bad
+
+
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "llama3_json", "mistral", "granite", "deepseek_v3"])
+def test_json_nested_past_the_interpreters_depth_stays_text(name):
+    """A model stuck writing ``[`` reaches Python's recursion limit in ``json``: the text stays content."""
+    from cb_serve import TOOL_CALL_PARSERS
+
+    body = "[" * 5000
+    wrapped = {
+        "mistral": '[TOOL_CALLS]f[ARGS]{"a": ' + body + "}",
+        "granite": "<|tool_call|>" + body,
+        "llama3_json": '{"name": "f", "parameters": ' + body + "}",
+        "deepseek_v3": "<｜tool▁call▁begin｜>f<｜tool▁sep｜>" + body + "<｜tool▁call▁end｜>",
+    }.get(name, "<tool_call>" + body + "</tool_call>")
+    parser = TOOL_CALL_PARSERS[name]()
+    content = parser.feed(wrapped)[0] + parser.finish()
+    assert not parser.calls and content.replace("<｜tool▁calls▁begin｜>", "") == wrapped
+
+
+def test_qwen3_coder_text_values_and_what_its_xml_cannot_spell():
+    """An enum of strings is text whatever it looks like; a string with a pattern or format, or a key the tag
+    would misread, makes a forced call a JSON block (which the parser reads too)."""
+    from cb_serve import Qwen3CoderToolParser
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": {"enum": ["1", "true"]}}, "required": ["v"]}}}  # fmt: skip
+    parser = Qwen3CoderToolParser([tool])
+    parser.feed("<tool_call>\n<function=f>\n<parameter=v>\n1\n</parameter>\n</function>\n</tool_call>")
+    assert json.loads(parser.calls[0].arguments) == {"v": "1"}
+    assert "<parameter=" in Qwen3CoderToolParser.constraint([tool], False).grammar
+    for prop, key in (({"type": "string", "format": "date"}, "d"), ({"type": "integer"}, "a>b")):
+        odd = {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {key: prop}, "required": [key]}}}  # fmt: skip
+        grammar = Qwen3CoderToolParser.constraint([odd], False).grammar
+        assert "<parameter=" not in grammar and '"<tool_call>\\n"' in grammar, grammar

@@ -117,7 +117,7 @@ def test_random_walks_through_the_grammar_are_calls_the_parser_reads(family_toke
     grammar = backend.compile(constraint)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     rng, counts = random.Random(f"{fmt}{template}{parallel}"), set()
-    for _ in range(12):
+    for _ in range(8):
         ids = walk(backend, grammar, rng, tok.eos_token_id)
         text = tok.decode(ids, skip_special_tokens=False)
         assert text.startswith(start), text

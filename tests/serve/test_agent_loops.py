@@ -14,7 +14,7 @@ the ``openai`` client, the OpenAI Agents SDK and the ``anthropic`` client. The c
 
 Families: Llama 3 (``llama3_json``), Mistral (Ministral 3's ``[TOOL_CALLS]NAME[ARGS]``), Qwen3.5's format on a
 Qwen3.5 hybrid model (Qwen3-Coder's template: the XML calls Qwen3.5 writes) and gpt-oss (Harmony); by default
-the two whose formats are special tokens or channels (``DEPLOYED``). One Ray cluster for the module; the
+gpt-oss alone (``DEPLOYED``). One Ray cluster for the module; the
 families' apps deploy in turn."""
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ def cluster():
         yield
 
 
-# Every family is a deployment (about 11 s): CI deploys the two whose formats are special tokens (Mistral) or
-# channels (gpt-oss); CB_SERVE_AGENT_FAMILIES=all deploys the four (the grammars and parsers of each are checked
-# without a server in tests/features/test_tool_grammars.py).
-DEPLOYED = list(FAMILIES) if os.environ.get("CB_SERVE_AGENT_FAMILIES") == "all" else ["mistral", "gpt_oss"]
+# Every family is a deployment (about 11 s): CI deploys gpt-oss, whose format is both special tokens and
+# channels; CB_SERVE_AGENT_FAMILIES=all deploys the four (the grammars and parsers of each are checked without a
+# server in tests/features/test_tool_grammars.py, Mistral's special tokens through detokenization in
+# tests/features/test_tool_calls.py).
+DEPLOYED = list(FAMILIES) if os.environ.get("CB_SERVE_AGENT_FAMILIES") == "all" else ["gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=DEPLOYED)
