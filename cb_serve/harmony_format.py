@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cb_serve.text_stream import held_suffix
+
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 CALL, RETURN, CONSTRAIN = "<|call|>", "<|return|>", "<|constrain|>"
 BODY_ENDS = (END, CALL, RETURN, START)
@@ -21,24 +23,20 @@ BODY_ENDS = (END, CALL, RETURN, START)
 HARMONY_CALL_OPEN = f"{CHANNEL}commentary to=functions."
 RECIPIENT = re.compile(r"to=(\S+?)(?=<\||\s|$)")
 CHANNEL_NAME = re.compile(r"<\|channel\|>(\w+)")
-CONTENT_TYPE = re.compile(r"(?:<\|constrain\|>|\s)(json|code|text)\s*$")
 
 
 @dataclass(frozen=True)
 class HarmonyHeader:
     channel: str  # analysis, commentary, final ("" when the header names none)
     recipient: str | None = None  # functions.NAME for a tool call
-    content_type: str | None = None  # json, ...
 
     @classmethod
     def parse(cls, text: str) -> HarmonyHeader:
         """A header's text: what lies between ``<|start|>`` (or the output's start) and ``<|message|>``."""
         channel, recipient = CHANNEL_NAME.search(text), RECIPIENT.search(text)
-        content_type = CONTENT_TYPE.search(text)
         return cls(
             channel.group(1) if channel else "",
             recipient.group(1) if recipient else None,
-            content_type.group(1) if content_type else None,
         )
 
     @property
@@ -54,14 +52,6 @@ class HarmonyPiece:
     header: HarmonyHeader | None  # None: text that is no Harmony message
     text: str
     done: bool = False  # the message ended with this piece
-
-
-def held_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that begins one of ``markers`` (it may be completed later)."""
-    for n in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
-        if any(m.startswith(text[-n:]) for m in markers):
-            return n
-    return 0
 
 
 class HarmonyStream:

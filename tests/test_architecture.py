@@ -40,6 +40,7 @@ LEAVES = {
     "sequence",
     "stats",
     "structured_outputs_params",
+    "text_stream",
     "tool_format",
 }
 # The cb_serve.* groups each group may import (besides itself and the leaves).

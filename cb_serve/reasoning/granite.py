@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from cb_serve.reasoning.base import ReasoningParser
-from cb_serve.reasoning.splitter import _held_suffix
+from cb_serve.reasoning.splitter import split_whole
+from cb_serve.text_stream import held_suffix
 
 # (what opens the reasoning, what ends it, tags dropped from the content); Granite 3.2 spells each marker
 # either way (vLLM's parser takes both)
@@ -56,7 +57,7 @@ class GraniteSplitter:
             ends = self._form[1]
             at, end = min(((text.find(e), e) for e in ends if e in text), default=(-1, ""))
             if at < 0:  # held: a marker's beginning, and the spaces that may precede the end marker
-                keep = max(_held_suffix(text, ends), len(text) - len(text.rstrip()))
+                keep = max(held_suffix(text, ends), len(text) - len(text.rstrip()))
                 keep = len(text) - len(text[: len(text) - keep].rstrip())
                 self._held = text[len(text) - keep :]
                 return text[: len(text) - keep], ""
@@ -74,16 +75,14 @@ class GraniteSplitter:
         return "", held
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        whole = GraniteSplitter()
-        reasoning, content = whole.feed(text)
-        more_reasoning, more_content = whole.finish()
-        return (reasoning + more_reasoning) or None, (content + more_content) or None
+        """A whole output's text as (reasoning, content), None for an empty part."""
+        return split_whole(GraniteSplitter(), text)
 
     def _content(self, text: str) -> str:
         if self._form is None:
             return text
         dropped = self._form[2]
-        keep = _held_suffix(text, dropped) if dropped else 0
+        keep = held_suffix(text, dropped) if dropped else 0
         self._held, text = text[len(text) - keep :], text[: len(text) - keep]
         for tag in dropped:
             text = text.replace(tag, "")

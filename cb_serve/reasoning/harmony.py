@@ -8,6 +8,7 @@ Harmony (vLLM's ``openai_gptoss`` reasoning parser), so no reasoning reaches the
 from __future__ import annotations
 
 from cb_serve.harmony_format import CALL, HARMONY_CALL_OPEN, MESSAGE, HarmonyPiece, HarmonyStream
+from cb_serve.reasoning.splitter import split_whole
 
 
 class HarmonySplitter:
@@ -25,10 +26,7 @@ class HarmonySplitter:
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole output's text as (reasoning, content), None for an empty part."""
-        whole = HarmonySplitter()
-        reasoning, content = whole.feed(text)
-        more_reasoning, more_content = whole.finish()
-        return (reasoning + more_reasoning) or None, (content + more_content) or None
+        return split_whole(HarmonySplitter(), text)
 
     def _split(self, pieces: list[HarmonyPiece]) -> tuple[str, str]:
         reasoning: list[str] = []

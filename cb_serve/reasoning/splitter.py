@@ -10,15 +10,9 @@ Streaming any split of a text gives the same two strings as ``split`` on the who
 
 from __future__ import annotations
 
+from typing import Any
 
-def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is a proper beginning of one of ``tags``."""
-    longest = min(len(text), max(len(t) for t in tags) - 1)
-    for n in range(longest, 0, -1):
-        end = text[-n:]
-        if any(t.startswith(end) for t in tags):
-            return n
-    return 0
+from cb_serve.text_stream import held_suffix
 
 
 class ReasoningSplitter:
@@ -52,7 +46,7 @@ class ReasoningSplitter:
                 break
             reasoning.append(text[:start])  # a start tag inside the reasoning is dropped
             text = text[start + len(self.start_tag) :]
-        held = _held_suffix(text, (self.start_tag, self.end_tag))
+        held = held_suffix(text, (self.start_tag, self.end_tag))
         self._held = text[len(text) - held :]
         reasoning.append(text[: len(text) - held])
         return "".join(reasoning), ""
@@ -65,7 +59,12 @@ class ReasoningSplitter:
     def split(self, text: str) -> tuple[str | None, str | None]:
         """The whole of an output's text as (reasoning, content), None for an empty part (starting
         where this splitter started, whatever it was fed since)."""
-        whole = ReasoningSplitter(self.start_tag, self.end_tag, self.started_in_reasoning)
-        reasoning, content = whole.feed(text)
-        rest, _ = whole.finish()
-        return (reasoning + rest) or None, content or None
+        return split_whole(ReasoningSplitter(self.start_tag, self.end_tag, self.started_in_reasoning), text)
+
+
+def split_whole(fresh: Any, text: str) -> tuple[str | None, str | None]:
+    """A whole output's text as (reasoning, content) through a ``fresh`` splitter (any with ``feed`` and
+    ``finish``), None for an empty part."""
+    reasoning, content = fresh.feed(text)
+    more_reasoning, more_content = fresh.finish()
+    return (reasoning + more_reasoning) or None, (content + more_content) or None

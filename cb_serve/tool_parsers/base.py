@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cb_serve.structured_outputs_params import StructuredOutputsParams
+from cb_serve.text_stream import held_suffix
 from cb_serve.tool_format import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
@@ -56,14 +57,6 @@ def calls_of(value: Any) -> list[ParsedToolCall] | None:
     return calls or None
 
 
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that begins ``tag`` (held back: the tag may follow)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolCallParser:
     """Feed text as it comes; each call returns (content to send now, calls completed now). The Hermes
     format; subclasses read other block bodies (``parse_block``). ``tools``: the request's tools (OpenAI's
@@ -92,7 +85,7 @@ class ToolCallParser:
                 if start < 0 and self.calls and not self._pending.strip():
                     break  # whitespace after a call: content only if more text follows
                 if start < 0:
-                    keep = max(partial_suffix(self._pending, t) for t in self._tags)
+                    keep = held_suffix(self._pending, self._tags)
                     content.append(self._content(self._pending[: len(self._pending) - keep]))
                     self._pending = self._pending[len(self._pending) - keep :]
                     break

@@ -7,13 +7,13 @@ import re
 from typing import Any
 
 from cb_serve.structured_outputs_params import StructuredOutputsParams
+from cb_serve.text_stream import held_suffix
 from cb_serve.tool_format import json_rule, lark_string, special_token
 from cb_serve.tool_parsers.base import (
     ParsedToolCall,
     ToolCallParser,
     json_calls,
     listed_calls,
-    partial_suffix,
     per_tool_rules,
 )
 
@@ -44,7 +44,7 @@ class MistralToolParser(ToolCallParser):
             held = self._held + text
             start = held.find(MISTRAL_CALLS)
             if start < 0:
-                keep = partial_suffix(held, MISTRAL_CALLS)
+                keep = held_suffix(held, (MISTRAL_CALLS,))
                 self._held = held[len(held) - keep :]
                 return super().feed(held[: len(held) - keep])
             self._held, self._calls_text = "", ""
