@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # (installed from the local wheel cache on our CI machines in seconds). Override: make install TORCH=...
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test-deps serve test test-dispatch lint format bench generate mutation clean
+.PHONY: install test-deps serve test test-dispatch test-floor lint format bench generate mutation clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,7 @@ test-deps:
 test: install test-deps
 	$(PY) -m pytest -q --durations=10 -n 2 --dist loadscope
 	$(MAKE) --no-print-directory test-dispatch
+	$(MAKE) --no-print-directory test-floor
 
 # The kernel tests' bit-for-bit equalities that involve torch's, MKL's or oneDNN's kernels (marker `bitwise`)
 # once more under another dispatch than this CPU's own: torch's vector kernels and oneDNN one instruction set
@@ -58,6 +59,26 @@ LOWER_DISPATCH = $(PY) -c "import torch; aten, onednn = {'AVX512': ('avx2', 'AVX
 test-dispatch: install
 	@dispatch="$$($(LOWER_DISPATCH))" && echo "== the bitwise kernel tests under $$dispatch" && \
 	  env $$dispatch $(PY) -m pytest -q -n 2 -m bitwise tests/kernels
+
+# The lowest transformers pyproject.toml declares, tested: the exactness harness on each tiny family (C++ kernels)
+# and on the multimodal checkpoints, Phi-3's LongRoPE, and the RoPE tables against that version's own rotary
+# modules. It goes into .floor/ with the huggingface-hub and tokenizers it requires, ahead of .venv's on PYTHONPATH.
+TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+FLOOR := .floor/transformers-$(TRANSFORMERS_FLOOR)
+FLOOR_TESTS := tests/engine/test_rope_tables.py tests/engine/test_multimodal_checkpoints.py tests/features/test_phi3.py \
+  tests/engine/test_hybrid_models.py::test_a_qwen3_5_multimodal_checkpoint_serves_its_text_model \
+  tests/engine/test_hf_equivalence.py::test_random_models_match_hf -k "not torch"
+FLOOR_REQUIRES = $(PY) -c "import runpy; d = runpy.run_path('$(FLOOR)/transformers/dependency_versions_table.py')['deps']; \
+  print(d['huggingface-hub'], d['tokenizers'])"
+
+test-floor: install
+	test -f $(FLOOR)/.installed || { rm -rf $(FLOOR) && \
+	  $(PY) -m pip install -q --no-deps --target $(FLOOR) "transformers==$(TRANSFORMERS_FLOOR)" && \
+	  $(PY) -m pip install -q --no-deps --target $(FLOOR) $$($(FLOOR_REQUIRES)) && touch $(FLOOR)/.installed; }
+	@echo "== the exactness harness under transformers $(TRANSFORMERS_FLOOR), the declared floor"
+	PYTHONPATH=$(FLOOR) $(PY) -c "import transformers as t; from packaging.version import Version as V; \
+	  assert V(t.__version__) == V('$(TRANSFORMERS_FLOOR)'), (t.__version__, t.__file__)"
+	PYTHONPATH=$(FLOOR) $(PY) -m pytest -q -n 2 -p no:cacheprovider $(FLOOR_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check cb_serve tests bench k8s

@@ -241,12 +241,22 @@ ARCHS: dict[str, tuple[str, dict]] = {
 }
 
 
+def transformers_before(major: int, minor: int) -> bool:
+    import transformers
+
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (major, minor)
+
+
 def tiny_config(arch: str, vocab_size: int, **overrides):
     import transformers
 
     if arch not in ARCHS:
         raise ValueError(arch)
     config_class, extra = ARCHS[arch]
+    if arch == "granitemoehybrid" and transformers_before(5, 23):
+        # Before 5.23 transformers normalized Mamba2's gated RMSNorm over all groups at once (the engine, and
+        # transformers since, normalize each group): with one group both agree
+        extra = {**extra, "mamba_n_groups": 1}
     kwargs = {**TINY, **extra, **overrides}
     kwargs = {k: vocab_size if v == "vocab_size" else v for k, v in kwargs.items()}
     return getattr(transformers, config_class)(vocab_size=vocab_size, **kwargs)
@@ -311,11 +321,15 @@ def hf_greedy(
     HF logits processors, for one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
-    model = (
-        model_dir
-        if not isinstance(model_dir, (str, Path))
-        else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    )
+    if isinstance(model_dir, (str, Path)):
+        from transformers import AutoConfig
+
+        # Attention soft-capping (Gemma 2) is eager-only; transformers before 5.21 took SDPA and dropped it
+        softcap = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None)
+        kwargs = {"attn_implementation": "eager"} if softcap else {}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs)
+    else:
+        model = model_dir
     model.eval()
     if not stop_at_eos:
         model.generation_config.eos_token_id = None
@@ -393,3 +407,43 @@ def assert_same_greedy(ours, ref, context: str, tie: float = TOP_TWO_TIE, atol: 
                     assert diff <= atol, f"{context} prompt {i} token {t}: logprob off by {diff:.2e}"
         else:
             assert len(tokens) == len(ref_tokens), context
+
+
+def hf_rotary(config):
+    """HF's own rotary module for ``config`` (None without RoPE), built without the model's weights."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            skeleton = AutoModelForCausalLM.from_config(config).model
+        except ValueError:  # a text model transformers has no *ForCausalLM for (Qwen3-VL's)
+            skeleton = AutoModel.from_config(config)
+    return None if skeleton.rotary_emb is None else type(skeleton.rotary_emb)(config=config)
+
+
+def hf_rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference for ``layers/rope_tables.py``: HF's rotary module asked for each layer type's table as
+    the newest token at each position sees it (LongRoPE: short factors below
+    ``original_max_position_embeddings``, long ones from it on), widened to rotate-half's tables where HF's
+    cover half the dims (gpt-oss), narrower ones zero-padded; None without RoPE."""
+    rotary = hf_rotary(config)
+    if rotary is None:
+        return None
+    x, positions = torch.zeros(1), torch.arange(max_positions)[None]
+    if hasattr(rotary, "mrope_section"):  # M-RoPE: a text token's three positions (``[3, batch, positions]``)
+        positions = positions[None].expand(3, 1, -1)
+    layer_types = sorted(set(config.layer_types)) if isinstance(rotary.rope_type, dict) else [None]
+    tables = []
+    for kind in layer_types:
+        args = () if kind is None else (kind,)
+        cos, sin = (y[0].float() for y in rotary(x, positions, *args))
+        params = config.rope_parameters if kind is None else config.rope_parameters[kind]
+        short = params.get("original_max_position_embeddings") if params.get("rope_type") == "longrope" else None
+        if short and short < max_positions:  # HF took the long factors for all of them
+            cos[:short], sin[:short] = (y[0].float() for y in rotary(x, positions[..., :short], *args))
+        if config.model_type == "gpt_oss":
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        tables.append((cos, sin))
+    width = max(cos.shape[-1] for cos, _ in tables)
+    pad = lambda ys: torch.stack([torch.nn.functional.pad(y, (0, width - y.shape[-1])) for y in ys])  # noqa: E731
+    return pad([cos for cos, _ in tables]), pad([sin for _, sin in tables])

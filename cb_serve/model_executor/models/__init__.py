@@ -32,7 +32,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     # Qwen3-VL's language model on text: Qwen3's layers; its M-RoPE, with a text token's three positions
-    # equal, turns each pair by that position (the RoPE tables are its own rotary module's)
+    # equal, turns each pair by that position (the default RoPE: layers/rope_tables.py)
     "qwen3_vl_text": Qwen3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,

@@ -114,7 +114,8 @@ def kv_shared_layers(config) -> dict[int, int]:
     types, first = config.layer_types, config.num_hidden_layers - (config.num_kv_shared_layers or 0)
     if first <= 0:
         raise ValueError("Gemma 4 with every layer KV-shared (no layer computing a KV cache) is not supported.")
-    config.kv_sharing_modes  # noqa: B018 - HF's own check: every shared layer type has a source
+    if missing := set(types[first:]) - set(types[:first]):
+        raise ValueError(f"Gemma 4: KV-shared layers of type {sorted(missing)} have no earlier layer of that type.")
     return {i: max(j for j in range(first) if types[j] == types[i]) for i in range(first, len(types))}
 
 

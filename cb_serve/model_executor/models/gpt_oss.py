@@ -1,6 +1,6 @@
 """gpt-oss: attention with biases and a learned sink logit per head, sliding-window and global layers
-alternating (``layer_types``), YaRN RoPE (HF's rotary module computes the tables, ``loader.rope_tables``;
-its cos/sin cover half the head, applied to both halves); RMSNorm applying its weight in float32; and a
+alternating (``layer_types``), YaRN RoPE (``layers/rope_tables.py``; HF's rotary module gives half the head's
+cos/sin, applied to both halves, as rotate-half's tables do); RMSNorm applying its weight in float32; and a
 mixture of experts whose router takes the top k logits (with a bias) and softmaxes over them, with
 biased experts and a clamped SwiGLU (``(up + 1) * gate * sigmoid(1.702 gate)``) over gate/up columns
 stored interleaved. MXFP4 checkpoints are dequantized by transformers as it loads them.
@@ -35,4 +35,4 @@ class GptOssForCausalLM(CausalLM):
             LayerPlan(AttentionSpec(window, bias, bias, sinks=True), Experts(moe), Float32WeightRMSNorm)
             for window in layer_windows(config)
         )
-        return ModelPlan(layers, final_norm=Float32WeightRMSNorm, rope_half_tables=True)
+        return ModelPlan(layers, final_norm=Float32WeightRMSNorm)

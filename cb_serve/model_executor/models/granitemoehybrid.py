@@ -6,6 +6,8 @@ RoPE tables. Follows ``transformers.models.granitemoehybrid.modeling_granitemoeh
 
 from __future__ import annotations
 
+import dataclasses
+
 from cb_serve.model_executor.layers.mamba2 import Mamba2Spec
 from cb_serve.model_executor.layers.mlp import activation_name
 from cb_serve.model_executor.layers.moe import MoESpec
@@ -27,4 +29,4 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             LayerPlan(mamba, ffn, mixer_prefix="mamba.") if kind == "linear_attention" else LayerPlan(spec, ffn)
             for kind, spec in zip(c.layer_types, granite_attention(c))
         ]
-        return granite_plan(config, layers)
+        return dataclasses.replace(granite_plan(config, layers), rope=c.position_embedding_type == "rope")

@@ -4,7 +4,7 @@
 - partial rotary (``partial_rotary_factor``: Phi-4-mini turns the first 3/4 of each head): the
   RoPE tables are ``rotary_dim`` wide and ``Rope`` turns only those dims;
 - LongRoPE (``rope_type`` ``longrope``): short factors for positions below
-  ``original_max_position_embeddings``, long factors from there on (``loader.rope_tables``), what
+  ``original_max_position_embeddings``, long factors from there on (``layers/rope_tables.py``), what
   HF uses for each newest token; HF recomputes a longer sequence with the long factors throughout
   (``Phi3ForCausalLM.prepare_inputs_for_generation`` drops its cache), which a paged KV cache does not;
 - a sliding window on every layer where the config sets ``sliding_window`` (HF 5.x then masks
@@ -29,7 +29,7 @@ class Phi3ForCausalLM(CausalLM):
     @classmethod
     def plan(cls, config) -> ModelPlan:
         refuse("Phi-3", config, ("attention_bias", "mlp_bias"))  # Phi-3 has none: a config asking for them is not Phi-3
-        return ModelPlan(tuple(LayerPlan(spec) for spec in llama_attention(config)))
+        return ModelPlan(tuple(LayerPlan(spec) for spec in llama_attention(config)), rope_partial_default=True)
 
     def __init__(self, config, backend, rope_cos: torch.Tensor, *args, **kwargs) -> None:
         super().__init__(config, backend, rope_cos, *args, **kwargs)

@@ -84,8 +84,9 @@ class ModelPlan:
     """The stack, and around it: ``final_norm``; the embedding times ``embed_scale`` (rounded to the model's
     dtype first where ``embed_scale_in_dtype``, as a scaled embedding module keeps it); the logits divided
     by ``logits_divisor`` and soft-capped (``cap * tanh(logits / cap)``) by ``logits_softcap``; one RoPE
-    table per entry of ``rope_layer_types`` (the layer type the HF rotary module takes; None: one table),
-    ``rope_half_tables``: the rotary module's cos/sin cover half the rotary dims, each applied to both."""
+    table per entry of ``rope_layer_types`` (the layer type whose ``rope_parameters`` it follows; None: one
+    table); ``rope_partial_default``: the default RoPE turns only ``partial_rotary_factor`` of each head (the
+    family's HF default reads it; the scaled types always do); ``rope`` False: no position embedding (NoPE)."""
 
     layers: tuple[LayerPlan, ...]
     final_norm: type[RMSNorm] = RMSNorm
@@ -94,7 +95,8 @@ class ModelPlan:
     logits_divisor: float | None = None
     logits_softcap: float | None = None
     rope_layer_types: tuple[str, ...] | None = None
-    rope_half_tables: bool = False
+    rope_partial_default: bool = False
+    rope: bool = True
 
     def __post_init__(self) -> None:
         assert self.layers, "a model has layers"

@@ -35,7 +35,7 @@ def qwen3_5_plan(config, ffn: Callable[[int], FeedForward]) -> ModelPlan:
         else LayerPlan(attention, ffn(i), GemmaRMSNorm)
         for i, kind in enumerate(config.layer_types)
     )
-    return ModelPlan(layers, final_norm=GemmaRMSNorm)
+    return ModelPlan(layers, final_norm=GemmaRMSNorm, rope_partial_default=True)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
