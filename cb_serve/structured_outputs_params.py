@@ -38,13 +38,16 @@ class ConstraintLimits:
 class StructuredOutputsParams:
     """Exactly one of: ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice``
     (the output is one of these strings), ``grammar`` (a Lark grammar, llguidance's dialect),
-    or ``json_object=True`` (any JSON object)."""
+    or ``json_object=True`` (any JSON object). With a reasoning model the constraint applies once the
+    reasoning ends; ``enable_in_reasoning`` (vLLM's server-wide flag, here per request): from the first
+    token, for a grammar that writes the reasoning too (as Harmony's forced tool calls do)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

@@ -42,16 +42,19 @@ ENTRIES = {"\n": SCRIPT, "\n\n": CONTENT}
 SCALE = 32.0  # the logit of the scripted next token; every other logit is ~0
 
 
-def scripted_tokenizer(base_tokenizer, directory: Path):
-    """SmolLM2's tokenizer (``base_tokenizer``, left as it is) with the think tokens and the
-    Qwen3-like template, saved in ``directory``."""
+def scripted_tokenizer(
+    base_tokenizer, directory: Path, added: tuple[str, ...] = (THINK_START, THINK_END), special: bool = False,
+    template: str = QWEN3_LIKE_TEMPLATE,
+):  # fmt: skip
+    """SmolLM2's tokenizer (``base_tokenizer``, left as it is) with ``added`` tokens (the think tokens) and
+    ``template`` (the Qwen3-like one), saved in ``directory``."""
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     base_tokenizer.save_pretrained(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (THINK_START, THINK_END)])
-    tokenizer.chat_template = QWEN3_LIKE_TEMPLATE
+    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t in added], special_tokens=special)
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(directory)
     return tokenizer
 
@@ -82,13 +85,15 @@ def make_scripted_model(
     entries: Mapping[str, str] | None = None,
     hidden_size: int = 64,
     seed: int = 0,
+    **tokenizer_setup,
 ) -> list[int]:
     """Saves the scripted model and its tokenizer in ``directory``: a prompt ending in an entry
     (default ``ENTRIES``: any chat prompt with a generation prompt) is continued greedily with the
-    rest of ``script`` then EOS. Returns the script's token ids (EOS included)."""
+    rest of ``script`` then EOS. Returns the script's token ids (EOS included). ``tokenizer_setup``:
+    ``scripted_tokenizer``'s tokens and template."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = scripted_tokenizer(base_tokenizer, directory)
+    tokenizer = scripted_tokenizer(base_tokenizer, directory, **tokenizer_setup)
     chain, ids = script_chain(tokenizer, script, ENTRIES if entries is None else entries)
     if len(chain) > hidden_size:
         raise ValueError(f"{len(chain)} chain steps need hidden_size >= {len(chain)}")

@@ -32,7 +32,7 @@ from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.model_executor.warm_up import warm_up
-from cb_serve.reasoning import reasoning_parser
+from cb_serve.reasoning import HarmonyReasoningEnd, reasoning_parser
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
@@ -96,7 +96,10 @@ def build(config: EngineConfig) -> EngineParts:
     if spec is not None and spec.method == "draft_model":
         draft = DraftModel.for_target(config, setup, spec.model, tokenizer)
     vocab_size = setup.hf_config.vocab_size
-    reasoning = reasoning_parser(config.reasoning_parser, tokenizer) if config.reasoning_parser else None
+    if config.reasoning_parser:
+        reasoning = reasoning_parser(config.reasoning_parser, tokenizer)
+    else:  # gpt-oss: a constraint applies to the final channel, after the analysis
+        reasoning = HarmonyReasoningEnd.for_model(tokenizer, config.tool_call_parser)
     structured = StructuredOutputManager(tokenizer, vocab_size, config.enable_jump_forward, reasoning=reasoning)
     with device_context(setup.device):  # load, KV sizing and graph capture on the engine's device
         executor, lora, speculator = _make_executor(config, setup, draft, spec, structured)

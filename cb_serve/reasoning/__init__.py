@@ -7,7 +7,7 @@ from typing import Any
 from cb_serve.reasoning.base import ReasoningParser
 from cb_serve.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from cb_serve.reasoning.granite import GraniteReasoningParser, GraniteSplitter
-from cb_serve.reasoning.harmony import HarmonySplitter
+from cb_serve.reasoning.harmony import HarmonyReasoningEnd, HarmonySplitter
 from cb_serve.reasoning.qwen3 import Qwen3ReasoningParser
 from cb_serve.reasoning.splitter import ReasoningSplitter
 
@@ -29,6 +29,7 @@ __all__ = [
     "DeepSeekR1ReasoningParser",
     "GraniteReasoningParser",
     "GraniteSplitter",
+    "HarmonyReasoningEnd",
     "HarmonySplitter",
     "Qwen3ReasoningParser",
     "ReasoningParser",

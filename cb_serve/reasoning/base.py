@@ -44,6 +44,11 @@ class ReasoningParser(ABC):
         self.think_start_id: int = start
         self.think_end_id: int = end
 
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """The tokens that end the reasoning (the engine's grammars start after them)."""
+        return (self.think_end_id,)
+
     def last_tag(self, token_ids: Sequence[int]) -> int | None:
         """The last think tag's id among ``token_ids`` (None: no tag); scans from the end."""
         for token_id in reversed(token_ids):

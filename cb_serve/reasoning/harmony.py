@@ -7,8 +7,21 @@ Harmony (vLLM's ``openai_gptoss`` reasoning parser), so no reasoning reaches the
 
 from __future__ import annotations
 
-from cb_serve.harmony_format import CALL, HARMONY_CALL_OPEN, MESSAGE, HarmonyPiece, HarmonyStream
+from collections.abc import Sequence
+from typing import Any
+
+from cb_serve.harmony_format import (
+    CALL,
+    CHANNEL,
+    HARMONY_CALL_OPEN,
+    MESSAGE,
+    HarmonyPiece,
+    HarmonyStream,
+    is_harmony_template,
+)
 from cb_serve.reasoning.splitter import split_whole
+
+FINAL_HEADER = f"{CHANNEL}final{MESSAGE}"  # where the answer begins: the end of the reasoning
 
 
 class HarmonySplitter:
@@ -45,3 +58,31 @@ class HarmonySplitter:
             else:  # final, a preamble, or text that is no Harmony message
                 content.append(piece.text)
         return "".join(reasoning), "".join(content)
+
+
+class HarmonyReasoningEnd:
+    """Where gpt-oss's reasoning ends at the token level, for the engine's grammars: the header that opens the
+    ``final`` channel, ``<|channel|>final<|message|>`` (vLLM's ``openai_gptoss`` ends it there too), so a
+    ``response_format`` constrains the answer after the analysis. Built for every model whose chat template
+    writes Harmony (``for_model``)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        vocab = tokenizer.get_vocab()
+        if CHANNEL not in vocab or MESSAGE not in vocab:
+            raise ValueError(f"a Harmony model's tokenizer has {CHANNEL} and {MESSAGE} as tokens; this one has not")
+        self.end_ids: tuple[int, ...] = tuple(tokenizer.encode(FINAL_HEADER, add_special_tokens=False))
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, tool_call_parser: str | None) -> HarmonyReasoningEnd | None:
+        """One for a model that writes Harmony (its template's markers, or ``--tool-call-parser openai``)."""
+        template = getattr(tokenizer, "chat_template", None)
+        templates = template.values() if isinstance(template, dict) else [template]
+        harmony = tool_call_parser == "openai" or (
+            tool_call_parser is None and any(is_harmony_template(t) for t in templates)
+        )
+        return cls(tokenizer) if harmony else None
+
+    def starts_in_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """The output starts in the analysis unless the prompt opened the final channel itself."""
+        n = len(self.end_ids)
+        return tuple(prompt_token_ids[-n:]) != self.end_ids

@@ -31,6 +31,7 @@ class StructuredOutputs(Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    enable_in_reasoning: bool | None = None
 
     def to_params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(
@@ -39,6 +40,7 @@ class StructuredOutputs(Strict):
             choice=self.choice,
             grammar=self.grammar,
             json_object=bool(self.json_object),
+            enable_in_reasoning=bool(self.enable_in_reasoning),
         )
 
 

@@ -10,13 +10,16 @@ It joins the step at these named places, and nowhere else:
   positions included, filled on the filler thread while the forward pass runs;
 - ``accept_token`` and ``forced_tokens`` (jump-forward): the output processor's, per emitted token.
 
-With a reasoning parser, a sequence's grammar waits for its reasoning to end (vLLM's
-``should_fill_bitmask``/``should_advance``): until then its matcher is held here, not on the
-sequence (``seq.matcher`` is None), so the step treats it as unconstrained (no mask, no
-jump-forward, drafts kept up to a ``</think>``, min_tokens bans as usual). The reasoning ends where
-``ReasoningParser.reasoning_ended`` says: at admission when the prompt's last think tag is
-``</think>``, else at the first ``</think>`` of the output. That token is not fed to the grammar
-(vLLM: the grammar starts after it); the next one is the grammar's first. Checked once per token.
+With a reasoning parser (a think-tag one, or Harmony's, which gpt-oss's template brings), a sequence's
+grammar waits for its reasoning to end (vLLM's ``should_fill_bitmask``/``should_advance``): until then its
+matcher is held here, not on the sequence (``seq.matcher`` is None), so the step treats it as unconstrained
+(no mask, no jump-forward, drafts kept up to the end marker, min_tokens bans as usual). The reasoning ends
+where ``ReasoningParser.reasoning_ended`` says: at admission when the prompt's last think tag is
+``</think>``, else where the output's last tokens are the end marker (``end_ids``: ``</think>``, or
+Harmony's ``<|channel|>final<|message|>``). The marker is not fed to the grammar (vLLM: the grammar starts
+after it); the next token is the grammar's first. Checked once per token. A constraint with
+``enable_in_reasoning`` (a grammar that writes the whole turn, as Harmony's forced tool calls do) applies
+from the first token.
 
 ``fill_rows`` is the only code that asks a matcher for its mask: sampling, draft verification and
 jump-forward all read masks it produced.
@@ -99,9 +102,11 @@ def _llguidance_backend(tokenizer, vocab_size: int):
 
 
 class ReasoningEnd(Protocol):
-    """What the manager needs of a reasoning parser (``cb_serve.reasoning.ReasoningParser``)."""
+    """What the manager needs of a reasoning parser (``cb_serve.reasoning.ReasoningParser``,
+    ``HarmonyReasoningEnd``): the tokens that end the reasoning, and where an output starts."""
 
-    think_end_id: int
+    @property
+    def end_ids(self) -> tuple[int, ...]: ...
 
     def starts_in_reasoning(self, prompt_token_ids: Tokens[int]) -> bool: ...
 
@@ -125,7 +130,7 @@ class StructuredOutputManager:
     ) -> None:
         self.vocab_size = vocab_size
         self.reasoning = reasoning  # grammars apply after the reasoning ends (None: from the first token)
-        self._end_id = reasoning.think_end_id if reasoning is not None else None
+        self._end_ids: tuple[int, ...] = tuple(reasoning.end_ids) if reasoning is not None else ()
         # sequences still reasoning -> their matcher, not yet applied (weak: a finished sequence just goes)
         self._reasoning_seqs: weakref.WeakKeyDictionary[Sequence, GrammarMatcher] = weakref.WeakKeyDictionary()
         self.enable_jump_forward = enable_jump_forward
@@ -196,7 +201,9 @@ class StructuredOutputManager:
 
     def _start_grammar(self, seq: Sequence, matcher: GrammarMatcher) -> None:
         """Gives ``seq`` its matcher now, or holds it while the output starts inside the reasoning."""
-        if self.reasoning is not None and self.reasoning.starts_in_reasoning(seq.prompt_token_ids):
+        constraint = seq.params.structured_outputs
+        in_reasoning = constraint is not None and constraint.enable_in_reasoning
+        if self.reasoning is not None and not in_reasoning and self.reasoning.starts_in_reasoning(seq.prompt_token_ids):
             self._reasoning_seqs[seq] = matcher
         else:
             seq.matcher = matcher
@@ -234,9 +241,7 @@ class StructuredOutputManager:
         the step's last: the token after it is the grammar's, sampled under its mask next step)."""
         matcher = seq.matcher
         if matcher is None:
-            if self._end_id in drafts and seq in self._reasoning_seqs:
-                return drafts[: drafts.index(self._end_id)]
-            return drafts
+            return drafts[: max(0, self._before_end(seq, drafts))] if seq in self._reasoning_seqs else drafts
         if not drafts:
             return drafts
         consumed = 0
@@ -270,12 +275,23 @@ class StructuredOutputManager:
         that ends a sequence's reasoning starts its grammar, from the next token on."""
         matcher = seq.matcher
         if matcher is None:
-            if token_id == self._end_id:  # a reasoning sequence's grammar starts after this token
-                seq.matcher = self._reasoning_seqs.pop(seq, None)
+            if seq in self._reasoning_seqs and self._before_end(seq, []) == -1:  # it ended: the grammar is next
+                seq.matcher = self._reasoning_seqs.pop(seq)
             return False
         if not matcher.accept_token(token_id):
             raise RuntimeError(f"the grammar refused token {token_id}, which its mask allowed")
         return matcher.is_terminated
+
+    def _before_end(self, seq: Sequence, drafts: list[int]) -> int:
+        """How many of ``drafts`` come before the one that would complete the reasoning's end marker after
+        ``seq``'s output (all of them: none does); -1 when the output itself already ends with it."""
+        n, end = len(self._end_ids), self._end_ids
+        window = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - n) :] + drafts
+        start = len(window) - len(drafts)  # where the drafts begin in the window
+        for stop in range(start, len(window) + 1):
+            if stop >= n and tuple(window[stop - n : stop]) == end:
+                return stop - start - 1
+        return len(drafts)
 
     def forced_tokens(self, seq: Sequence, limit: int) -> Iterator[int]:
         """Jump-forward: the tokens ``seq``'s grammar forces next, at most ``limit``, each yielded

@@ -40,4 +40,5 @@ class HarmonyToolParser(ToolCallParser):
             typed = f'{special_token(CONSTRAIN)} "json" {special_token(MESSAGE)}'
             return f"{special_token(CHANNEL)} {header} {typed} {json_rule(schema)}"
 
-        return StructuredOutputsParams(grammar=per_tool_rules(tools, False, call))
+        # the grammar writes the whole turn: it applies from the first token, not after the reasoning
+        return StructuredOutputsParams(grammar=per_tool_rules(tools, False, call), enable_in_reasoning=True)

@@ -121,3 +121,57 @@ def test_a_call_on_the_analysis_channel_and_a_header_cut_off():
     assert run(thought + call, [25]) == ("Need the weather.", "", [("get_weather", {"city": "Rome"})])
     for cut in ("<|start|>assistant<|channel|>final", "<|start|>assistant<|channel|>commentary to=functions.f <|con"):
         assert run(thought + cut, [7]) == ("Need the weather.", "", [])
+
+
+# ---- the engine: a constraint applies to the final channel ------------------------------------------------
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+ANALYSIS, ANSWER = "Let me think", '{"answer":4}'
+# After the prompt's last token: the analysis, then the final channel's header and the answer (each token once)
+HARMONY_SCRIPT = f"{ANALYSIS}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+@pytest.fixture(scope="module")
+def harmony_llm(tmp_path_factory, tokenizer):
+    """The scripted model (``scripted_model.py``) with gpt-oss's template and markers: after ``?`` it says
+    ``HARMONY_SCRIPT``. No reasoning parser is named: the template brings Harmony's."""
+    from scripted_model import make_scripted_model
+
+    from cb_serve import LLM
+
+    directory = tmp_path_factory.mktemp("harmony")
+    setup = dict(added=HARMONY_TOKENS, special=True, template=TEMPLATE)
+    make_scripted_model(directory, tokenizer, HARMONY_SCRIPT, {"?": HARMONY_SCRIPT}, **setup)
+    return LLM(str(directory), max_model_len=256, num_gpu_blocks=64)
+
+
+def harmony_text(llm, constraint) -> str:
+    from cb_serve import SamplingParams
+
+    prompt = llm.engine.tokenizer.encode("What is 2 + 2?", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False, structured_outputs=constraint)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_a_constraint_applies_to_the_final_channel_after_the_analysis(harmony_llm):
+    from cb_serve import StructuredOutputsParams
+
+    assert harmony_text(harmony_llm, None) == HARMONY_SCRIPT
+    assert harmony_llm.engine.structured.reasoning.end_ids == tuple(
+        harmony_llm.engine.tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
+    )
+    # the analysis and the header (which JSON refuses) came out unmasked; the answer is the schema's
+    assert harmony_text(harmony_llm, StructuredOutputsParams(json=ANSWER_SCHEMA)) == HARMONY_SCRIPT
+    text = harmony_text(harmony_llm, StructuredOutputsParams(regex="(yes|no)"))
+    assert text.removeprefix(HARMONY_SCRIPT.removesuffix(ANSWER)) in ("yes", "no")
+    assert HarmonySplitter().split(text)[1] in ("yes", "no")  # the content is the final channel's
+
+
+def test_a_grammar_enabled_in_reasoning_applies_from_the_first_token(harmony_llm):
+    """As Harmony's forced tool calls are (their grammar writes the whole turn)."""
+    from cb_serve import StructuredOutputsParams
+
+    text = harmony_text(harmony_llm, StructuredOutputsParams(regex="(yes|no)", enable_in_reasoning=True))
+    assert text in ("yes", "no")
+    forced = HarmonyToolParser.constraint([WEATHER], parallel=False, template=TEMPLATE)
+    assert forced.enable_in_reasoning

@@ -226,9 +226,30 @@ def test_drafts_stop_before_the_end_of_the_reasoning(scripted):
     assert split(llm, prompt, text)[0] == "Let me think" and split(llm, prompt, text)[1] in ("yes", "no")
     assert llm.engine.speculator.counters.num_accepted_tokens >= 3  # "Let me think", then </think> sampled
     structured, end = llm.engine.structured, script_ids.index(llm.engine.structured.reasoning.think_end_id)
-    seq = type("Seq", (), {"matcher": None})()
-    structured._reasoning_seqs[seq] = object()  # a sequence still reasoning
+    seq = reasoning_seq(structured, prompt=[1, 2], output=[])
     assert structured.valid_drafts(seq, script_ids[1:]) == script_ids[1:end]  # up to </think>, not past it
+
+
+def reasoning_seq(structured, prompt: list[int], output: list[int]):
+    """A sequence still reasoning, held by ``structured`` (its matcher not yet applied)."""
+    tokens = prompt + output
+    seq = type("Seq", (), {"matcher": None, "token_ids": tokens, "num_prompt_tokens": len(prompt)})()
+    seq.num_tokens = len(tokens)
+    structured._reasoning_seqs[seq] = object()
+    return seq
+
+
+def test_drafts_stop_before_an_end_marker_of_several_tokens(tokenizer):
+    """Harmony's reasoning ends at a header of three tokens: drafts stop before the one that completes it,
+    also when the output already holds its first tokens; never the marker's tokens in the prompt."""
+    from cb_serve.structured_outputs.manager import StructuredOutputManager
+
+    end = type("End", (), {"end_ids": (7, 8, 9), "starts_in_reasoning": lambda self, prompt: True})()
+    structured = StructuredOutputManager(tokenizer, len(tokenizer), reasoning=end)
+    assert structured.valid_drafts(reasoning_seq(structured, [7, 8], []), [5, 7, 8, 9, 6]) == [5, 7, 8]
+    assert structured.valid_drafts(reasoning_seq(structured, [1], [7, 8]), [9, 6]) == []
+    assert structured.valid_drafts(reasoning_seq(structured, [1, 7], [8]), [9, 6]) == [9, 6]  # 7 is the prompt's
+    assert structured.valid_drafts(reasoning_seq(structured, [1], [3]), [7, 8, 3, 9]) == [7, 8, 3, 9]
 
 
 def test_min_tokens_bans_eos_while_reasoning(thinking_llm):

@@ -163,7 +163,9 @@ def test_anthropic_client_forced_tool_use_and_its_result(family):
     assert second.stop_reason in ("max_tokens", "end_turn", "tool_use")
 
 
-HARMONY_REPLY = (  # a grammar makes the random gpt-oss write a whole Harmony turn: reasoning, then the answer
+# A grammar makes the random gpt-oss write a whole Harmony turn, reasoning then answer: enabled in the reasoning
+# (a constraint otherwise waits for the final channel, which a random model would never open)
+HARMONY_REPLY = (
     'start: <|channel|> "analysis" <|message|> "Thinking it over." <|end|> '
     '<|start|> "assistant" <|channel|> "final" <|message|> "The answer."'
 )
@@ -177,7 +179,7 @@ def test_gpt_oss_reasoning_and_content_come_back_apart_streamed_and_not(family):
 
     client = OpenAI(base_url=f"{BASE}/v1", api_key="none", timeout=120)
     body = dict(model="tiny", messages=[{"role": "user", "content": "Why?"}], max_tokens=64,
-                extra_body={"structured_outputs": {"grammar": HARMONY_REPLY}})  # fmt: skip
+                extra_body={"structured_outputs": {"grammar": HARMONY_REPLY, "enable_in_reasoning": True}})  # fmt: skip
     message = client.chat.completions.create(**body).choices[0].message
     assert message.content == "The answer." and message.model_extra["reasoning_content"] == "Thinking it over."
     reasoning, content = "", ""
