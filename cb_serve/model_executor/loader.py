@@ -23,7 +23,7 @@ from cb_serve.model_executor.builtin_models import gemma3_270m_file
 from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, LazyTensor, safetensors_files
 from cb_serve.model_executor.layers.rope_tables import rope_tables
 from cb_serve.model_executor.models import CausalLM, model_class
-from cb_serve.model_executor.quantization import Fp8Config, quantization_config
+from cb_serve.model_executor.quantization import quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -227,8 +227,8 @@ def load_model(
     if quant is None and lazy is not None and (name := lazy.first_fp8()) is not None:
         raise ValueError(f"{name} is stored in FP8, and the checkpoint's config names no quantization_config")
     own_names = lazy is not None and "model.embed_tokens.weight" in lazy
-    # HF's own names, read by us: a rank reads only its slices; FP8 weights are read with their scales
-    tp_lazy = own_names and ((shard is not None and shard.size > 1) or isinstance(quant, Fp8Config))
+    # HF's own names, read by us: a rank reads only its slices; quantized weights are read with their scales
+    tp_lazy = own_names and ((shard is not None and shard.size > 1) or (quant is not None and quant.reads_checkpoint))
     if tp_lazy or text_state is not None:  # HF's own names (a rank reads only its slices), or the text stack's
         hf_config, state = config, text_state if text_state is not None else lazy
     else:

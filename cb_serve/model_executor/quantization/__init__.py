@@ -4,12 +4,24 @@ checkpoint's ``quant_method`` (``QUANTIZATION_METHODS``), or refuses one cb-serv
 from __future__ import annotations
 
 from cb_serve.model_executor.quantization.base import QuantizationConfig, as_dict
+from cb_serve.model_executor.quantization.compressed_tensors import CompressedTensorsConfig
 from cb_serve.model_executor.quantization.fp8 import Fp8Config
 from cb_serve.model_executor.quantization.mxfp4 import Mxfp4Config
 
-__all__ = ["QUANTIZATION_METHODS", "Fp8Config", "Mxfp4Config", "QuantizationConfig", "quantization_config"]
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "CompressedTensorsConfig",
+    "Fp8Config",
+    "Mxfp4Config",
+    "QuantizationConfig",
+    "quantization_config",
+]
 
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {"fp8": Fp8Config, "mxfp4": Mxfp4Config}
+QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
+    "fp8": Fp8Config,
+    "compressed-tensors": CompressedTensorsConfig,
+    "mxfp4": Mxfp4Config,
+}
 
 
 def quantization_config(hf_config) -> QuantizationConfig | None:

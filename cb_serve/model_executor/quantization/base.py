@@ -17,6 +17,8 @@ class QuantizationConfig(ABC):
     """One checkpoint's quantization, from its ``quantization_config`` dict."""
 
     name: ClassVar[str]  # the ``quant_method`` it reads
+    # its weights are read from a local checkpoint's files by cb-serve (else as transformers loads them)
+    reads_checkpoint: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

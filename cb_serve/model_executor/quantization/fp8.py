@@ -12,18 +12,24 @@ CPU. A float8 weight without scales, or with scales of another shape than its bl
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from cb_serve.model_executor.layers.checkpoint import FP8 as FP8_DTYPES
-from cb_serve.model_executor.layers.checkpoint import LazyTensor
 from cb_serve.model_executor.quantization.base import QuantizationConfig
+from cb_serve.model_executor.quantization.weights import (
+    QuantizedState,
+    QuantizedWeight,
+    Tensor,
+    blocks_of,
+    read,
+    stored_dtype,
+)
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # after "weight": the multiplier's names, first found wins
-UNUSED_SUFFIXES = (".input_scale", ".activation_scale")  # static activation scales: activations stay unquantized
 
 
 @dataclass(frozen=True)
@@ -52,32 +58,15 @@ class Fp8Config(QuantizationConfig):
         return f"FP8 weights ({blocks} scales), dequantized as they are read"
 
 
-def stored_dtype(tensor: torch.Tensor | LazyTensor) -> torch.dtype:
-    return tensor.stored_dtype if isinstance(tensor, LazyTensor) else tensor.dtype
+class Fp8Weight(QuantizedWeight):
+    """One FP8 weight: each slice multiplied by its blocks' (row's, tensor's) scales in float32."""
 
-
-def read(tensor: torch.Tensor | LazyTensor, index=None) -> torch.Tensor:
-    """``tensor[index]`` (all of it: None) in float32 as stored: FP8 and float32 values convert exactly."""
-    if isinstance(tensor, LazyTensor):
-        return tensor.raw(index).float()
-    return (tensor if index is None else tensor[index]).float()
-
-
-def blocks_of(part: slice, block: int) -> tuple[slice, torch.Tensor]:
-    """The scale rows (or columns) a slice of weight rows (columns) lies in, and each one's index among them."""
-    first = part.start // block
-    return slice(first, (part.stop - 1) // block + 1), torch.arange(part.start, part.stop) // block - first
-
-
-class Fp8Weight:
-    """One FP8 weight ``[out, in]`` read as floats: indexing by rows (``[a:b]``), columns (``[:, a:b]``) or
-    both reads just that part of the weight and of its scales, and multiplies them in float32."""
-
-    def __init__(self, name: str, weight, scale, block: tuple[int, int] | None, dtype: torch.dtype) -> None:
-        self.name, self.weight, self.scale, self.block, self.dtype = name, weight, scale, block, dtype
-        shape, scales = list(weight.shape), list(scale.shape)
-        if len(shape) != 2:
-            raise ValueError(f"{name}: FP8 weights of {len(shape)} dimensions are not supported yet (shape {shape})")
+    def __init__(self, name: str, weight: Tensor, scale: Tensor, block: tuple[int, int] | None, dtype,
+                 in_scale_dtype: bool = False) -> None:  # fmt: skip
+        """``in_scale_dtype``: multiply in the scale's dtype (compressed-tensors' arithmetic), not float32."""
+        super().__init__(name, list(weight.shape), dtype)
+        self.weight, self.scale, self.block, self.in_scale_dtype = weight, scale, block, in_scale_dtype
+        shape, scales = self.shape, list(scale.shape)
         if block is not None:
             grid = [math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])]
             expected, ok = str(grid), scales == grid
@@ -88,55 +77,32 @@ class Fp8Weight:
             raise ValueError(f"{name}: a weight of shape {shape} in {blocks} needs scales {expected}, not {scales}")
         self.per_row = block is None and len(scales) > 0 and scales[0] == shape[0] > 1
 
-    @property
-    def shape(self) -> list[int]:
-        return list(self.weight.shape)
-
-    def __getitem__(self, index) -> torch.Tensor:
-        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
-        if not (isinstance(rows, slice) and isinstance(cols, slice)) or rows.step not in (None, 1):
-            raise TypeError(f"{self.name}: FP8 weights are read by row and column slices, not {index!r}")
-        rows, cols = (slice(*s.indices(n)[:2]) for s, n in zip((rows, cols), self.shape))
-        weight = read(self.weight, (rows, cols))
-        if weight.numel() == 0:
-            return weight.to(self.dtype)
+    def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
+        dtype = None if self.in_scale_dtype else torch.float32
         if self.block is None:
-            scale = read(self.scale, rows).reshape(-1, 1) if self.per_row else read(self.scale).reshape(1, 1)
+            scale = read(self.scale, rows, dtype).reshape(-1, 1) if self.per_row else read(self.scale, None, dtype)
+            scale = scale.reshape(-1, 1)
         else:
             (row_blocks, row_of), (col_blocks, col_of) = blocks_of(rows, self.block[0]), blocks_of(cols, self.block[1])
-            scale = read(self.scale, (row_blocks, col_blocks))[row_of][:, col_of]
-        return (weight * scale).to(self.dtype)
+            scale = read(self.scale, (row_blocks, col_blocks), dtype)[row_of][:, col_of]
+        return (read(self.weight, (rows, cols), scale.dtype) * scale).float()  # FP8 values are exact in either
 
 
-class Fp8Weights(Mapping):
+class Fp8Weights(QuantizedState):
     """A checkpoint with each FP8 ``*.weight`` read through ``Fp8Weight`` and its scales hidden; other tensors
     as they are. A float8 weight with no scales beside it is refused."""
 
+    COMPANIONS = SCALE_SUFFIXES
+
     def __init__(self, state: Mapping, block: tuple[int, int] | None, dtype: torch.dtype) -> None:
-        self.state, self.block, self.dtype = state, block, dtype
+        super().__init__(state, dtype)
+        self.block = block
 
-    def scale_name(self, name: str) -> str | None:
-        return next((name + s for s in SCALE_SUFFIXES if name + s in self.state), None)
-
-    def __getitem__(self, name: str):
+    def quantized(self, name: str) -> Fp8Weight | None:
         tensor = self.state[name]
-        if not name.endswith(".weight") or stored_dtype(tensor) not in FP8_DTYPES:
-            return tensor
-        scale = self.scale_name(name)
+        if stored_dtype(tensor) not in FP8_DTYPES:
+            return None
+        scale = next((name + s for s in SCALE_SUFFIXES if name + s in self.state), None)
         if scale is None:
             raise ValueError(f"{name} is stored in {stored_dtype(tensor)} and the checkpoint has no scales for it")
         return Fp8Weight(name, tensor, self.state[scale], self.block, self.dtype)
-
-    def hidden(self, name: str) -> bool:
-        return name.endswith(UNUSED_SUFFIXES) or any(
-            name.endswith(".weight" + s) and name[: -len(s)] in self.state for s in SCALE_SUFFIXES
-        )
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.state and not self.hidden(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return (name for name in self.state if not self.hidden(name))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)

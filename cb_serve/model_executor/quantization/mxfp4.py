@@ -16,6 +16,7 @@ from cb_serve.model_executor.quantization.base import QuantizationConfig
 @dataclass(frozen=True)
 class Mxfp4Config(QuantizationConfig):
     name: ClassVar[str] = "mxfp4"
+    reads_checkpoint: ClassVar[bool] = False  # transformers dequantizes it (or the experts' loader, under TP)
     modules_to_not_convert: tuple[str, ...] = ()
 
     @classmethod

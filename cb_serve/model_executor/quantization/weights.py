@@ -1,0 +1,106 @@
+"""What the quantization methods share: a quantized weight ``[out, in]`` read as floats slice by slice
+(``QuantizedWeight``: the layer loaders and tensor-parallel ranks index checkpoint weights by rows
+``[a:b]``, columns ``[:, a:b]`` or both, and ``[:]``), and a checkpoint whose quantized weights read that way
+(``QuantizedState``: each ``*.weight`` a method stores in its own tensors, those tensors hidden)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from typing import ClassVar
+
+import torch
+
+from cb_serve.model_executor.layers.checkpoint import LazyTensor
+
+Tensor = torch.Tensor | LazyTensor
+
+
+def stored_dtype(tensor: Tensor) -> torch.dtype:
+    return tensor.stored_dtype if isinstance(tensor, LazyTensor) else tensor.dtype
+
+
+def read(tensor: Tensor, index=None, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """``tensor[index]`` (all of it: None) as stored, then in ``dtype`` (None: as stored)."""
+    part = tensor.raw(index) if isinstance(tensor, LazyTensor) else tensor if index is None else tensor[index]
+    return part if dtype is None else part.to(dtype)
+
+
+def blocks_of(part: slice, block: int) -> tuple[slice, torch.Tensor]:
+    """The scale rows (or columns) a slice of weight rows (columns) lies in, and each one's index among them."""
+    first = part.start // block
+    return slice(first, (part.stop - 1) // block + 1), torch.arange(part.start, part.stop) // block - first
+
+
+class QuantizedWeight(ABC):
+    """One quantized weight ``[out, in]`` read as ``dtype`` values: indexing by row and column slices
+    dequantizes just that part, in float32 (the formats' own rounding), then casts it."""
+
+    def __init__(self, name: str, shape: list[int], dtype: torch.dtype) -> None:
+        if len(shape) != 2:
+            raise ValueError(f"{name}: quantized weights of {len(shape)} dimensions are not supported yet ({shape})")
+        self.name, self._shape, self.dtype = name, list(shape), dtype
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self._shape)
+
+    @abstractmethod
+    def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
+        """The float32 values of ``[rows, cols]`` (both non-empty, step 1, within the shape)."""
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        if not (isinstance(rows, slice) and isinstance(cols, slice)) or rows.step not in (None, 1):
+            raise TypeError(f"{self.name}: quantized weights are read by row and column slices, not {index!r}")
+        rows, cols = (slice(*s.indices(n)[:2]) for s, n in zip((rows, cols), self._shape))
+        if rows.stop <= rows.start or cols.stop <= cols.start:
+            return torch.zeros(max(rows.stop - rows.start, 0), max(cols.stop - cols.start, 0), dtype=self.dtype)
+        return self.dequantize(rows, cols).to(self.dtype)
+
+
+class QuantizedState(Mapping):
+    """A checkpoint (state dict or ``LazyCheckpoint``) whose quantized weights read as ``QuantizedWeight``s: the
+    weight ``X.weight`` is stored as ``X.weight`` + ``STORED`` beside its companions ``X.weight`` + each of
+    ``COMPANIONS`` (scales...), which are hidden; ``UNUSED`` tensors are hidden too. Others are as stored."""
+
+    STORED: ClassVar[str] = ""
+    COMPANIONS: ClassVar[tuple[str, ...]] = ()
+    UNUSED: ClassVar[tuple[str, ...]] = (".input_scale", ".activation_scale")  # activations stay unquantized
+
+    def __init__(self, state: Mapping, dtype: torch.dtype) -> None:
+        self.state, self.dtype = state, dtype
+
+    @abstractmethod
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """``name`` (an ``X.weight`` in the checkpoint, stored or not) as a quantized weight; None: a float one."""
+
+    def __getitem__(self, name: str):
+        if name.endswith(".weight") and (weight := self.quantized(name)) is not None:
+            return weight
+        return self.state[name]
+
+    def hidden(self, name: str) -> bool:
+        if name.endswith(self.UNUSED):
+            return True
+        for suffix in self.COMPANIONS:
+            base = name[: -len(suffix)]
+            if name.endswith(".weight" + suffix) and (base in self.state or base + self.STORED in self.state):
+                return True
+        return False
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        stored = self.STORED and name.endswith(".weight") and name + self.STORED in self.state
+        return bool(stored) or (name in self.state and not self.hidden(name))
+
+    def __iter__(self) -> Iterator[str]:
+        for name in self.state:
+            if self.STORED and name.endswith(".weight" + self.STORED):
+                yield name[: -len(self.STORED)]
+            elif not self.hidden(name):
+                yield name
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
