@@ -15,6 +15,7 @@ from cb_serve.harmony_format import (
     CHANNEL,
     HARMONY_CALL_OPEN,
     MESSAGE,
+    START,
     HarmonyPiece,
     HarmonyStream,
     is_harmony_template,
@@ -68,8 +69,9 @@ class HarmonyReasoningEnd:
 
     def __init__(self, tokenizer: Any) -> None:
         vocab = tokenizer.get_vocab()
-        if CHANNEL not in vocab or MESSAGE not in vocab:
-            raise ValueError(f"a Harmony model's tokenizer has {CHANNEL} and {MESSAGE} as tokens; this one has not")
+        if any(marker not in vocab for marker in (START, CHANNEL, MESSAGE)):
+            raise ValueError(f"a Harmony model's tokenizer has {START}, {CHANNEL} and {MESSAGE} as tokens")
+        self.start_id: int = vocab[START]
         self.end_ids: tuple[int, ...] = tuple(tokenizer.encode(FINAL_HEADER, add_special_tokens=False))
 
     @classmethod
@@ -83,6 +85,12 @@ class HarmonyReasoningEnd:
         return cls(tokenizer) if harmony else None
 
     def starts_in_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
-        """The output starts in the analysis unless the prompt opened the final channel itself."""
+        """The output starts in the analysis when the prompt ends in a message (after its last ``<|start|>``) that
+        has not opened the final channel: not for a prompt that did (``continue_final_message``), nor for a
+        prompt with no Harmony message at all (a raw completion), which are constrained from the first token."""
+        ids = list(prompt_token_ids)
+        if self.start_id not in ids:
+            return False
+        last = ids[len(ids) - 1 - ids[::-1].index(self.start_id) :]
         n = len(self.end_ids)
-        return tuple(prompt_token_ids[-n:]) != self.end_ids
+        return not any(tuple(last[i : i + n]) == self.end_ids for i in range(len(last) - n + 1))

@@ -284,13 +284,16 @@ class StructuredOutputManager:
 
     def _before_end(self, seq: Sequence, drafts: list[int]) -> int:
         """How many of ``drafts`` come before the one that would complete the reasoning's end marker after
-        ``seq``'s output (all of them: none does); -1 when the output itself already ends with it."""
+        ``seq``'s tokens (all of them: none does); -1 when its output already ends with it. The completing token
+        is an output token or a draft; the marker's first tokens may be the prompt's last."""
         n, end = len(self._end_ids), self._end_ids
-        window = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - n) :] + drafts
-        start = len(window) - len(drafts)  # where the drafts begin in the window
-        for stop in range(start, len(window) + 1):
-            if stop >= n and tuple(window[stop - n : stop]) == end:
-                return stop - start - 1
+        start = max(0, seq.num_tokens - n)
+        window = seq.token_ids[start:] + drafts
+        here = seq.num_tokens - start  # where the drafts begin in the window
+        for stop in range(here, len(window) + 1):
+            completes_in_output = start + stop - 1 >= seq.num_prompt_tokens
+            if stop >= n and completes_in_output and tuple(window[stop - n : stop]) == end:
+                return stop - here - 1
         return len(drafts)
 
     def forced_tokens(self, seq: Sequence, limit: int) -> Iterator[int]:

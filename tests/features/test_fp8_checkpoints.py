@@ -146,3 +146,19 @@ def test_a_malformed_checkpoint_is_a_clear_error_at_load(fp8_llama, tmp_path, ed
     broken = write_fp8(fp8_llama.parent / "float", tmp_path / "broken", edit)
     with pytest.raises(ValueError, match=match):
         LLM(str(broken), max_model_len=128, num_gpu_blocks=16)
+
+
+def test_e8m0_byte_scales_and_fp8_tensors_it_cannot_read():
+    """Scales stored as bytes are E8M0 exponents (MXFP8's), decoded as transformers does; an FP8 tensor that is
+    no 2-D weight (fused experts) is refused, never cast."""
+    from cb_serve.model_executor.quantization import Fp8Config
+
+    torch.manual_seed(0)
+    q = (torch.randn(64, 96) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    exponents = torch.randint(118, 136, (2, 3), dtype=torch.uint8)
+    state = {"a.weight": q, "a.weight_scale_inv": exponents, "experts.gate_up_proj": q[None]}
+    weights = Fp8Config((32, 32)).weights(state, torch.float32)
+    expected = q.float() * (exponents.float() - 127).exp2().repeat_interleave(32, 0).repeat_interleave(32, 1)
+    assert torch.equal(weights["a.weight"][:], expected) and list(weights) == ["a.weight", "experts.gate_up_proj"]
+    with pytest.raises(ValueError, match="experts.gate_up_proj is stored in torch.float8_e4m3fn, which is not read"):
+        weights["experts.gate_up_proj"]

@@ -145,10 +145,10 @@ def harmony_llm(tmp_path_factory, tokenizer):
     return LLM(str(directory), max_model_len=256, num_gpu_blocks=64)
 
 
-def harmony_text(llm, constraint) -> str:
+def harmony_text(llm, constraint, prompt: str = "<|start|>user<|message|>What is 2 + 2?") -> str:
     from cb_serve import SamplingParams
 
-    prompt = llm.engine.tokenizer.encode("What is 2 + 2?", add_special_tokens=False)
+    prompt = llm.engine.tokenizer.encode(prompt, add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False, structured_outputs=constraint)
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
 
@@ -175,3 +175,19 @@ def test_a_grammar_enabled_in_reasoning_applies_from_the_first_token(harmony_llm
     assert text in ("yes", "no")
     forced = HarmonyToolParser.constraint([WEATHER], parallel=False, template=TEMPLATE)
     assert forced.enable_in_reasoning
+
+
+def test_where_an_output_starts_and_a_raw_prompt(harmony_llm):
+    """In the analysis after a message that has not opened the final channel; in the answer after one that has
+    (``continue_final_message``) and after a prompt with no Harmony message, whose constraint applies at once."""
+    from cb_serve import StructuredOutputsParams
+
+    end, encode = harmony_llm.engine.structured.reasoning, harmony_llm.engine.tokenizer.encode
+    starts = lambda text: end.starts_in_reasoning(encode(text, add_special_tokens=False))  # noqa: E731
+    assert starts("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    assert starts("<|start|>assistant<|channel|>final<|message|>Old.<|end|><|start|>assistant<|channel|>analysis")
+    assert starts("<|start|>assistant<|channel|>final")  # the header may end in the output
+    assert not starts("<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Par")
+    assert not starts("What is 2 + 2?")
+    text = harmony_text(harmony_llm, StructuredOutputsParams(regex="(yes|no)"), prompt="What is 2 + 2?")
+    assert text in ("yes", "no")

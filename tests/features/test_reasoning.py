@@ -241,14 +241,16 @@ def reasoning_seq(structured, prompt: list[int], output: list[int]):
 
 def test_drafts_stop_before_an_end_marker_of_several_tokens(tokenizer):
     """Harmony's reasoning ends at a header of three tokens: drafts stop before the one that completes it,
-    also when the output already holds its first tokens; never the marker's tokens in the prompt."""
+    also when the output (or the prompt's end) already holds its first tokens; a marker wholly in the prompt
+    is the prompt's (``starts_in_reasoning`` decides)."""
     from cb_serve.structured_outputs.manager import StructuredOutputManager
 
     end = type("End", (), {"end_ids": (7, 8, 9), "starts_in_reasoning": lambda self, prompt: True})()
     structured = StructuredOutputManager(tokenizer, len(tokenizer), reasoning=end)
     assert structured.valid_drafts(reasoning_seq(structured, [7, 8], []), [5, 7, 8, 9, 6]) == [5, 7, 8]
     assert structured.valid_drafts(reasoning_seq(structured, [1], [7, 8]), [9, 6]) == []
-    assert structured.valid_drafts(reasoning_seq(structured, [1, 7], [8]), [9, 6]) == [9, 6]  # 7 is the prompt's
+    assert structured.valid_drafts(reasoning_seq(structured, [1, 7], [8]), [9, 6]) == []  # begun in the prompt
+    assert structured.valid_drafts(reasoning_seq(structured, [7, 8, 9], []), [7, 8, 9]) == [7, 8]
     assert structured.valid_drafts(reasoning_seq(structured, [1], [3]), [7, 8, 3, 9]) == [7, 8, 3, 9]
 
 

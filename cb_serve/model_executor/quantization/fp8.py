@@ -77,14 +77,22 @@ class Fp8Weight(QuantizedWeight):
             raise ValueError(f"{name}: a weight of shape {shape} in {blocks} needs scales {expected}, not {scales}")
         self.per_row = block is None and len(scales) > 0 and scales[0] == shape[0] > 1
 
+    def scales(self, index=None) -> torch.Tensor:
+        """``scale[index]`` as multipliers: float32 (or as stored, ``in_scale_dtype``); E8M0 exponents stored as
+        bytes (MXFP8's) decoded to ``2 ** (byte - 127)``, as transformers decodes them."""
+        raw = read(self.scale, index, None)
+        if raw.dtype == torch.uint8:
+            return (raw.to(torch.float32) - 127.0).exp2()
+        if not raw.dtype.is_floating_point:
+            raise ValueError(f"{self.name}: scales stored as {raw.dtype} are not supported")
+        return raw if self.in_scale_dtype else raw.to(torch.float32)
+
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
-        dtype = None if self.in_scale_dtype else torch.float32
         if self.block is None:
-            scale = read(self.scale, rows, dtype).reshape(-1, 1) if self.per_row else read(self.scale, None, dtype)
-            scale = scale.reshape(-1, 1)
+            scale = (self.scales(rows) if self.per_row else self.scales()).reshape(-1, 1)
         else:
             (row_blocks, row_of), (col_blocks, col_of) = blocks_of(rows, self.block[0]), blocks_of(cols, self.block[1])
-            scale = read(self.scale, (row_blocks, col_blocks), dtype)[row_of][:, col_of]
+            scale = self.scales((row_blocks, col_blocks))[row_of][:, col_of]
         return (read(self.weight, (rows, cols), scale.dtype) * scale).float()  # FP8 values are exact in either
 
 

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from cb_serve.model_executor.layers.checkpoint import LazyTensor
+from cb_serve.model_executor.layers.checkpoint import FP8, LazyTensor
 
 Tensor = torch.Tensor | LazyTensor
 
@@ -78,7 +78,10 @@ class QuantizedState(Mapping):
     def __getitem__(self, name: str):
         if name.endswith(".weight") and (weight := self.quantized(name)) is not None:
             return weight
-        return self.state[name]
+        tensor = self.state[name]
+        if stored_dtype(tensor) in FP8:  # (fused experts, say): never cast without their scales
+            raise ValueError(f"{name} is stored in {stored_dtype(tensor)}, which is not read with its scales yet")
+        return tensor
 
     def hidden(self, name: str) -> bool:
         if name.endswith(self.UNUSED):
