@@ -4,6 +4,7 @@ transformers (which loads them through that library):
 
 - ``pack-quantized`` W4A16 in groups of 32 inputs, symmetric, and asymmetric (zero points packed along the
   output dimension, which transformers 5.24 itself cannot load), and W8A16 per output row;
+- ``naive-quantized`` INT8 (unpacked) in groups with zero points;
 - ``float-quantized`` FP8 per output row.
 
 The engine's weights equal the library's decompression bit for bit, also for slices cut mid-group and
@@ -38,6 +39,7 @@ CASES = {  # name: (format, weights' arguments)
     "w4_group": ("pack-quantized", scheme(4, "int", "group", True)),
     "w4_group_asym": ("pack-quantized", scheme(4, "int", "group", False)),
     "w8_channel": ("pack-quantized", scheme(8, "int", "channel", True)),
+    "w8_naive_asym": ("naive-quantized", scheme(8, "int", "group", False)),
     "fp8_channel": ("float-quantized", scheme(8, "float", "channel", True)),
 }
 
@@ -62,6 +64,8 @@ def quantize(w: torch.Tensor, fmt: str, args: dict) -> dict[str, torch.Tensor]:
         scale = ((mx - mn) / (hi - lo)).clamp(min=1e-8)
         zero = torch.round(lo - mn / scale).clamp(lo, hi)
     q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(lo, hi).to(torch.int8).reshape(out, inputs)
+    if fmt == "naive-quantized":  # int8 as they are
+        return {"": q, "_scale": scale.float()} | ({} if args["symmetric"] else {"_zero_point": zero.to(torch.int8)})
     tensors = {"_packed": pack_to_int32(q, bits), "_scale": scale.float(), "_shape": torch.tensor([out, inputs])}
     if not args["symmetric"]:
         tensors["_zero_point"] = pack_to_int32(zero.to(torch.int8), bits, packed_dim=0)
@@ -132,6 +136,7 @@ def test_the_weights_are_the_library_s_decompression(checkpoints, case):
     for name, ref in reference.items():
         assert name in ours and torch.equal(ours[name][:], ref.float()), name
         assert torch.equal(ours[name][5:27, 13:61], ref.float()[5:27, 13:61]), name  # cut mid-group, mid-word
+        assert torch.equal(ours[name][1:7], ref.float()[1:7]), name  # rows within one word of zero points
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

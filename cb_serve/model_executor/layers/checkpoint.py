@@ -14,6 +14,13 @@ import torch
 
 FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 STORED_FP8 = {"F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+STORED_DTYPES = {  # safetensors' names of the dtypes a checkpoint stores
+    **STORED_FP8,
+    "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+    **{"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16},
+    **{"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8},
+    "BOOL": torch.bool,
+}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -49,8 +56,8 @@ class LazyTensor:
 
     @property
     def stored_dtype(self) -> torch.dtype:
-        """Its FP8 dtype where it is stored in FP8, else the dtype it is read as."""
-        return STORED_FP8.get(self.handle.get_slice(self.name).get_dtype(), self.dtype)
+        """The dtype it is stored in, as the file's header names it (one torch lacks: the dtype it is read as)."""
+        return STORED_DTYPES.get(self.handle.get_slice(self.name).get_dtype()) or self.dtype
 
 
 class LazyCheckpoint(Mapping[str, LazyTensor]):

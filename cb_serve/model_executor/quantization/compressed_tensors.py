@@ -26,7 +26,7 @@ from cb_serve.model_executor.quantization.base import QuantizationConfig
 from cb_serve.model_executor.quantization.fp8 import Fp8Weight
 from cb_serve.model_executor.quantization.weights import QuantizedState, QuantizedWeight, Tensor, read, stored_dtype
 
-FORMATS = ("pack-quantized", "naive-quantized", "float-quantized")
+FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")  # int-: naive's W8A8 name
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class CompressedTensorsConfig(QuantizationConfig):
     @classmethod
     def from_hf(cls, params: dict[str, Any]) -> CompressedTensorsConfig:
         for key in ("sparsity_config", "transform_config"):
-            if params.get(key):
+            if params.get(key) and (params[key] or {}).get("format") != "dense":  # dense: no sparsity
                 raise ValueError(f"compressed-tensors: checkpoints with a {key} are not supported yet")
         groups = list((params.get("config_groups") or {}).values())
         if not groups or any(g.get("weights") is None for g in groups):
@@ -94,7 +94,8 @@ class CompressedTensorsConfig(QuantizationConfig):
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 ``[rows, words]`` -> int32 ``[rows, words * 32 / bits]`` signed values (element ``i`` at bit
     ``i * bits`` of the little-endian stream, offset by ``2^(bits-1)``)."""
-    data = words.contiguous().view(torch.uint8).to(torch.int32)  # little-endian: the stream's bytes in order
+    rows = words.shape[0]  # (flattened first: a [rows, 1] slice of a transposed tensor has a stride that view refuses)
+    data = words.contiguous().reshape(-1).view(torch.uint8).reshape(rows, -1).to(torch.int32)  # little-endian
     if bits == 4:
         data = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2)
     return data - (1 << (bits - 1))
