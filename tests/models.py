@@ -447,3 +447,15 @@ def hf_rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tens
     width = max(cos.shape[-1] for cos, _ in tables)
     pad = lambda ys: torch.stack([torch.nn.functional.pad(y, (0, width - y.shape[-1])) for y in ys])  # noqa: E731
     return pad([cos for cos, _ in tables]), pad([sin for _, sin in tables])
+
+
+def greedy_outputs(model_dir, prompts: list[list[int]], params, **engine_args) -> list[tuple[list[int], list[dict]]]:
+    """``[(token_ids, logprobs)]`` of one engine over ``prompts`` (the stress settings plus ``engine_args``), the
+    engine shut down after: what ``assert_same_greedy`` compares."""
+    from cb_serve import LLM
+
+    llm = LLM(str(model_dir), **STRESS_ENGINE_ARGS, **engine_args)
+    try:
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()

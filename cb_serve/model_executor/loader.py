@@ -203,6 +203,45 @@ def build_module(make: Callable[[], torch.nn.Module], dtype: torch.dtype, device
     return module
 
 
+def hf_from_pretrained(source: ModelSource, config, dtype: torch.dtype, trust_remote_code: bool):
+    """transformers' model of ``source``, refused when transformers made up weights the checkpoint lacks."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        source.path,
+        config=copy.deepcopy(config),  # not parsed again (from a GGUF file: seconds)
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        low_cpu_mem_usage=True,
+        output_loading_info=True,
+        **source.hf_kwargs(),
+    )
+    if missing := sorted(info.get("missing_keys") or ()):  # never serve weights transformers made up
+        raise ValueError(f"{source.path!r}: weights not in the checkpoint: {', '.join(missing[:5])}")
+    return model
+
+
+def read_state(source: ModelSource, config, dtype: torch.dtype, trust_remote_code: bool, shard, quant):
+    """The checkpoint's config and tensors under HF's names: read lazily by us from a local safetensors
+    directory (a tensor-parallel rank's slices, a quantized checkpoint's weights with their scales, a multimodal
+    checkpoint's text stack), else through transformers (a GGUF file's dequantized once, then from disk)."""
+    files = None if source.gguf_file else safetensors_files(source.path)
+    lazy = LazyCheckpoint(files, dtype) if files is not None else None
+    text_state = None if lazy is None else text_model_state(lazy)
+    if quant is None and lazy is not None and (name := lazy.first_fp8()) is not None:
+        raise ValueError(f"{name} is stored in FP8, and the checkpoint's config names no quantization_config")
+    own_names = lazy is not None and "model.embed_tokens.weight" in lazy
+    if own_names and ((shard is not None and shard.size > 1) or (quant is not None and quant.reads_checkpoint)):
+        return config, lazy
+    if text_state is not None:
+        return config, text_state
+    if source.gguf_file is not None:  # dequantized once, then read from the disk cache (``weight_cache``)
+        load = lambda: hf_from_pretrained(source, config, dtype, trust_remote_code).state_dict()  # noqa: E731
+        return config, weight_cache.gguf_state_dict(gguf_stamp(source), dtype, load)
+    hf_model = hf_from_pretrained(source, config, dtype, trust_remote_code)
+    return hf_model.config, hf_model.state_dict()
+
+
 def load_model(
     source: ModelSource,
     config,
@@ -218,41 +257,8 @@ def load_model(
     dequantization, hub downloads) and copies them into our compact module. Under tensor
     parallelism a rank keeps ``shard``'s slice; from a local safetensors directory it reads only
     that slice (``checkpoint.LazyCheckpoint``), otherwise it loads the whole model first."""
-    from transformers import AutoModelForCausalLM
-
-    files = None if source.gguf_file else safetensors_files(source.path)
-    lazy = LazyCheckpoint(files, dtype) if files is not None else None
-    text_state = None if lazy is None else text_model_state(lazy)
     quant = quantization_config(config)
-    if quant is None and lazy is not None and (name := lazy.first_fp8()) is not None:
-        raise ValueError(f"{name} is stored in FP8, and the checkpoint's config names no quantization_config")
-    own_names = lazy is not None and "model.embed_tokens.weight" in lazy
-    # HF's own names, read by us: a rank reads only its slices; quantized weights are read with their scales
-    tp_lazy = own_names and ((shard is not None and shard.size > 1) or (quant is not None and quant.reads_checkpoint))
-    if tp_lazy or text_state is not None:  # HF's own names (a rank reads only its slices), or the text stack's
-        hf_config, state = config, text_state if text_state is not None else lazy
-    else:
-
-        def from_pretrained():
-            model, info = AutoModelForCausalLM.from_pretrained(
-                source.path,
-                config=copy.deepcopy(config),  # not parsed again (from a GGUF file: seconds)
-                dtype=dtype,
-                trust_remote_code=trust_remote_code,
-                low_cpu_mem_usage=True,
-                output_loading_info=True,
-                **source.hf_kwargs(),
-            )
-            if missing := sorted(info.get("missing_keys") or ()):  # never serve weights transformers made up
-                raise ValueError(f"{source.path!r}: weights not in the checkpoint: {', '.join(missing[:5])}")
-            return model
-
-        if source.gguf_file is not None:  # dequantized once, then read from the disk cache (``weight_cache``)
-            hf_config = config
-            state = weight_cache.gguf_state_dict(gguf_stamp(source), dtype, lambda: from_pretrained().state_dict())
-        else:
-            hf_model = from_pretrained()
-            hf_config, state = hf_model.config, hf_model.state_dict()
+    hf_config, state = read_state(source, config, dtype, trust_remote_code, shard, quant)
     if quant is not None:
         logger.info("Quantized checkpoint: %s", quant.describe())
         state = quant.weights(state, dtype)

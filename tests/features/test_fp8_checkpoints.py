@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from exactness import check_engine_exercised, make_prompts, run_and_compare
-from models import STRESS_ENGINE_ARGS, assert_same_greedy, make_random_model
+from models import STRESS_ENGINE_ARGS, assert_same_greedy, greedy_outputs, make_random_model
 from safetensors.torch import load_file, save_file
 
 from cb_serve import LLM, SamplingParams
@@ -100,16 +100,8 @@ def test_an_fp8_checkpoint_over_two_ranks(fp8_llama):
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
     prompts = [list(range(100, 130)), list(range(300, 310)), list(range(50, 150, 3))]
 
-    def greedy(**kwargs) -> list[tuple[list[int], list[dict]]]:
-        llm = LLM(str(fp8_llama), **STRESS_ENGINE_ARGS, **kwargs)
-        try:
-            return [
-                (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)
-            ]
-        finally:
-            llm.engine.shutdown()
-
-    assert_same_greedy(greedy(tensor_parallel_size=2), greedy(), "fp8 over two ranks")
+    two, one = (greedy_outputs(fp8_llama, prompts, params, tensor_parallel_size=n) for n in (2, 1))
+    assert_same_greedy(two, one, "fp8 over two ranks")
 
 
 def drop_a_scale(weights, config):
