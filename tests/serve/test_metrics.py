@@ -300,6 +300,7 @@ def test_dashboard_is_importable_with_a_datasource_variable():
 
 N_REQUESTS = 16  # after a warm-up of 4
 N_CONSTRAINED = 2  # structured-output requests after them (1 after the warm-up)
+CONSTRAINED_SERIES = ("structured_output_requests_total", "grammar_compile_seconds_count")  # +1 per request
 # 4 running sequences per replica already preempt. Speculative decoding feeds the spec_decode_*
 # series: the model drafts for itself (a draft model with its own KV cache), so every draft is
 # accepted and every position counted (a random-weight model never repeats itself: n-gram drafts,
@@ -601,12 +602,15 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
     def run_workload(n_requests: int, tags: list[str], max_tokens: int | None = None) -> tuple[int, int]:
         tokens, n = asyncio.run(workload(base_url, n_requests, max_tokens))
         for tag in tags:  # one at a time, each scraped before the next: whichever replica serves them,
-            # a structured-output series that already had a sample grows (what rate() counts)
-            before = prom.scalar("sum(ray_cb_serve_structured_output_requests_total)") or 0
+            # a structured-output series that already had a sample grows (what rate() counts). The
+            # request counter and the compile histogram are exported apart: both are waited for, or
+            # two compiles can reach a replica's first export together (a series without an increase).
+            before = [prom.scalar(f"sum(ray_cb_serve_{s})") or 0 for s in CONSTRAINED_SERIES]
             more_tokens, more = asyncio.run(constrained_workload(base_url, [tag]))
             tokens, n = tokens + more_tokens, n + more
-            wait_for("Prometheus to see a constrained request", lambda b=before: prom.scalar(
-                "sum(ray_cb_serve_structured_output_requests_total)") == b + 1, timeout=90)  # fmt: skip
+            wait_for("Prometheus to see a constrained request and its compile", lambda b=before: all(
+                prom.scalar(f"sum(ray_cb_serve_{s})") == v + 1 for s, v in zip(CONSTRAINED_SERIES, b)
+            ), timeout=90)  # fmt: skip
         return tokens, n
 
     # Series appear at their first sample and rate() counts only increases after it: a warm-up
