@@ -26,6 +26,7 @@ from torch import nn
 
 from cb_serve import StepStats
 from cb_serve.benchmarks.report import log
+from cb_serve.model_executor.layers.embedding import VocabParallelEmbedding
 from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.stats import ExpertLoad
@@ -109,6 +110,8 @@ def weight_bytes(
     for module in model.modules():
         if isinstance(module, Linear):
             total += module.bytes_read(num_logit_rows if module is lm_head else num_tokens)
+        elif isinstance(module, VocabParallelEmbedding):
+            total += module.bytes_read(num_tokens)
         elif isinstance(module, nn.Embedding):
             total += num_tokens * module.embedding_dim * module.weight.element_size()
         elif isinstance(module, FusedMoE):

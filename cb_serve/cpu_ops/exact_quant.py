@@ -126,6 +126,29 @@ def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     return _with_scales(groups, q.permute(0, 2, 3, 1), TILE_COLS)  # rows: [t, g, k, col]
 
 
+SCALE_COUNTS = {768: 2, 1152: 1, 1280: 2}  # bytes per tile and group -> float32 scale vectors before the rows
+
+
+def decode_weight_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``[len(rows), K]``: the weight rows (output columns) ``rows`` of a
+    ``pack_decode_weight_quantized`` layout, the values ``decode_gemm`` multiplies (``fma(d, q, m)``, with
+    ``d * q`` exact: ``d * q + m`` is the same float32) and so the float32 weight the groups came from. Reads
+    only those rows' bytes: an embedding lookup or a few rows' norms without a float32 copy."""
+    tiles, num_groups, group_bytes = packed.shape
+    scale_count = SCALE_COUNTS[group_bytes]
+    tile, col = rows // TILE_COLS, rows % TILE_COLS
+    scales = packed[..., : scale_count * 128].view(torch.float32).view(tiles, num_groups, scale_count, TILE_COLS)
+    s = scales[tile, :, :, col]  # [R, G, scale_count]
+    if packed.dtype == torch.uint8:  # 4 bits: byte j holds column j (low nibble) and j + 16 (high nibble)
+        q = packed[..., 256:].view(tiles, num_groups, GROUP, TILE_COLS // 2)[tile, :, :, col % 16]
+        q = torch.where((col < 16)[:, None, None], q & 15, q >> 4).float()
+        return torch.addcmul(s[..., 1:2], s[..., 0:1], q).flatten(1)
+    q = packed[..., scale_count * 128 :].view(tiles, num_groups, GROUP, TILE_COLS)[tile, :, :, col].float()
+    if scale_count == 1:
+        return (s * q).flatten(1)
+    return torch.cat([s[..., :1] * q[..., :16], s[..., 1:] * q[..., 16:]], dim=-1).flatten(1)
+
+
 def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
     """The layout ``amx_gemm`` reads, per tile of 16 output columns and group of 32 inputs: ``d[16]`` (and
     for 4 bits ``m[16]``) as float32, then q as 16 VNNI rows of 32 values (input pair, column, pair member):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 import functools
+import gc
 import importlib.util
 import logging
 import os
@@ -270,5 +273,14 @@ def load_model(
     if device.type == "cpu":
         with weight_cache.cached_quant_groups() if source.gguf_file else contextlib.nullcontext():
             model.prepare_for_cpu()
+        _return_freed_heap()  # the loading copies and the float32 weights low-bit ones replaced
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)
+
+
+def _return_freed_heap() -> None:
+    """Gives the heap's freed pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing): what
+    loading freed otherwise stays resident in the process's arenas."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

@@ -5,6 +5,8 @@ as accurate as a float32 GEMM."""
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,10 @@ from gguf import GGMLQuantizationType, quants
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant, group_recovery
 from cb_serve.cpu_ops.kernel_choice import kernel_choice
+from cb_serve.distributed.group import TensorParallelGroup
+from cb_serve.model_executor.layers.embedding import VocabParallelEmbedding
 from cb_serve.model_executor.layers.linear import DECODE_MAX_ROWS, Linear
+from cb_serve.model_executor.layers.low_bit_linear import EXACT_LOW_BIT
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
 needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 here (or its kernel did not build)")
@@ -138,7 +143,7 @@ def test_decode_gemm_on_low_bits_is_bit_identical_to_float32(shape, qtype):
 
 
 @needs_kernels
-def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
+def test_linear_keeps_only_4_bits_for_a_q4_weight_and_float32_otherwise():
     q4_layer, fp32_layer = Linear(576, 200, bias=True), Linear(576, 200, bias=True)
     with torch.no_grad():
         q4_layer.weight.copy_(gguf_weight(200, 576, Q4_1))
@@ -146,27 +151,30 @@ def test_linear_keeps_4_bits_for_a_q4_weight_and_float32_otherwise():
         fp32_layer.bias.copy_(q4_layer.bias)
     weight, bias = q4_layer.weight.detach().clone(), q4_layer.bias.detach().clone()
     q4_layer.prepare_for_cpu(pack=True)
-    assert q4_layer.decode_weight.dtype == torch.uint8
+    assert q4_layer.decode_weight.dtype == torch.uint8 and q4_layer.method is EXACT_LOW_BIT
+    assert q4_layer.weight.numel() == 0  # the float32 copy dropped
     assert (q4_layer.split_weight is not None) == uses_split_kernel()
+    assert q4_layer.bytes_read(1) == q4_layer.decode_weight.nbytes + bias.nbytes
     fp32_layer.decode_weight = cpu_ops.pack_decode_weight(fp32_layer.weight)
     with torch.inference_mode():
-        for rows in (1, 34, 300):  # from 13 rows on AMX where there is one; 300 rows else on MKL
+        for rows in (1, 34, 300, 600):  # from 13 rows on AMX where there is one; else decode_gemm, 256 at a time
             x = torch.randn(rows, 576)
             torch.testing.assert_close(q4_layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-            if rows < q4_layer.split_min_rows or (rows <= DECODE_MAX_ROWS and not uses_split_kernel()):
-                assert torch.equal(q4_layer(x), fp32_layer(x))
+            if rows < q4_layer.split_min_rows or not uses_split_kernel():
+                reference = cpu_ops.decode_gemm(x, cpu_ops.pack_decode_weight(weight), 200, bias)
+                assert torch.equal(q4_layer(x), reference)  # each row one FMA chain, whatever the batch
+        assert q4_layer(torch.randn(2, 3, 576)).shape == (2, 3, 200)
+        assert q4_layer(torch.randn(0, 576)).shape == (0, 200)
 
     plain = Linear(64, 32)
     plain.prepare_for_cpu(pack=True)
-    assert plain.decode_weight.dtype == torch.float32 and plain.split_weight is None
+    assert plain.decode_weight.dtype == torch.float32 and plain.split_weight is None and plain.weight.numel()
 
 
 @pytest.mark.bitwise
 @needs_kernels
-def test_linear_runs_a_q6_k_weight_from_8_bits_at_decode_sizes():
-    """Scales per 16 inputs: decode_gemm only (no split kernel), bit for bit the float32 path; MKL above (the
-    weight as the layer stores it, bit for bit; against a contiguous copy, another GEMM layout, within
-    float32 summation-order error)."""
+def test_linear_runs_a_q6_k_weight_from_8_bits_at_every_size():
+    """Scales per 16 inputs: decode_gemm only (no split kernel), bit for bit the float32 FMA chains."""
     layer = Linear(512, 96, bias=False)
     with torch.no_grad():
         layer.weight.copy_(gguf_weight(96, 512, Q6_K))
@@ -176,12 +184,35 @@ def test_linear_runs_a_q6_k_weight_from_8_bits_at_decode_sizes():
     assert layer.split_weight is None
     reference = cpu_ops.pack_decode_weight(weight)
     with torch.inference_mode():
-        for rows in (1, 17, DECODE_MAX_ROWS):
+        for rows in (1, 17, DECODE_MAX_ROWS, 300):
             x = torch.randn(rows, 512)
             assert torch.equal(layer(x), cpu_ops.decode_gemm(x, reference, 96, None))
-        x = torch.randn(DECODE_MAX_ROWS + 1, 512)
-        assert torch.equal(layer(x), F.linear(x, layer.weight))
-        torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.bitwise
+@needs_kernels
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_embedding_rows_come_from_the_low_bit_packing(qtype):
+    """``decode_weight_rows`` gives back the float32 rows bit for bit (every column position of a tile, a
+    partial last tile), and a tied embedding looks its rows up there once the head dropped its weight."""
+    n, k = shape_for((70, 64), qtype)
+    weight = gguf_weight(n, k, qtype, seed=7)
+    packed = exact_quant.pack_decode_weight_quantized(exact_quant.find_quant_groups(weight))
+    rows = torch.tensor([0, 1, 15, 16, 17, 31, 32, 63, 69, 5, 5])
+    assert torch.equal(exact_quant.decode_weight_rows(packed, rows), weight[rows])
+
+    shard = types.SimpleNamespace(vocab=range(n))  # one rank's whole vocabulary
+    embedding = VocabParallelEmbedding(shard, k, TensorParallelGroup.single())
+    head = Linear(k, n, bias=False)
+    head.weight = embedding.weight
+    with torch.no_grad():
+        embedding.weight.copy_(weight)
+    head.prepare_for_cpu(pack=True, transpose=False)
+    embedding.read_rows_from(head.decode_weight)
+    assert embedding.weight.numel() == 0 and head.weight.numel() == 0
+    ids = torch.tensor([[3, 69], [0, 31]])
+    assert torch.equal(embedding(ids), weight[ids])
+    assert embedding.bytes_read(4) == 4 * packed.nbytes // n
 
 
 @needs_kernels

@@ -29,7 +29,7 @@ needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 
 
 # (out, in) of the projections: tests' random Llama / Qwen2 / Mistral configs and SmolLM2-135M
 SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128), (960, 576), (576, 576), (3072, 576), (576, 1536)]
-ROWS = [1, 5, 8, 13, 64]  # the AVX2 build's row blocks: 6 x 16 columns, then 2 x 32, then 1 x 32
+ROWS = [1, 5, 8, 13, 24, 25, 64]  # AVX2 blocks: 6 x 16 columns, 2 x 32, 1 x 32; AVX-512: in registers up to 24
 
 
 def random_groups(n: int, k: int, bits: int, seed: int) -> exact_quant.QuantGroups:

@@ -24,6 +24,7 @@ import torch
 
 from cb_serve import cpu_ops
 from cb_serve.model_executor.layers.linear import Linear
+from cb_serve.model_executor.layers.low_bit_linear import weight_rows
 
 BF16_ROUNDING = 2.0**-8  # relative: round to nearest with 8 significant bits
 NORM_SLACK = 1.0 + 2.0**-10  # float32 norms' own rounding
@@ -46,9 +47,9 @@ class GreedyHead:
         assert lm_head.split_kernel == "amx" and lm_head.split_weight.dtype == torch.int8 and lm_head.bias is None
         assert 0 < vocab <= lm_head.out_features
         self.lm_head, self.vocab = lm_head, vocab
-        w = lm_head.weight.detach()
-        norms = torch.cat([torch.linalg.vector_norm(chunk, dim=1) for chunk in w.split(16384)])
-        self.max_norm = float(norms.max()) * NORM_SLACK
+        n = lm_head.out_features  # the norms of its float32 rows, from the low bits it keeps
+        chunks = (weight_rows(lm_head, torch.arange(s, min(s + 16384, n))) for s in range(0, n, 16384))
+        self.max_norm = float(max(torch.linalg.vector_norm(chunk, dim=1).max() for chunk in chunks)) * NORM_SLACK
 
     @classmethod
     def for_head(cls, lm_head: Linear, vocab: int) -> GreedyHead | None:

@@ -1,18 +1,15 @@
-"""``nn.Linear`` behind a linear-method seam (vLLM's ``LinearMethodBase``): a ``Linear`` holds its weight, a
-``LinearMethod`` decides how it is kept after loading and multiplied. ``UnquantizedLinearMethod`` (float
-weights) is the one today, with CPU fast paths for the batch sizes the engine runs; quantized checkpoints
-add methods beside it.
+"""``nn.Linear`` behind a linear-method seam (``linear_method.LinearMethod``, vLLM's ``LinearMethodBase``): a
+``Linear`` holds its weight, a method decides how it is kept after loading and multiplied.
+``UnquantizedLinearMethod`` (float weights) has CPU fast paths for the batch sizes the engine runs:
 
 - **Decode-sized batches** (up to ``DECODE_MAX_ROWS`` rows): MKL's float32 GEMM spends much of its
   time on packing and blocking made for large batches, so ``Linear.prepare_for_cpu`` keeps a copy
   of the weight packed for ``cpu_ops.decode_gemm`` (tiles of 32 output columns, each one contiguous
   stream, the next tile prefetched while the current one computes).
 - **Exactly low-bit weights** (dequantized GGUF Q4_1 / Q4_0 / Q4_K as 4 bits, Q8_0 / Q5_0 / Q6_K as 8,
-  recognized by ``cpu_ops.exact_quant``) are kept low-bit and dequantized per tile into the same
-  float32 values: a fraction of the memory traffic, the same results.
-- **Larger batches of low-bit weights** run a split-bf16 kernel where ``cpu_ops.kernel_choice`` picks one:
-  ``amx_gemm`` on AMX CPUs from ``AMX_MIN_ROWS`` rows up, ``bf16_gemm`` (AVX512-BF16) where it measured
-  faster than the float32 GEMM; both float32-accurate from the same 4/8 bits, prefill-sized batches included.
+  recognized by ``cpu_ops.exact_quant``) are handed to ``low_bit_linear.ExactLowBitLinearMethod``: kept
+  low-bit only (the float32 copy dropped), ``decode_gemm`` or a split-bf16 kernel at every batch size, the
+  same float32 values.
 - **Weights exact in bf16** (a bf16 checkpoint served in float32) are packed as bf16 for the experts' grouped
   GEMM with one group: decode rows on its FMA tiles (bit for bit ``decode_gemm`` on the float32 copy, half
   the bytes), larger batches on AMX tiles where ``kernel_choice`` picks AMX (float32-accurate).
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 
 import torch
@@ -36,10 +32,11 @@ from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
 from cb_serve.cpu_ops.kernel_choice import AMX_MIN_ROWS, kernel_choice
 from cb_serve.model_executor.layers.fused_experts import CpuExpertGemm
+from cb_serve.model_executor.layers.linear_method import LinearMethod
+from cb_serve.model_executor.layers.low_bit_linear import keep_low_bit
 
 __all__ = ["AMX_MIN_ROWS", "DECODE_MAX_ROWS", "Linear", "LinearMethod", "UnquantizedLinearMethod"]
 DECODE_MAX_ROWS = 64  # above this MKL's GEMM is as fast or faster
-SPLIT_KERNELS = {"amx": cpu_ops.amx_gemm, "avx512_bf16": cpu_ops.bf16_gemm}
 QuantGroupFinder = Callable[[torch.Tensor], "exact_quant.QuantGroups | None"]
 _FIND_QUANT_GROUPS: contextvars.ContextVar[QuantGroupFinder] = contextvars.ContextVar(
     "cb_serve_find_quant_groups", default=exact_quant.find_quant_groups
@@ -57,28 +54,14 @@ def quant_groups_from(finder: QuantGroupFinder) -> Iterator[None]:
         _FIND_QUANT_GROUPS.reset(token)
 
 
-class LinearMethod(ABC):
-    """How a ``Linear``'s weight is kept after loading and multiplied (vLLM's ``LinearMethodBase``). A method
-    keeps no state of its own: what it derives from the weight (packed copies) lives on the layer."""
-
-    @abstractmethod
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight^T + bias`` as ``layer`` keeps its weight."""
-
-    @abstractmethod
-    def process_weights_after_loading(self, layer: Linear, pack: bool, transpose: bool) -> None:
-        """Derive the layouts ``apply`` reads from the loaded weight (``pack``: the CPU kernels' copies;
-        ``transpose``: the weight stored transposed for plain NN GEMMs)."""
-
-    def bytes_read(self, layer: Linear, rows: int) -> int:
-        """Bytes of weight (and bias) that ``apply`` streams for a batch of ``rows`` rows."""
-        bias = 0 if layer.bias is None else layer.bias.nbytes
-        return layer.weight.nbytes + bias
+def find_quant_groups(weight: torch.Tensor) -> exact_quant.QuantGroups | None:
+    """``weight``'s exact low-bit groups, from the finder in effect (``quant_groups_from``)."""
+    return _FIND_QUANT_GROUPS.get()(weight)
 
 
 class UnquantizedLinearMethod(LinearMethod):
     """Float weights: ``F.linear``, and on CPU the packed copies ``process_weights_after_loading`` adds for
-    decode-sized batches, exactly low-bit weights and weights exact in bf16 (the module docstring)."""
+    decode-sized batches and weights exact in bf16 (the module docstring)."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
@@ -88,9 +71,6 @@ class UnquantizedLinearMethod(LinearMethod):
             min_rows = CpuExpertGemm.AMX_MIN_ROWS if amx else None
             weight, n = layer.bf16_weight, layer.out_features
             return cpu_ops.grouped_gemm(x.contiguous(), offsets, weight, n, layer.bias, min_rows)
-        if layer.split_weight is not None and rows >= layer.split_min_rows:
-            kernel = SPLIT_KERNELS[layer.split_kernel]
-            return kernel(x.contiguous(), layer.split_weight, layer.out_features, layer.bias)
         if layer.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
             return cpu_ops.decode_gemm(x.contiguous(), layer.decode_weight, layer.out_features, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
@@ -98,8 +78,6 @@ class UnquantizedLinearMethod(LinearMethod):
     def bytes_read(self, layer: Linear, rows: int) -> int:
         if layer.bf16_weight is not None and 0 < rows and (rows <= DECODE_MAX_ROWS or layer.split_kernel == "amx"):
             weight = layer.bf16_weight
-        elif layer.split_weight is not None and rows >= layer.split_min_rows:
-            weight = layer.split_weight
         elif layer.decode_weight is not None and 0 < rows <= DECODE_MAX_ROWS:
             weight = layer.decode_weight
         else:
@@ -108,24 +86,20 @@ class UnquantizedLinearMethod(LinearMethod):
         return weight.nbytes + bias
 
     def process_weights_after_loading(self, layer: Linear, pack: bool, transpose: bool) -> None:
-        """``pack``: add the packed copy for ``decode_gemm`` (float32 only): 4 or 8 bits per weight when the
-        weight is exactly a dequantized GGUF one of the formats ``cpu_ops.exact_quant`` knows, else a second
-        float32 copy; for such a low-bit weight, where ``kernel_choice()`` picks a split-bf16 kernel (and it
-        takes the weight's groups: not Q6_K's scales per 16), also the layout it runs larger batches from.
+        """``pack`` (float32 only): a weight that is exactly a dequantized GGUF one of the formats
+        ``cpu_ops.exact_quant`` knows goes to ``low_bit_linear.keep_low_bit`` (kept as its 4 or 8 bits only);
+        a weight exact in bf16 is packed as bf16; any other gets a second float32 copy for ``decode_gemm``.
         ``transpose``: store the weight transposed (still an ``[out, in]`` parameter) so ``F.linear`` runs an
         NN GEMM, ~10% faster on CPU; left off for a weight shared with an embedding (row lookups want the
         plain layout)."""
+        pack = pack and layer.weight.dtype == torch.float32 and cpu_ops.available()
+        if pack and (groups := find_quant_groups(layer.weight)) is not None:  # the loader's disk cache, maybe
+            keep_low_bit(layer, groups)  # the float32 weight dropped: low_bit_linear's method from now on
+            return
         if transpose:
             layer.weight.data = layer.weight.data.t().contiguous().t()
-        if pack and layer.weight.dtype == torch.float32 and cpu_ops.available():
-            groups = _FIND_QUANT_GROUPS.get()(layer.weight)  # exact_quant's, or the loader's disk cache of them
-            if groups is not None:
-                layer.decode_weight = exact_quant.pack_decode_weight_quantized(groups)
-                choice = kernel_choice()
-                if choice is not None and choice.split in SPLIT_KERNELS:
-                    layer.split_weight = exact_quant.pack_amx_weight(groups)  # None: decode_gemm, then F.linear
-                    layer.split_kernel, layer.split_min_rows = choice.split, choice.split_min_rows
-            elif cpu_ops.exact_in_bf16(layer.weight):
+        if pack:
+            if cpu_ops.exact_in_bf16(layer.weight):
                 layer.bf16_weight = cpu_ops.pack_expert_weight(layer.weight[None])
                 choice = kernel_choice()
                 layer.split_kernel = "amx" if choice is not None and choice.split == "amx" else "mkl"
@@ -141,7 +115,7 @@ class Linear(nn.Linear):
     default); the packed copies a method derives live here, beside the weight."""
 
     decode_weight: torch.Tensor | None = None
-    split_weight: torch.Tensor | None = None  # exact_quant.pack_amx_weight's layout, for split_kernel
+    split_weight: torch.Tensor | None = None  # exact_quant.pack_amx_weight's layout, for split_kernel (low-bit)
     bf16_weight: torch.Tensor | None = None  # cpu_ops.pack_expert_weight's bf16 layout, one group
     split_kernel: str = "mkl"
     split_min_rows: int = 0

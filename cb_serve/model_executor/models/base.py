@@ -25,7 +25,8 @@ from cb_serve.model_executor.layers.attention import AttentionSpec
 from cb_serve.model_executor.layers.checkpoint import LazyTensor, copy_parts
 from cb_serve.model_executor.layers.embedding import VocabParallelEmbedding
 from cb_serve.model_executor.layers.greedy_head import GreedyHead
-from cb_serve.model_executor.layers.linear import Linear
+from cb_serve.model_executor.layers.linear import Linear, find_quant_groups
+from cb_serve.model_executor.layers.low_bit_linear import EXACT_LOW_BIT
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.layers.rotary import Rope
 from cb_serve.model_executor.models.decoder import DecoderLayer
@@ -148,7 +149,9 @@ class CausalLM(nn.Module):
     def prepare_for_cpu(self) -> None:
         """CPU weight layouts (``Linear.prepare_for_cpu``) for every projection: stored transposed (plain NN
         GEMMs at prefill sizes) and, with the C++ kernels, packed for ``decode_gemm``; each MoE block prepares
-        its own experts and shared expert. A tied LM head keeps the embedding's layout."""
+        its own experts and shared expert. A tied LM head keeps the embedding's layout. Exactly-low-bit weights
+        keep only their groups (``low_bit_linear``), an exactly-low-bit embedding too (its own, or a tied LM
+        head's)."""
         pack = self.use_cpu_ops
         blocks = [m for m in self.layers.modules() if isinstance(m, FusedMoE)]
         inside = {id(m) for block in blocks for m in block.modules()}
@@ -162,3 +165,7 @@ class CausalLM(nn.Module):
             linear.prepare_for_cpu(pack=pack)
         tied = self.lm_head.weight is self.embed_tokens.weight
         self.lm_head.prepare_for_cpu(pack=pack, transpose=not tied)
+        if pack and tied and self.lm_head.method is EXACT_LOW_BIT:  # the head's low bits are the rows
+            self.embed_tokens.read_rows_from(self.lm_head.decode_weight)
+        elif pack and not tied and self.embed_tokens.weight.dtype == torch.float32:
+            self.embed_tokens.prepare_for_cpu(find_quant_groups(self.embed_tokens.weight))

@@ -1,0 +1,180 @@
+// The exactly-low-bit weight groups decode_gemm reads (cpu_ops/exact_quant.py's packing): their layout,
+// their dequantization into float32 tiles, and (AVX-512) a row block that dequantizes them in registers.
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace lowbit {
+
+constexpr int64_t kCols = 32;  // output columns per tile
+
+#if defined(__AVX512F__)
+// Input k's 32 values of a group as float32, columns 0-15 and 16-31.
+template <bool FourBit>
+inline void q_row(const uint8_t* q, int64_t k, __m512& q0, __m512& q1) {
+  if constexpr (FourBit) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
+    q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
+    q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  } else {
+    const __m128i* bytes = reinterpret_cast<const __m128i*>(q + k * 32);
+    q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+    q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1)));
+  }
+}
+#endif
+
+// Exactly-low-bit weights (cpu_ops/exact_quant.py), per tile and group of 32 inputs: the float32
+// scales d[32] of the tile's 32 columns (4-bit: then offsets m[32]; 8-bit with a scale per 16 inputs: then
+// the second half's scales d2[32]), then one row per input: 4-bit as 16 bytes, byte j holding column j in
+// its low nibble and column j + 16 in its high nibble; 8-bit as 32 signed bytes. d * q is exact for 4 bits,
+// so fma(d, q, m) is the float32 weight the packing started from (for 8 bits fma(d, q, 0) is the rounded
+// product the weight was checked against) and the GEMM is bit for bit the float32 one.
+constexpr int64_t kGroup = 32;
+enum Kind { kQ4 = 0, kQ8 = 1, kQ8x2 = 2 };  // 4-bit; 8-bit, one scale per 32 inputs; per 16 (Q6_K)
+constexpr int64_t kQ4GroupBytes = 2 * kCols * 4 + kGroup * kCols / 2;
+constexpr int64_t kQ8GroupBytes = kCols * 4 + kGroup * kCols;
+constexpr int64_t kQ8x2GroupBytes = 2 * kCols * 4 + kGroup * kCols;
+constexpr int64_t group_bytes(Kind kind) {
+  return kind == kQ4 ? kQ4GroupBytes : kind == kQ8 ? kQ8GroupBytes : kQ8x2GroupBytes;
+}
+
+// Dequantizes `groups` groups of a tile, starting at `packed`, into `tile` ([groups * 32, 32] float32, the
+// layout of pack_decode_weight).
+template <Kind K>
+void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
+  constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
+  constexpr int64_t bytes = group_bytes(K);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = packed + g * bytes;
+    const float* d = reinterpret_cast<const float*>(group);
+    const float* m = d + kCols;  // 4-bit: offsets; two scales: the second half's scales
+    const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
+    float* rows = tile + g * kGroup * kCols;
+#if defined(__AVX512F__)
+    _mm_prefetch((const char*)(group + 4 * bytes), _MM_HINT_T0);
+    __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+    const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
+    const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < kGroup; ++k) {
+      if (TwoScales && k == kGroup / 2) {
+        d0 = _mm512_loadu_ps(m);
+        d1 = _mm512_loadu_ps(m + 16);
+      }
+      __m512 q0, q1;
+      q_row<FourBit>(q, k, q0, q1);
+      _mm512_storeu_ps(rows + k * kCols, _mm512_fmadd_ps(d0, q0, m0));
+      _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (int64_t line = 0; line < bytes; line += 64)  // every line of the group 4 ahead
+      _mm_prefetch((const char*)(group + 4 * bytes + line), _MM_HINT_T0);
+    __m256 dv[4], mv[4];  // in registers: stores to `rows` would otherwise force reloads
+    for (int c = 0; c < 4; ++c) {
+      dv[c] = _mm256_loadu_ps(d + 8 * c);
+      mv[c] = FourBit ? _mm256_loadu_ps(m + 8 * c) : _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < kGroup; ++k) {
+      if (TwoScales && k == kGroup / 2)
+        for (int c = 0; c < 4; ++c) dv[c] = _mm256_loadu_ps(m + 8 * c);
+      __m256i words[4];  // columns 0-7, 8-15, 16-23, 24-31
+      if constexpr (FourBit) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+        const __m256i low = _mm256_cvtepu8_epi32(bytes), high = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+        words[0] = _mm256_and_si256(low, _mm256_set1_epi32(0xF));
+        words[1] = _mm256_and_si256(high, _mm256_set1_epi32(0xF));
+        words[2] = _mm256_srli_epi32(low, 4);
+        words[3] = _mm256_srli_epi32(high, 4);
+      } else {
+        for (int c = 0; c < 4; ++c)
+          words[c] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 32 + 8 * c)));
+      }
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_ps(rows + k * kCols + 8 * c, _mm256_fmadd_ps(dv[c], _mm256_cvtepi32_ps(words[c]), mv[c]));
+    }
+#else
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const float* dk = TwoScales && k >= kGroup / 2 ? m : d;
+      for (int64_t c = 0; c < kCols; ++c) {
+        float value;
+        if constexpr (FourBit) {
+          const uint8_t byte = q[k * 16 + c % 16];
+          value = static_cast<float>(c < 16 ? byte & 0xF : byte >> 4);
+        } else {
+          value = static_cast<float>(static_cast<int8_t>(q[k * 32 + c]));
+        }
+        rows[k * kCols + c] = std::fma(dk[c], value, FourBit ? m[c] : 0.f);
+      }
+    }
+#endif
+  }
+}
+
+void dequantize(Kind kind, const uint8_t* packed, int64_t groups, float* tile) {
+  switch (kind) {
+    case kQ4: return dequantize_groups<kQ4>(packed, groups, tile);
+    case kQ8: return dequantize_groups<kQ8>(packed, groups, tile);
+    case kQ8x2: return dequantize_groups<kQ8x2>(packed, groups, tile);
+  }
+}
+
+#if defined(__AVX512F__)
+// out[r, 0:cols] = the rows' accumulators (+ bias), columns past `cols` left alone.
+template <int Rows>
+inline void store_rows(const __m512* lo, const __m512* hi, float* out, int64_t ld_out, int64_t cols, const float* bias) {
+  const __mmask16 m0 = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? (__mmask16)0xFFFF : cols <= 16 ? (__mmask16)0 : (__mmask16)((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_mask_storeu_ps(out + r * ld_out, m0, _mm512_add_ps(lo[r], b0));
+    _mm512_mask_storeu_ps(out + r * ld_out + 16, m1, _mm512_add_ps(hi[r], b1));
+  }
+}
+
+// Rows rows over one low-bit tile (`packed`: its k_dim / 32 groups), dequantized in registers: each input's
+// 32 weights are fma(d, q, m), dequantize_groups' values, and each output the FMA chain over k in order
+// that decode_gemm runs over the dequantized tile: the same bits, without the tile's round trip through
+// memory (what bounds one decode row).
+template <int Rows, Kind K>
+void lowbit_block(const float* x, int64_t k_dim, const uint8_t* packed, float* out, int64_t ld_out, int64_t cols,
+                  const float* bias) {
+  constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
+  constexpr int64_t bytes = group_bytes(K);
+  __m512 lo[Rows], hi[Rows];
+  for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+    const uint8_t* group = packed + g * bytes;
+    const float* d = reinterpret_cast<const float*>(group);
+    const float* m = d + kCols;
+    const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)(group + 8 * bytes + line), _MM_HINT_T0);
+    __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+    const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
+    const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
+    const float* xg = x + g * kGroup;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      if (TwoScales && k == kGroup / 2) {
+        d0 = _mm512_loadu_ps(m);
+        d1 = _mm512_loadu_ps(m + 16);
+      }
+      __m512 q0, q1;
+      q_row<FourBit>(q, k, q0, q1);
+      const __m512 w0 = _mm512_fmadd_ps(d0, q0, m0), w1 = _mm512_fmadd_ps(d1, q1, m1);
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 a = _mm512_set1_ps(xg[r * k_dim + k]);
+        lo[r] = _mm512_fmadd_ps(a, w0, lo[r]);
+        hi[r] = _mm512_fmadd_ps(a, w1, hi[r]);
+      }
+    }
+  }
+  store_rows<Rows>(lo, hi, out, ld_out, cols, bias);
+}
+#endif
+
+}  // namespace lowbit
