@@ -181,6 +181,8 @@ class EngineStats:
     lora_evictions: int = 0
     lora_adapters_loaded: int = 0
     cpu_kernels: str = ""  # the CPU GEMM kernels (cpu_ops.kernel_choice's label); empty on other devices
+    # the driver rank's resident weight bytes by format (model_executor.weight_bytes), fixed at load
+    weight_bytes: dict[str, int] = field(default_factory=dict)
     num_triton_compiles: int = 0  # Triton kernel variants compiled so far (GPU engines; ``jit_compiles``)
     # Recurrent layers (hybrid models): state slots held by running sequences, of max_num_seqs (0 and 0 otherwise)
     state_slots_used: int = 0

@@ -32,6 +32,8 @@ from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
 from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.model_executor.warm_up import warm_up
+from cb_serve.model_executor.weight_bytes import describe as describe_weight_bytes
+from cb_serve.model_executor.weight_bytes import weight_bytes_by_format
 from cb_serve.reasoning import HarmonyReasoningEnd, reasoning_parser
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
@@ -59,6 +61,7 @@ class EngineParts:
     inspector: Inspector | None
     faults: FaultInjector | None
     cpu_kernels: str  # the CPU GEMM kernels' label; empty on other devices
+    weight_bytes: dict[str, int]  # the driver rank's resident weights by format (weight_bytes.py)
 
 
 def per_rank_config(hf_config, tensor_parallel_size: int, device: torch.device):
@@ -132,9 +135,12 @@ def build(config: EngineConfig) -> EngineParts:
     processor = InputProcessor(tokenizer, setup.max_model_len, vocab_size, eos, config)
     choice = kernel_choice() if setup.device.type == "cpu" else None
     faults = FaultInjector.from_config(config.fault_injection)
+    weights = weight_bytes_by_format(runner.model)
+    ranks = f" (rank 0 of {config.tensor_parallel_size})" if config.tensor_parallel_size > 1 else ""
+    logger.info("Model weights%s: %s", ranks, describe_weight_bytes(weights))
     return EngineParts(
         config, setup, tokenizer, processor, executor, block_manager, scheduler, structured, speculator, lora,
-        inspector, faults, choice.label if choice is not None else "",
+        inspector, faults, choice.label if choice is not None else "", weights,
     )  # fmt: skip
 
 

@@ -73,6 +73,7 @@ class EngineCore:
             parts.lora,
             self.inspector,
             parts.cpu_kernels,
+            parts.weight_bytes,
         )
         self.consecutive_step_failures = 0
         speculating = not isinstance(self.speculator, NoSpeculation)

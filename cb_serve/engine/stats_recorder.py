@@ -49,9 +49,11 @@ class StatsRecorder:
         lora: LoRAManager | None,
         inspector: Inspector | None,
         cpu_kernels: str,
+        weight_bytes: dict[str, int],
     ) -> None:
         self.scheduler, self.outputs, self.structured = scheduler, outputs, structured
         self.speculator, self.lora, self.inspector, self.cpu_kernels = speculator, lora, inspector, cpu_kernels
+        self.weight_bytes = weight_bytes
         self.listeners: tuple[StepListener, ...] = ()
         self.ended_since_step: list[str] = []
         self.num_steps = self.num_failed_steps = self.num_failed_requests = self.max_batch_seqs = 0
@@ -143,6 +145,7 @@ class StatsRecorder:
             num_requests_waiting_grammar=num_waiting_grammar,
             num_constrained_requests=self.structured.num_constrained_requests,
             cpu_kernels=self.cpu_kernels,
+            weight_bytes=self.weight_bytes,
             num_triton_compiles=0 if self.cpu_kernels else num_triton_compiles(),
             **lora,
         )

@@ -59,6 +59,11 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "kv_cache_usage_perc": ("gauge", "Fraction of KV-cache blocks in use (0 to 1)."),
     "kv_cache_blocks_used": ("gauge", "KV-cache blocks in use."),
     "kv_cache_blocks_total": ("gauge", "KV-cache blocks of the replica."),
+    "model_weight_bytes": (
+        "gauge",
+        "Bytes of model weights resident in the replica (its driver rank), by the format kept (label format: "
+        "float32, bfloat16, q4_groups, q8_groups, ...).",
+    ),
     "state_slots_used": ("gauge", "Recurrent layers (hybrid models): state slots held by running sequences."),
     "state_slots_total": ("gauge", "Recurrent layers: state slots (max_num_seqs; 0 without recurrent layers)."),
     "prompt_tokens": ("counter", "Prompt tokens of requests that produced their first token (once per request)."),
@@ -122,6 +127,7 @@ EXTRA_TAGS = {
     "request_success": ("finished_reason", "lora_name"),
     "spec_decode_num_accepted_tokens_per_pos": ("position",),
     "cpu_kernels_info": ("kernels",),
+    "model_weight_bytes": ("format",),
     "moe_expert_tokens": ("expert",),
 }
 ROUTER_METRICS: dict[str, tuple[str, str]] = {
@@ -341,6 +347,8 @@ class EngineMetrics:
         m["lora_adapters_loaded"].set(s.lora_adapters_loaded)
         if s.cpu_kernels:
             m["cpu_kernels_info"].set(1, tags={"kernels": s.cpu_kernels})
+        for fmt, nbytes in s.weight_bytes.items():
+            m["model_weight_bytes"].set(nbytes, tags={"format": fmt})
         for name, field in _COUNTER_FIELDS.items():
             value = getattr(s, field)
             if value > self._counted[name]:

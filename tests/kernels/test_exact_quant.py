@@ -20,6 +20,7 @@ from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.model_executor.layers.embedding import VocabParallelEmbedding
 from cb_serve.model_executor.layers.linear import DECODE_MAX_ROWS, Linear
 from cb_serve.model_executor.layers.low_bit_linear import EXACT_LOW_BIT
+from cb_serve.model_executor.weight_bytes import weight_bytes_by_format
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
 needs_amx = pytest.mark.skipif(not cpu_ops.amx_available(), reason="no AMX-BF16 here (or its kernel did not build)")
@@ -228,6 +229,11 @@ def test_the_default_model_decodes_from_4_bit_weights(smol_llm):
     assert all(linear.decode_weight.dtype == torch.uint8 for linear in projections)
     assert model.lm_head.decode_weight.dtype == torch.int8
     assert all((linear.split_weight is not None) == uses_split_kernel() for linear in [*projections, model.lm_head])
+    # Kept low-bit only: no float32 copy of any projection or of the tied embedding / LM head.
+    weights = smol_llm.engine.get_stats().weight_bytes
+    assert weights == weight_bytes_by_format(model)
+    assert weights["q4_groups"] > weights["q8_groups"] / 2 > 0 and weights["float32"] < weights["q4_groups"] / 100
+    assert model.embed_tokens.weight.numel() == 0
 
 
 @needs_amx

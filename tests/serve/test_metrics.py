@@ -134,6 +134,8 @@ def test_engine_metrics_record_what_the_clients_saw(random_model_dir):
     if stats.cpu_kernels:  # the C++ kernels built: the kernel choice is a label
         kernels = (("kernels", stats.cpu_kernels), ("model", "tiny"), ("model_name", "tiny"))
         assert set(m["cpu_kernels_info"].values) == {kernels}
+    weights = {dict(tags)["format"]: values[-1] for tags, values in m["model_weight_bytes"].values.items()}
+    assert weights == stats.weight_bytes and weights["float32"] > 0  # a random float32 model
 
 
 def test_an_aborted_request_is_forgotten(random_model_dir):

@@ -15,23 +15,19 @@ An embedding tied to such a head reads its rows from the same packing (``exact_q
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
 from cb_serve.cpu_ops.kernel_choice import kernel_choice
 from cb_serve.model_executor.layers.linear_method import LinearMethod
 
-if TYPE_CHECKING:
-    from cb_serve.model_executor.layers.linear import Linear
-
 SPLIT_KERNELS = {"amx": cpu_ops.amx_gemm, "avx512_bf16": cpu_ops.bf16_gemm}
 CHUNK_ROWS = 256  # decode_gemm's rows per call above decode sizes: their activations stay in L2
 
 
-def keep_low_bit(layer: Linear, groups: exact_quant.QuantGroups) -> None:
+def keep_low_bit(layer: nn.Linear, groups: exact_quant.QuantGroups) -> None:
     """Packs ``groups`` (``layer``'s weight, bit for bit) for ``decode_gemm`` and, where ``kernel_choice()``
     picks a split-bf16 kernel that takes them (not Q6_K's scales per 16), for it; then drops the float32
     weight (an empty tensor of its dtype: nothing reads it again) and hands ``layer`` to
@@ -45,7 +41,7 @@ def keep_low_bit(layer: Linear, groups: exact_quant.QuantGroups) -> None:
     layer.method = EXACT_LOW_BIT
 
 
-def weight_rows(layer: Linear, rows: torch.Tensor) -> torch.Tensor:
+def weight_rows(layer: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
     """float32 rows ``rows`` of ``layer``'s weight, from its low-bit packing (``keep_low_bit``)."""
     return exact_quant.decode_weight_rows(layer.decode_weight, rows)
 
@@ -54,7 +50,7 @@ class ExactLowBitLinearMethod(LinearMethod):
     """``x @ weight^T + bias`` from the packed groups ``keep_low_bit`` left (a ``LinearMethod``; the
     weights were processed when the layer was handed to it)."""
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.float32 and x.device.type == "cpu", "low-bit weights take float32 on the CPU"
         shape, n = x.shape, layer.out_features
         x = x.reshape(-1, shape[-1]).contiguous()
@@ -70,10 +66,10 @@ class ExactLowBitLinearMethod(LinearMethod):
                 out[start : start + len(part)] = cpu_ops.decode_gemm(part, layer.decode_weight, n, layer.bias)
         return out.view(*shape[:-1], n)
 
-    def process_weights_after_loading(self, layer: Linear, pack: bool, transpose: bool) -> None:
+    def process_weights_after_loading(self, layer: nn.Linear, pack: bool, transpose: bool) -> None:
         """Nothing left to do: ``keep_low_bit`` packed the weight."""
 
-    def bytes_read(self, layer: Linear, rows: int) -> int:
+    def bytes_read(self, layer: nn.Linear, rows: int) -> int:
         split = layer.split_weight is not None and rows >= layer.split_min_rows
         weight = layer.split_weight if split else layer.decode_weight
         return weight.nbytes + (0 if layer.bias is None else layer.bias.nbytes)
