@@ -35,6 +35,7 @@ from cb_serve.cpu_ops.ops import (  # noqa: F401 (re-exported)
     decode_gemm_isa,
     fused_add_rms_norm,
     gelu_tanh_and_mul,
+    int8_tile_max,
     lora_apply,
     pack_decode_weight,
     paged_decode_attention,
@@ -66,6 +67,8 @@ EXTENSIONS = {
     "cb_serve_recurrent_ops": ("recurrent_ops.cpp", ["-ffp-contract=off"]),
     "cb_serve_gemm_ops": ("decode_gemm.cpp", ["-mprefer-vector-width=512"]),
     "cb_serve_lora_ops": ("lora_ops.cpp", ["-mprefer-vector-width=512"]),
+    # The greedy head's int16 first pass: its AVX512-VNNI body where -march=native has it, a stub elsewhere.
+    "cb_serve_greedy_ops": ("greedy_head.cpp", ["-mprefer-vector-width=512"]),
 }
 # Optional, x86-64 Linux only: AMX tile GEMM (amx_available()) and its AVX512-BF16 port (bf16_available()).
 AMX_EXTENSION = ("cb_serve_amx_ops", ("amx_gemm.cpp", "amx_experts.cpp"), ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"])
@@ -110,6 +113,7 @@ OPS = (
     "pack_decode_weight",
     "decode_gemm",
     "grouped_gemm",
+    "int8_tile_max",
     "lora_apply",
     "gated_delta_rule_decode",
     "mamba2_decode",
@@ -252,3 +256,9 @@ def decode_gemm_variant(isa: str) -> bool:
         BUILD_ERROR.append(str(e))
         logger.info("decode_gemm for %s unavailable (%s).", isa, e)
         return False
+
+
+@functools.cache
+def int8_tile_max_available() -> bool:
+    """``int8_tile_max`` runs here: the C++ kernels built for a CPU with AVX512-VNNI."""
+    return available() and bool(torch.ops.cb_serve.int8_tile_max_supported())

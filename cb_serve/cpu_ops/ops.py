@@ -166,6 +166,17 @@ def amx_pair_max(x: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Ten
     return out
 
 
+def int8_tile_max(xu: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 ``[M, tiles]``: per row and tile of 32 columns (those below ``vocab``; -inf where none), the
+    largest approximate logit ``sum_g d[g] * scales[:, g] * (xq_g . q_g)`` (each group's dot exact in int32)
+    from ``xu`` (int32 ``[M, G, 8]``: the bytes ``xq + 128``, xq in -127..127) and an 8-bit
+    ``pack_decode_weight_quantized`` layout (``int8_tile_max_available()`` only): the greedy head's first
+    pass without AMX."""
+    out = xu.new_empty(xu.shape[0], packed.shape[0], dtype=torch.float32)
+    torch.ops.cb_serve.int8_tile_max(out, xu, scales, packed, vocab)
+    return out
+
+
 def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``amx_gemm``'s product on AVX512-BF16 (``bf16_available()`` only), every partial sum exact: bit for bit
     ``exact_quant.split_gemm_reference``."""
