@@ -48,7 +48,7 @@ def paged_prefill_attention(
 ) -> bool:
     """Causal attention of sequences ``first_seq..`` (query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``,
     the last of the ``seq_lens[i]`` keys in the cache) into ``out``; False, with ``out`` untouched,
-    where the kernel does not apply (not float32 queries and cache, head_dim not 64 or 128, no
+    where the kernel does not apply (not float32 queries and cache, head_dim not 64, 128 or 256, no
     AVX-512)."""
     return torch.ops.cb_serve.paged_prefill_attention(
         out,

@@ -101,7 +101,7 @@ def test_attention_matches_reference(dtype, heads, kv_heads, head_dim, sliding_w
         (torch.float32, torch.float32, 4, 4, 32),  # the generic decode, the PyTorch prefill
         (torch.bfloat16, torch.bfloat16, 9, 3, 64),
         (torch.float32, torch.bfloat16, 9, 3, 64),  # a narrower cache
-        (torch.float32, torch.float32, 4, 1, 256),  # the wide kernel (Gemma 2/3)
+        (torch.float32, torch.float32, 4, 1, 256),  # the wide decode kernel (Gemma 2/3), the prefill kernel
     ],
 )
 def test_softcap_and_sinks_match_reference(
@@ -132,6 +132,7 @@ def test_softcap_and_sinks_match_reference(
     [
         (torch.float32, torch.float32, 64, True),
         (torch.float32, torch.float32, 128, True),
+        (torch.float32, torch.float32, 256, True),  # Gemma's heads: the V pass in two slices
         (torch.float32, torch.float32, 32, False),  # head_dim the kernel has no tiles for
         (torch.float32, torch.bfloat16, 64, False),  # a narrower cache: the reference reads unrounded K/V
         (torch.bfloat16, torch.bfloat16, 64, False),

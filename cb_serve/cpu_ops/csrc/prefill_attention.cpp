@@ -1,6 +1,6 @@
 // Causal attention of prefill chunks over the paged KV cache (their own new tokens already written
 // to it): flash-attention style tiles of 16 queries x 16 keys with an online softmax, float32
-// queries and cache, head_dim 64 or 128. One work item is a (sequence, KV head): its K and V rows
+// queries and cache, head_dim 64, 128 or 256 (Gemma). One work item is a (sequence, KV head): its K and V rows
 // are gathered once and reused by all of the KV head's query heads and 16-query blocks. A block's
 // queries are transposed so that one vector holds a key's scores against all 16 queries: the softmax
 // runs with the queries as lanes, with no horizontal reductions. Items run longest first under OpenMP's dynamic schedule.
@@ -43,6 +43,7 @@ template <int NV>
 void prefill_item(const PrefillProblem& p, const float* k_cache, const float* v_cache, int64_t s, int64_t kv_head,
                   std::vector<float>& keys, std::vector<float>& values) {
   constexpr int64_t D = 16 * NV;
+  constexpr int kSlice = NV < 8 ? NV : 8;  // vectors of the head per pass over V
   const int64_t q_start = p.cu_seqlens_q[s], q_len = p.cu_seqlens_q[s + 1] - q_start, k_len = p.seq_lens[s];
   const int64_t first_pos = k_len - q_len, padded = (k_len + kTile - 1) / kTile * kTile;
   keys.assign(padded * D, 0.f);  // [padded][D], this KV head's rows
@@ -119,30 +120,34 @@ void prefill_item(const PrefillProblem& p, const float* k_cache, const float* v_
         l = _mm512_fmadd_ps(l, r, sum);
         m = m_new;
         _mm512_store_ps(rescale, r);
-        // 4 rows at a time share each V row's loads (rows past `rows` have zero probabilities).
+        // 4 rows at a time share each V row's loads (rows past `rows` have zero probabilities), over slices
+        // of up to 8 vectors of the head (its accumulators in registers).
         for (int64_t first = 0; first < rows; first += 4) {
-          __m512 o[4][NV];
+          for (int64_t slice = 0; slice < NV; slice += kSlice) {
+            __m512 o[4][kSlice];
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i)
+            for (int i = 0; i < 4; ++i)
 #pragma GCC unroll 8
-            for (int j = 0; j < NV; ++j)
-              o[i][j] = _mm512_mul_ps(_mm512_load_ps(acc[first + i] + 16 * j), _mm512_set1_ps(rescale[first + i]));
-          for (int64_t t = 0; t < kTile; ++t) {
-            const float* v = values.data() + (k0 + t) * D;
-            __m512 vv[NV];
+              for (int j = 0; j < kSlice; ++j)
+                o[i][j] = _mm512_mul_ps(_mm512_load_ps(acc[first + i] + 16 * (slice + j)),
+                                        _mm512_set1_ps(rescale[first + i]));
+            for (int64_t t = 0; t < kTile; ++t) {
+              const float* v = values.data() + (k0 + t) * D + 16 * slice;
+              __m512 vv[kSlice];
 #pragma GCC unroll 8
-            for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+              for (int j = 0; j < kSlice; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) {
-              const __m512 w = _mm512_set1_ps(probs[t][first + i]);
+              for (int i = 0; i < 4; ++i) {
+                const __m512 w = _mm512_set1_ps(probs[t][first + i]);
 #pragma GCC unroll 8
-              for (int j = 0; j < NV; ++j) o[i][j] = _mm512_fmadd_ps(w, vv[j], o[i][j]);
+                for (int j = 0; j < kSlice; ++j) o[i][j] = _mm512_fmadd_ps(w, vv[j], o[i][j]);
+              }
             }
-          }
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i)
+            for (int i = 0; i < 4; ++i)
 #pragma GCC unroll 8
-            for (int j = 0; j < NV; ++j) _mm512_store_ps(acc[first + i] + 16 * j, o[i][j]);
+              for (int j = 0; j < kSlice; ++j) _mm512_store_ps(acc[first + i] + 16 * (slice + j), o[i][j]);
+          }
         }
       }
       alignas(64) float inv[kTile];
@@ -190,7 +195,8 @@ bool paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   const int64_t head_dim = q.size(2);
   // A narrower (bf16/fp16) cache stays with the PyTorch path, which attends over the new tokens'
   // unrounded K/V as the reference does.
-  if (q.scalar_type() != at::kFloat || k_cache.scalar_type() != at::kFloat || (head_dim != 64 && head_dim != 128))
+  if (q.scalar_type() != at::kFloat || k_cache.scalar_type() != at::kFloat ||
+      (head_dim != 64 && head_dim != 128 && head_dim != 256))
     return false;
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == at::kFloat, "out like q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with contiguous head rows");
@@ -215,7 +221,13 @@ bool paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
                                static_cast<float>(softcap), sinks ? sinks->data_ptr<float>() : nullptr};
   const float* k = k_cache.data_ptr<float>();
   const float* v = v_cache.data_ptr<float>();
-  head_dim == 64 ? run_prefill<4>(problem, k, v, first_seq, num_seqs) : run_prefill<8>(problem, k, v, first_seq, num_seqs);
+  if (head_dim == 64) {
+    run_prefill<4>(problem, k, v, first_seq, num_seqs);
+  } else if (head_dim == 128) {
+    run_prefill<8>(problem, k, v, first_seq, num_seqs);
+  } else {
+    run_prefill<16>(problem, k, v, first_seq, num_seqs);
+  }
   return true;
 #else
   return false;
