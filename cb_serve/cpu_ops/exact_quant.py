@@ -126,7 +126,8 @@ def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     return _with_scales(groups, q.permute(0, 2, 3, 1), TILE_COLS)  # rows: [t, g, k, col]
 
 
-SCALE_COUNTS = {768: 2, 1152: 1, 1280: 2}  # bytes per tile and group -> float32 scale vectors before the rows
+Q4_GROUP_BYTES, Q8_GROUP_BYTES, Q8X2_GROUP_BYTES = 768, 1152, 1280  # decode layout's bytes per tile and group
+SCALE_COUNTS = {Q4_GROUP_BYTES: 2, Q8_GROUP_BYTES: 1, Q8X2_GROUP_BYTES: 2}  # float32 scale vectors before the rows
 
 
 def decode_weight_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

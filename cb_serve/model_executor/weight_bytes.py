@@ -24,7 +24,7 @@ FORMATS = {
 
 def _kept_tensors(module: nn.Module) -> list[torch.Tensor]:
     """``module``'s own parameters and the tensors it keeps as plain attributes (packed copies)."""
-    own = [p for p in module.parameters(recurse=False)]
+    own = list(module.parameters(recurse=False))
     return own + [v for v in vars(module).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
 
 

@@ -17,12 +17,16 @@
 #include <cstdint>
 #include <limits>
 
+#include "lowbit_groups.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
 namespace {
 
-constexpr int64_t kCols = 32, kGroup = 32, kGroupBytes = kCols * 4 + kGroup * kCols;
+using lowbit::kCols;
+using lowbit::kGroup;
+constexpr int64_t kGroupBytes = lowbit::kQ8GroupBytes;
 constexpr int kRows = 12;  // rows per block: 24 int32 accumulators in registers
 
 // One block of `rows` rows over one tile: out[r] = the tile's largest approximate logit below `valid` columns.

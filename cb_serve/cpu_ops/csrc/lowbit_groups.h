@@ -44,34 +44,50 @@ constexpr int64_t group_bytes(Kind kind) {
   return kind == kQ4 ? kQ4GroupBytes : kind == kQ8 ? kQ8GroupBytes : kQ8x2GroupBytes;
 }
 
+#if defined(__AVX512F__)
+// row(k, w0, w1) for each input k of one group, in order: its 32 weights fma(d, q, m) (columns 0-15, 16-31),
+// with m = 0 for 8 bits and the second half's scales from input 16 on for scales per 16 inputs.
+template <Kind K, typename Row>
+inline void group_weights(const uint8_t* group, Row&& row) {
+  constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
+  const float* d = reinterpret_cast<const float*>(group);
+  const float* m = d + kCols;  // 4-bit: offsets; two scales: the second half's scales
+  const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
+  __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+  const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
+  const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kGroup; ++k) {
+    if (TwoScales && k == kGroup / 2) {
+      d0 = _mm512_loadu_ps(m);
+      d1 = _mm512_loadu_ps(m + 16);
+    }
+    __m512 q0, q1;
+    q_row<FourBit>(q, k, q0, q1);
+    row(k, _mm512_fmadd_ps(d0, q0, m0), _mm512_fmadd_ps(d1, q1, m1));
+  }
+}
+#endif
+
 // Dequantizes `groups` groups of a tile, starting at `packed`, into `tile` ([groups * 32, 32] float32, the
 // layout of pack_decode_weight).
 template <Kind K>
 void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
-  constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
   constexpr int64_t bytes = group_bytes(K);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group = packed + g * bytes;
-    const float* d = reinterpret_cast<const float*>(group);
-    const float* m = d + kCols;  // 4-bit: offsets; two scales: the second half's scales
-    const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
     float* rows = tile + g * kGroup * kCols;
 #if defined(__AVX512F__)
     _mm_prefetch((const char*)(group + 4 * bytes), _MM_HINT_T0);
-    __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
-    const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
-    const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
-    for (int64_t k = 0; k < kGroup; ++k) {
-      if (TwoScales && k == kGroup / 2) {
-        d0 = _mm512_loadu_ps(m);
-        d1 = _mm512_loadu_ps(m + 16);
-      }
-      __m512 q0, q1;
-      q_row<FourBit>(q, k, q0, q1);
-      _mm512_storeu_ps(rows + k * kCols, _mm512_fmadd_ps(d0, q0, m0));
-      _mm512_storeu_ps(rows + k * kCols + 16, _mm512_fmadd_ps(d1, q1, m1));
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
+    group_weights<K>(group, [rows](int64_t k, __m512 w0, __m512 w1) {
+      _mm512_storeu_ps(rows + k * kCols, w0);
+      _mm512_storeu_ps(rows + k * kCols + 16, w1);
+    });
+#else
+    constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
+    const float* d = reinterpret_cast<const float*>(group);
+    const float* m = d + kCols;  // 4-bit: offsets; two scales: the second half's scales
+    const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
+#if defined(__AVX2__) && defined(__FMA__)
     for (int64_t line = 0; line < bytes; line += 64)  // every line of the group 4 ahead
       _mm_prefetch((const char*)(group + 4 * bytes + line), _MM_HINT_T0);
     __m256 dv[4], mv[4];  // in registers: stores to `rows` would otherwise force reloads
@@ -111,7 +127,8 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
         rows[k * kCols + c] = std::fma(dk[c], value, FourBit ? m[c] : 0.f);
       }
     }
-#endif
+#endif  // AVX2
+#endif  // AVX-512
   }
 }
 
@@ -144,34 +161,20 @@ inline void store_rows(const __m512* lo, const __m512* hi, float* out, int64_t l
 template <int Rows, Kind K>
 void lowbit_block(const float* x, int64_t k_dim, const uint8_t* packed, float* out, int64_t ld_out, int64_t cols,
                   const float* bias) {
-  constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
   constexpr int64_t bytes = group_bytes(K);
   __m512 lo[Rows], hi[Rows];
   for (int r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < k_dim / kGroup; ++g) {
     const uint8_t* group = packed + g * bytes;
-    const float* d = reinterpret_cast<const float*>(group);
-    const float* m = d + kCols;
-    const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)(group + 8 * bytes + line), _MM_HINT_T0);
-    __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
-    const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
-    const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
     const float* xg = x + g * kGroup;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      if (TwoScales && k == kGroup / 2) {
-        d0 = _mm512_loadu_ps(m);
-        d1 = _mm512_loadu_ps(m + 16);
-      }
-      __m512 q0, q1;
-      q_row<FourBit>(q, k, q0, q1);
-      const __m512 w0 = _mm512_fmadd_ps(d0, q0, m0), w1 = _mm512_fmadd_ps(d1, q1, m1);
+    group_weights<K>(group, [&](int64_t k, __m512 w0, __m512 w1) {
       for (int r = 0; r < Rows; ++r) {
         const __m512 a = _mm512_set1_ps(xg[r * k_dim + k]);
         lo[r] = _mm512_fmadd_ps(a, w0, lo[r]);
         hi[r] = _mm512_fmadd_ps(a, w1, hi[r]);
       }
-    }
+    });
   }
   store_rows<Rows>(lo, hi, out, ld_out, cols, bias);
 }

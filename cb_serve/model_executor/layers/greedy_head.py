@@ -32,12 +32,12 @@ from abc import ABC, abstractmethod
 import torch
 
 from cb_serve import cpu_ops
+from cb_serve.cpu_ops import exact_quant
 from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.low_bit_linear import EXACT_LOW_BIT, weight_rows
 
 BF16_ROUNDING = 2.0**-8  # relative: round to nearest with 8 significant bits
 NORM_SLACK = 1.0 + 2.0**-10  # float32 norms' own rounding
-INT8_GROUP_BYTES = 1152  # decode_gemm's 8-bit groups with one scale per 32 inputs (not Q6_K's per 16)
 INT8_MIN_ROWS = 8  # below this the head streams from memory: the full path costs as much
 
 
@@ -70,8 +70,9 @@ class GreedyHead(ABC):
         split = lm_head.split_weight
         if split is not None and split.dtype == torch.int8 and lm_head.split_kernel == "amx":
             return AmxGreedyHead(lm_head, vocab)
-        packed = lm_head.decode_weight
-        if packed.dtype == torch.int8 and packed.shape[-1] == INT8_GROUP_BYTES and cpu_ops.int8_tile_max_available():
+        packed = lm_head.decode_weight  # 8 bits with one scale per 32 inputs (not Q6_K's per 16)
+        one_scale = packed.dtype == torch.int8 and packed.shape[-1] == exact_quant.Q8_GROUP_BYTES
+        if one_scale and cpu_ops.int8_tile_max_available():
             return Int8GreedyHead(lm_head, vocab)
         return None
 
