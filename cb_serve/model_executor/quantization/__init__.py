@@ -3,15 +3,19 @@ checkpoint's ``quant_method`` (``QUANTIZATION_METHODS``), or refuses one cb-serv
 
 from __future__ import annotations
 
+from cb_serve.model_executor.quantization.awq import AWQConfig
 from cb_serve.model_executor.quantization.base import QuantizationConfig, as_dict
 from cb_serve.model_executor.quantization.compressed_tensors import CompressedTensorsConfig
 from cb_serve.model_executor.quantization.fp8 import Fp8Config
+from cb_serve.model_executor.quantization.gptq import GPTQConfig
 from cb_serve.model_executor.quantization.mxfp4 import Mxfp4Config
 
 __all__ = [
     "QUANTIZATION_METHODS",
+    "AWQConfig",
     "CompressedTensorsConfig",
     "Fp8Config",
+    "GPTQConfig",
     "Mxfp4Config",
     "QuantizationConfig",
     "quantization_config",
@@ -21,6 +25,8 @@ QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
     "fp8": Fp8Config,
     "compressed-tensors": CompressedTensorsConfig,
     "mxfp4": Mxfp4Config,
+    "gptq": GPTQConfig,
+    "awq": AWQConfig,
 }
 
 
