@@ -117,8 +117,22 @@ class AttentionBackend(ABC):
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn  # copied as bytes: no FP8 index_copy_
+        for cache, x in zip(kv_cache, (k, v)):
+            x = to_cache_dtype(x, kv_cache.dtype)
+            cache, x = (cache.view(torch.uint8), x.view(torch.uint8)) if fp8 else (cache, x)
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the KV cache stores it: cast, and for an FP8 cache first saturated at +-448 (vLLM's
+    ``SATFINITE`` conversion; a plain cast would turn larger values into NaN), rounded to nearest even."""
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def host_to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:

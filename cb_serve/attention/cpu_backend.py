@@ -4,7 +4,7 @@ kernels that read K/V blocks in place instead of gathering them (``cb_serve/cpu_
 from __future__ import annotations
 
 from cb_serve import cpu_ops
-from cb_serve.attention.base import AttentionMetadata
+from cb_serve.attention.base import AttentionMetadata, to_cache_dtype
 from cb_serve.attention.torch_backend import NO_EXTRAS, Extras, TorchAttentionBackend
 
 
@@ -18,7 +18,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def write_kv(k, v, kv_cache, slot_mapping) -> None:
-        cpu_ops.write_kv(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache[0], kv_cache[1], slot_mapping)
+        dtype = kv_cache.dtype
+        cpu_ops.write_kv(to_cache_dtype(k, dtype), to_cache_dtype(v, dtype), kv_cache[0], kv_cache[1], slot_mapping)
 
     def decode(
         self,

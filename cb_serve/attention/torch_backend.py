@@ -15,7 +15,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     as ``[..., n * block_size, H, D]``. ``index_select`` over whole blocks is a row memcpy, several
     times faster than advanced indexing."""
     num_blocks, block_size, heads, head_dim = cache.shape
-    rows = cache.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
+    stored = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache  # (no FP8 index_select)
+    rows = stored.view(num_blocks, -1).index_select(0, block_ids.reshape(-1)).view(cache.dtype)
     return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, heads, head_dim)
 
 

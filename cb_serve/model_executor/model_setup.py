@@ -13,6 +13,7 @@ import torch
 from cb_serve.attention import get_attention_backend
 from cb_serve.attention.base import AttentionBackend
 from cb_serve.config import EngineConfig
+from cb_serve.config.engine import FP8_KV_CACHE_DTYPES
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.kv_cache_interface import KVCacheLayout
@@ -38,6 +39,13 @@ def resolve_device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.
     if config.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, getattr(torch, config.dtype)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's torch dtype for ``kv_cache_dtype`` (an ``EngineConfig`` name) under weights of ``dtype``."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return torch.float8_e4m3fn if kv_cache_dtype in FP8_KV_CACHE_DTYPES else getattr(torch, kv_cache_dtype)
 
 
 def choose_backend(
@@ -76,7 +84,7 @@ class ModelSetup:
         """``device`` overrides the config's (a tensor-parallel worker's own GPU)."""
         resolved, dtype = resolve_device_and_dtype(config)
         device = device or resolved
-        kv_cache_dtype = dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         source = loader.resolve_model_source(config.model)
         hf_config = loader.load_config(source, config.trust_remote_code)
         max_positions = getattr(hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)

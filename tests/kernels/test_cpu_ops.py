@@ -156,10 +156,10 @@ def test_prefill_kernel_takes_the_cases_it_covers(dtype, cache_dtype, head_dim, 
 
 
 @pytest.mark.bitwise
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("head_dim", [64, 256, 32])  # the AVX-512 path, the wide one and the generic one
 def test_attention_over_a_narrower_kv_cache(cache_dtype, head_dim):
-    """float32 queries over a bf16/fp16 KV cache (``kv_cache_dtype``): the same result as the
+    """float32 queries over a bf16/fp16/FP8 KV cache (``kv_cache_dtype``): the same result as the
     reference computing in float32 from the same rounded cache."""
     gen = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, block_size, num_blocks = 9, 3, 16, 80

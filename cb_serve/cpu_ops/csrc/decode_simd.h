@@ -1,4 +1,4 @@
-// paged_decode_attention's vectorized kernels for float32 queries over a float32 or bf16 cache: AVX-512 at
+// paged_decode_attention's vectorized kernels for float32 queries over a float32, bf16 or FP8 (e4m3) cache: AVX-512 at
 // head_dim 64, 96 and 128, AVX2 at 64 and 128 (decode_sequence_avx512 / _avx2), and the vector operations the
 // wide kernel (decode_wide.h) shares.
 #pragma once
@@ -14,6 +14,17 @@ inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32: the 16 bits become the high half
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// FP8 e4m3 (bias 7) -> fp16 (bias 15) by moving its sign, exponent and mantissa bits into place (subnormals
+// included), then * 2^8 for the biases' difference: exact. (0x7F / 0xFF, e4m3's NaN, never reach the cache:
+// writes saturate.)
+inline __m256i e4m3_as_half(__m256i bytes16) {
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes16, _mm256_set1_epi16(0x80)), 8),
+                         _mm256_slli_epi16(_mm256_and_si256(bytes16, _mm256_set1_epi16(0x7F)), 7));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* x) {
+  const __m256i bytes16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_half(bytes16)), _mm512_set1_ps(256.f));
 }
 
 // exp(s - max) in place over `scores[0:span]`; returns 1 / (their sum + extra), broadcast.
@@ -113,6 +124,14 @@ inline __m256 load8(const c10::BFloat16* x) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+#if defined(__F16C__)
+inline __m256 load8(const c10::Float8_e4m3fn* x) {  // as load16's: e4m3 bits into fp16's places, then * 2^8
+  const __m128i bytes16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+  const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes16, _mm_set1_epi16(0x80)), 8),
+                                    _mm_slli_epi16(_mm_and_si128(bytes16, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+}
+#endif
 
 // exp(s - max) in place over `scores[0:span]`; returns 1 / (their sum + extra).
 inline float softmax_numerators(float* scores, int64_t span, float max, float extra) {

@@ -59,6 +59,10 @@ template <>
 struct KernelPicker<float, float> : AvxKernelPicker<float> {};
 template <>
 struct KernelPicker<float, c10::BFloat16> : AvxKernelPicker<c10::BFloat16> {};
+#if defined(__AVX512F__) || defined(__F16C__)  // (AVX2 CPUs all have F16C; the generic kernel otherwise)
+template <>
+struct KernelPicker<float, c10::Float8_e4m3fn> : AvxKernelPicker<c10::Float8_e4m3fn> {};
+#endif
 
 template <typename scalar_t, typename cache_t>
 void run_decode(const DecodeProblem<scalar_t, cache_t>& problem, int64_t num_seqs) {
@@ -85,10 +89,11 @@ void paged_decode_attention(
               "k_cache must be [num_blocks, block_size, KVH, D] with contiguous blocks");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(), "v_cache like k_cache");
   const bool narrow_cache = q.scalar_type() == at::kFloat &&
-                            (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf);
+                            (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf ||
+                             k_cache.scalar_type() == at::kFloat8_e4m3fn);
   TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || narrow_cache) &&
                   v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "out and q must share a dtype; k_cache and v_cache theirs, or bf16/fp16 under float32 queries");
+              "out and q must share a dtype; k_cache and v_cache theirs, or bf16/fp16/fp8 under float32 queries");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32 rows");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -113,6 +118,8 @@ void paged_decode_attention(
     run(static_cast<float*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
   } else if (k_cache.scalar_type() == at::kHalf && narrow_cache) {
     run(static_cast<float*>(nullptr), static_cast<c10::Half*>(nullptr));
+  } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn && narrow_cache) {
+    run(static_cast<float*>(nullptr), static_cast<c10::Float8_e4m3fn*>(nullptr));
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
       run(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
@@ -121,7 +128,8 @@ void paged_decode_attention(
 }
 
 // Copies row i of k and v ([T, KVH, D], head rows contiguous) to slot slot_mapping[i] of
-// k_cache / v_cache ([num_blocks, block_size, KVH, D], contiguous blocks).
+// k_cache / v_cache ([num_blocks, block_size, KVH, D], contiguous blocks), in the cache's dtype (an FP8
+// cache's values already quantized by the caller).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.dim() == 3 && v.stride(2) == 1, "k, v: [T, KVH, D] rows");
@@ -134,7 +142,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2), block_size = k_cache.size(1);
   const int64_t row = heads * head_dim, block_stride = k_cache.stride(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kFloat8_e4m3fn, k.scalar_type(), "write_kv", [&] {
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     scalar_t* kc = k_cache.data_ptr<scalar_t>();

@@ -17,6 +17,7 @@ from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.layers import fused_triton
 from cb_serve.model_executor.layers.checkpoint import Rows, copy_parts, materialize
 from cb_serve.model_executor.layers.full_width_norm import full_width_qk_norms
+from cb_serve.model_executor.layers.kv_cache_scales import KVCacheScales
 from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
@@ -117,6 +118,8 @@ class Attention(nn.Module):
             raise ValueError(f"The {backend.name} attention backend has no attention sinks: use triton, cpu or torch.")
         # this rank's heads' sink logits (checkpoint ``self_attn.sinks``, sliced like the heads)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if spec.sinks else None
+        self.shares_kv_of = spec.shares_kv_of
+        self.kv_cache_scales: KVCacheScales | None = None  # an FP8 cache's scales from the checkpoint (not 1.0)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -130,7 +133,7 @@ class Attention(nn.Module):
             q = qkv.view(-1, self.num_heads, self.head_dim)
             q = self.q_norm(q) if self.q_norm is not None else q
             q = rope.apply(q) if self.rope else q
-            o = self.backend.forward(q, None, None, kv_cache, meta, self.scale, self.sliding_window, **extra)
+            o = self.attend(q, None, None, kv_cache, meta, extra)
             return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
         v_start = self.q_size + (0 if self.k_eq_v else self.kv_size)
         v = qkv[:, v_start : v_start + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
@@ -148,11 +151,19 @@ class Attention(nn.Module):
             k = v = None  # in the cache already
         elif self.rope:
             q, k = rope.apply(qk).split([self.num_heads, self.num_kv_heads], dim=1)  # on q and k heads at once
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
-        o = o.reshape(-1, self.q_size)
+        o = self.attend(q, k, v, kv_cache, meta, extra).reshape(-1, self.q_size)
         if self.output_gate:  # HF: attn_output * sigmoid(gate), in the model's dtype, before o_proj
             o = o * torch.sigmoid(qkv[:, -self.q_size :])
         return self.tp.all_reduce(self.o_proj(o))
+
+    def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata, extra: dict) -> torch.Tensor:
+        """The backend's attention, with an FP8 cache's checkpoint scales folded around it (``kv_cache_scales``)."""
+        scales = self.kv_cache_scales if kv_cache.dtype == torch.float8_e4m3fn else None
+        if scales is None:
+            return self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
+        k, v = scales.scaled_kv(k, v)
+        scale = scales.softmax_scale(self.scale)
+        return scales.output(self.backend.forward(q, k, v, kv_cache, meta, scale, self.sliding_window, **extra))
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping, prefix: str) -> None:
@@ -178,6 +189,7 @@ class Attention(nn.Module):
             copy_parts(self.o_proj.bias, state[prefix + "o_proj.bias"])
         if self.sinks is not None:  # one logit per query head: this rank's heads
             copy_parts(self.sinks, state[prefix + "sinks"][shard.q_heads.start : shard.q_heads.stop])
+        self.kv_cache_scales = KVCacheScales.read(state, prefix, self.shares_kv_of)
         rows = {"q_norm": q, "k_norm": kv} if self.full_width_qk_norm else {}  # full width: this rank's columns
         for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm), ("v_norm", self.v_norm)):
             if norm is not None and getattr(norm, "weight", None) is not None:
