@@ -20,6 +20,10 @@ computes from the float32 copy.
 
 ``pack_amx_weight`` lays the same groups out for ``amx_gemm``, which multiplies q (exact in bf16) on AMX
 tiles and applies ``d`` and ``m`` per group.
+
+INT4 checkpoints (GPTQ, AWQ, compressed-tensors) give their groups directly (``int4_groups``): a weight is
+``(q - zero) * scale`` in float32, and with a scale of at most 20 significant bits (float16, bfloat16) ``d * q``
+is exact and ``m = -zero * d`` too, so ``fma(d, q, m)`` is the weight itself, as for GGUF.
 """
 
 from __future__ import annotations
@@ -56,6 +60,16 @@ class QuantGroups:
         w = self.d[..., None] * self.q.view(n, k // self.group_size, self.group_size).float()
         return (w if self.m is None else w + self.m[..., None]).view(n, k)
 
+    @staticmethod
+    def cat(parts: list[QuantGroups]) -> QuantGroups | None:
+        """Groups of the weights stacked along the outputs (a fused projection's parts), or None where they
+        differ in kind."""
+        kinds = {(p.q.dtype, p.group_size, p.m is None) for p in parts}
+        if len(kinds) != 1 or len({p.q.shape[1] for p in parts}) != 1:
+            return None
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return QuantGroups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+
     def scales(self) -> list[torch.Tensor]:
         """Per group of 32: ``[d]``, ``[d, m]`` (4-bit) or ``[d of the first 16 inputs, d of the last 16]``."""
         if self.group_size == GROUP // 2:
@@ -91,6 +105,22 @@ def find_quant_groups(weight: torch.Tensor) -> QuantGroups | None:
         if torch.equal(groups.dequantize(), weight):
             return groups
     return None
+
+
+def int4_groups(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> QuantGroups | None:
+    """The groups of an INT4 weight ``(q - zero) * scale`` in float32 (the GPTQ, AWQ and compressed-tensors
+    dequantization): ``q`` ``[N, K]`` in 0..15, ``zero`` (integers) and ``scale`` ``[N, K // 32]``, per group of
+    32 inputs. None where ``fma(d, q, m)`` would not be that weight: a scale of more than 20 significant bits
+    (a float32 one, say) or a zero point whose ``m`` is inexact."""
+    if q.shape[1] % GROUP or q.numel() == 0 or q.min() < 0 or q.max() > 15:
+        return None
+    d = scale.float()
+    if (d.view(torch.int32) & 0xF).any():  # more than 20 significant bits: d * q inexact
+        return None
+    m = -(zero.to(torch.float64) * d.double())
+    if not torch.equal(m.float().double(), m):
+        return None
+    return QuantGroups(q.to(torch.uint8), d, m.float())
 
 
 def _column_tiles(x: torch.Tensor, tiles: int, cols: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from exactness import check_engine_exercised, make_prompts, run_and_compare
 from models import STRESS_ENGINE_ARGS, assert_same_greedy, greedy_outputs, make_random_model
 from safetensors.torch import load_file, save_file
 
-from cb_serve import LLM, SamplingParams
+from cb_serve import LLM, SamplingParams, cpu_ops
 
 pytest.importorskip(
     "compressed_tensors", reason="the compressed-tensors library (the format's oracle) is a dev dependency"
@@ -38,13 +38,17 @@ def scheme(bits: int, kind: str, strategy: str, symmetric: bool) -> dict:
 CASES = {  # name: (format, weights' arguments)
     "w4_group": ("pack-quantized", scheme(4, "int", "group", True)),
     "w4_group_asym": ("pack-quantized", scheme(4, "int", "group", False)),
+    "w4_group_bf16": ("pack-quantized", scheme(4, "int", "group", True)),  # bfloat16 scales, as published
     "w8_channel": ("pack-quantized", scheme(8, "int", "channel", True)),
     "w8_naive_asym": ("naive-quantized", scheme(8, "int", "group", False)),
     "fp8_channel": ("float-quantized", scheme(8, "float", "channel", True)),
 }
 
 
-def quantize(w: torch.Tensor, fmt: str, args: dict) -> dict[str, torch.Tensor]:
+SCALE_DTYPES = {"w4_group_bf16": torch.bfloat16}  # else float32
+
+
+def quantize(w: torch.Tensor, fmt: str, args: dict, scale_dtype=torch.float32) -> dict[str, torch.Tensor]:
     """One weight's compressed tensors (suffixes after ``weight``), by the scheme's rule."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
@@ -58,15 +62,19 @@ def quantize(w: torch.Tensor, fmt: str, args: dict) -> dict[str, torch.Tensor]:
     bits = args["num_bits"]
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     if args["symmetric"]:
-        scale, zero = (g.abs().amax(-1) / hi).clamp(min=1e-8), torch.zeros(out, inputs // size)
+        scale, zero = (g.abs().amax(-1) / hi).clamp(min=1e-8).to(scale_dtype).float(), torch.zeros(out, inputs // size)
     else:
         mn, mx = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = ((mx - mn) / (hi - lo)).clamp(min=1e-8)
+        scale = ((mx - mn) / (hi - lo)).clamp(min=1e-8).to(scale_dtype).float()
         zero = torch.round(lo - mn / scale).clamp(lo, hi)
     q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(lo, hi).to(torch.int8).reshape(out, inputs)
     if fmt == "naive-quantized":  # int8 as they are
         return {"": q, "_scale": scale.float()} | ({} if args["symmetric"] else {"_zero_point": zero.to(torch.int8)})
-    tensors = {"_packed": pack_to_int32(q, bits), "_scale": scale.float(), "_shape": torch.tensor([out, inputs])}
+    tensors = {
+        "_packed": pack_to_int32(q, bits),
+        "_scale": scale.to(scale_dtype),
+        "_shape": torch.tensor([out, inputs]),
+    }
     if not args["symmetric"]:
         tensors["_zero_point"] = pack_to_int32(zero.to(torch.int8), bits, packed_dim=0)
     return tensors
@@ -78,7 +86,9 @@ def write_compressed(model_dir: Path, out: Path, case: str, edit=None) -> Path:
     weights, saved = load_file(out / "model.safetensors"), {}
     for name, w in weights.items():
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            saved |= {name + suffix: t for suffix, t in quantize(w, fmt, args).items()}
+            saved |= {
+                name + suffix: t for suffix, t in quantize(w, fmt, args, SCALE_DTYPES.get(case, torch.float32)).items()
+            }
         else:
             saved[name] = w
     config = json.loads((out / "config.json").read_text())
@@ -105,7 +115,8 @@ def checkpoints(tmp_path_factory, tokenizer):
 
 
 def library_weights(path: Path, case: str) -> dict[str, torch.Tensor]:
-    """Each projection as the compressed-tensors library decompresses it."""
+    """Each projection as the compressed-tensors library decompresses it in a float32 model (transformers
+    upcasts the scales to the model's dtype)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -115,6 +126,7 @@ def library_weights(path: Path, case: str) -> dict[str, torch.Tensor]:
     out = {}
     for name in {n.rsplit(".weight", 1)[0] for n in tensors if n.startswith("model.layers.") and "_proj." in n}:
         local = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        local = {k: v.float() if k == "weight_scale" else v for k, v in local.items()}  # a float32 model's scales
         out[name + ".weight"] = compressor.decompress(local, scheme_)["weight"]
     return out
 
@@ -139,12 +151,15 @@ def test_the_weights_are_the_library_s_decompression(checkpoints, case):
         assert torch.equal(ours[name][1:7], ref.float()[1:7]), name  # rows within one word of zero points
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_a_w4a16_checkpoint_gives_hf_s_greedy_tokens(checkpoints, backend):
-    path = checkpoints[1]["w4_group"]
+@pytest.mark.parametrize("case, backend", [("w4_group", "torch"), ("w4_group", "cpu"), ("w4_group_bf16", "cpu")])
+def test_a_w4a16_checkpoint_gives_hf_s_greedy_tokens(checkpoints, case, backend):
+    """(bfloat16 scales, as published, on the C++ backend: the projections are kept as their 4-bit groups.)"""
+    path = checkpoints[1][case]
     llm = LLM(str(path), attention_backend=backend, **STRESS_ENGINE_ARGS)
+    kept = llm.engine.get_stats().weight_bytes.get("q4_groups", 0) > 0
+    assert kept == (case == "w4_group_bf16" and cpu_ops.available()), llm.engine.get_stats().weight_bytes
     prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=7)
-    deltas = run_and_compare(llm, path, prompts, max_tokens, f"w4a16 {backend}", stop_at_eos=False)
+    deltas = run_and_compare(llm, path, prompts, max_tokens, f"{case} {backend}", stop_at_eos=False)
     check_engine_exercised(llm, prompts, deltas)
 
 

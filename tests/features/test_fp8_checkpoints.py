@@ -113,7 +113,7 @@ def wrong_scale_shape(weights, config):
 
 
 def unknown_method(weights, config):
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
 
 
 def no_quantization_config(weights, config):
@@ -129,7 +129,7 @@ def bad_block(weights, config):
     [
         (drop_a_scale, r"layers\.1\.mlp\.down_proj\.weight is stored in torch.float8_e4m3fn .* no scales"),
         (wrong_scale_shape, r"q_proj\.weight: a weight of shape \[64, 64\] in 32x32 blocks needs scales \[2, 2\]"),
-        (unknown_method, r"quant_method 'awq', which cb-serve cannot load yet; supported: fp8"),
+        (unknown_method, r"quant_method 'bitsandbytes', which cb-serve cannot load yet; supported: fp8"),
         (no_quantization_config, r"_proj\.weight is stored in FP8, and the checkpoint's config names no quantiz"),
         (bad_block, r"weight_block_size must be two positive integers"),
     ],

@@ -8,7 +8,7 @@
   permutation of the groups);
 - GPTQ v2, 8 bits, one group per row, asymmetric.
 
-The engine's weights equal the formats' dequantization ``(q - zero) * scale`` in float16, also for slices
+The engine's weights equal the formats' dequantization ``(q - zero) * scale`` in float32, also for slices
 cut mid-group and mid-word; its greedy tokens are HF float32's running the same weights dequantized, under
 the stress workload, on both backends and over two ranks. (transformers loads these formats only through
 GPTQModel, which does not install beside our CPU torch: the reference is the dequantized checkpoint.)"""
@@ -25,7 +25,7 @@ from exactness import check_engine_exercised, make_prompts, run_and_compare
 from models import STRESS_ENGINE_ARGS, assert_same_greedy, greedy_outputs, make_random_model
 from safetensors.torch import load_file, save_file
 
-from cb_serve import LLM, SamplingParams
+from cb_serve import LLM, SamplingParams, cpu_ops
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 CASES = {  # name: quantization_config (the group size and zero points' kind drive the packing below)
@@ -60,7 +60,7 @@ def pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, config: dict, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One ``[out, in]`` weight's checkpoint tensors (suffixes after the layer's prefix) and the float32 weight
-    they dequantize to (``(q - zero) * scale`` in float16)."""
+    they dequantize to (``(q - zero) * scale`` in float32: the float16 scales upcast, as a float32 model has them)."""
     out, inputs = w.shape
     bits, group = config["bits"], config["group_size"] if config["group_size"] > 0 else inputs
     top, groups = (1 << bits) - 1, inputs // group
@@ -80,7 +80,7 @@ def quantize(w: torch.Tensor, config: dict, gen: torch.Generator) -> tuple[dict[
         scale = ((hi - lo) / top).clamp(min=1e-6).half()
         zero = torch.round(-lo / scale.float()).clamp(0, top).to(torch.int64)
     q = (torch.round(wt / scale.float()[g_idx]) + zero[g_idx]).clamp(0, top).to(torch.int64)  # [in, out]
-    dequantized = ((q - zero[g_idx]).half() * scale[g_idx]).float().t().contiguous()
+    dequantized = ((q - zero[g_idx]).float() * scale.float()[g_idx]).t().contiguous()
     if config["quant_method"] == "awq":
         interleave = torch.arange(out).view(-1, 8)[:, AWQ_ORDER].reshape(-1)  # word c's nibble i: 8c + ORDER[i]
         tensors = {"qweight": pack_words(q[:, interleave], 4), "qzeros": pack_words(zero[:, interleave], 4)}
@@ -151,6 +151,23 @@ def test_a_checkpoint_gives_hf_s_greedy_tokens_on_its_dequantized_weights(checkp
     prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=11)
     deltas = run_and_compare(llm, reference, prompts, max_tokens, f"{case} {backend}", stop_at_eos=False)
     check_engine_exercised(llm, prompts, deltas)
+
+
+def test_int4_groups_stay_4_bit_on_the_cpu(checkpoints):
+    """With the C++ kernels, AWQ's and GPTQ's 4-bit projections keep only their groups (``q4_groups``: 0.75 bytes a
+    weight; ``fma(scale, q, -zero * scale)`` is each weight exactly): the HF-equal tokens above come from them.
+    Activation order (groups that differ within 32 inputs) and 8 bits stay float32."""
+    if not cpu_ops.available():
+        pytest.skip("cb_serve CPU kernels did not build here")
+    float_bytes = LLM(str(checkpoints[0]), max_model_len=128, num_gpu_blocks=16).engine.get_stats().weight_bytes
+    for case, kept in (("awq", True), ("gptq_act_order", False), ("gptq_v2_int8", False)):
+        llm = LLM(str(checkpoints[1][case][0]), max_model_len=128, num_gpu_blocks=16)
+        weights = llm.engine.get_stats().weight_bytes
+        if kept:
+            projections = float_bytes["float32"] - weights["float32"]  # the float32 bytes the groups replaced
+            assert projections > 0 and weights["q4_groups"] * 4 <= projections * 0.75 * 1.1, weights
+        else:
+            assert weights == float_bytes, (case, weights)
 
 
 @pytest.mark.parametrize("case", ["gptq_v2_int8", "awq"])

@@ -337,3 +337,36 @@ def test_recovered_groups_and_dequantized_gguf_weights_are_cached_on_disk(tmp_pa
     assert all(torch.equal(materialize(cached[name]), state[name]) for name in cached)
     weight_cache.gguf_state_dict(stamp, torch.bfloat16, load)
     assert len(calls) == 2  # another dtype, another entry
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
+def test_int4_checkpoint_groups_are_the_float32_dequantization(scale_dtype):
+    """GPTQ / AWQ / compressed-tensors INT4 (``int4_groups``): ``fma(scale, q, -zero * scale)`` is
+    ``(q - zero) * scale`` in float32 for half-precision scales; a float32 scale (more than 20 significant bits)
+    is declined. Groups of a fused projection's parts stack (``QuantGroups.cat``), a Linear keeps them only while
+    they still give its weight bit for bit (``checkpoint_groups``)."""
+    from cb_serve.model_executor.layers.checkpoint import copy_parts
+    from cb_serve.model_executor.layers.linear import checkpoint_groups
+
+    g = torch.Generator().manual_seed(0)
+    q, zero = torch.randint(0, 16, (64, 96), generator=g), torch.randint(0, 16, (64, 3), generator=g)
+    scale = (torch.rand(64, 3, generator=g) * torch.logspace(-6, 1, 3)).to(scale_dtype)
+    groups = exact_quant.int4_groups(q, zero, scale)
+    expected = (q.view(64, 3, 32) - zero[..., None]).float() * scale.float()[..., None]
+    assert groups is not None and torch.equal(groups.dequantize(), expected.view(64, 96))
+    assert exact_quant.int4_groups(q, zero, torch.rand(64, 3, generator=g)) is None  # float32: d * q inexact
+    if cpu_ops.available():
+        packed, x = exact_quant.pack_decode_weight_quantized(groups), torch.randn(5, 96, generator=g)
+        reference = cpu_ops.decode_gemm(x, cpu_ops.pack_decode_weight(groups.dequantize()), 64, None)
+        assert torch.equal(cpu_ops.decode_gemm(x, packed, 64, None), reference)
+
+    parts = [groups.dequantize()[:40], groups.dequantize()[40:]]  # as a fused projection's parts load
+    for part, rows in zip(parts, (slice(0, 40), slice(40, 64))):
+        part.quant_groups = exact_quant.QuantGroups(groups.q[rows], groups.d[rows], groups.m[rows])
+    target = torch.nn.Parameter(torch.empty(64, 96), requires_grad=False)
+    copy_parts(target, *parts)
+    assert torch.equal(target.quant_groups.q, groups.q)
+    assert checkpoint_groups(target) is not None and not hasattr(target, "quant_groups")  # handed over once
+    copy_parts(target, *parts)
+    target.data[3, 5] += 1  # a model changed the weight after loading: the groups no longer hold
+    assert checkpoint_groups(target) is None

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from cb_serve.cpu_ops.exact_quant import QuantGroups
+
 FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 STORED_FP8 = {"F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
 STORED_DTYPES = {  # safetensors' names of the dtypes a checkpoint stores
@@ -91,8 +93,16 @@ def materialize(value: torch.Tensor | LazyTensor) -> torch.Tensor:
 
 
 def copy_parts(target: torch.Tensor, *parts: torch.Tensor | LazyTensor | Rows) -> None:
-    """``target`` <- the parts, read here and stacked along the first dimension."""
-    target.copy_(torch.cat([materialize(p) for p in parts], dim=0))
+    """``target`` <- the parts, read here and stacked along the first dimension. Where every part came with
+    its INT4 groups (``quant_groups``: a quantized checkpoint's, ``QuantizedWeight``), ``target`` keeps them
+    stacked the same way, for ``Linear.prepare_for_cpu``."""
+    tensors = [materialize(p) for p in parts]
+    target.copy_(torch.cat(tensors, dim=0))
+    groups = [getattr(t, "quant_groups", None) for t in tensors]
+    if all(g is not None for g in groups) and (stacked := QuantGroups.cat(groups)) is not None:
+        target.quant_groups = stacked
+    elif hasattr(target, "quant_groups"):
+        del target.quant_groups
 
 
 class Rows:

@@ -59,6 +59,17 @@ def find_quant_groups(weight: torch.Tensor) -> exact_quant.QuantGroups | None:
     return _FIND_QUANT_GROUPS.get()(weight)
 
 
+def checkpoint_groups(weight: torch.Tensor) -> exact_quant.QuantGroups | None:
+    """The INT4 groups the checkpoint's parts gave ``weight`` as it loaded (``checkpoint.copy_parts``), if they
+    still give it bit for bit (a model may have changed the weight since)."""
+    groups = getattr(weight, "quant_groups", None)
+    if groups is not None:
+        del weight.quant_groups
+        if list(groups.q.shape) == list(weight.shape) and torch.equal(groups.dequantize(), weight.detach()):
+            return groups
+    return None
+
+
 class UnquantizedLinearMethod(LinearMethod):
     """Float weights: ``F.linear``, and on CPU the packed copies ``process_weights_after_loading`` adds for
     decode-sized batches and weights exact in bf16 (the module docstring)."""
@@ -93,7 +104,7 @@ class UnquantizedLinearMethod(LinearMethod):
         NN GEMM, ~10% faster on CPU; left off for a weight shared with an embedding (row lookups want the
         plain layout)."""
         pack = pack and layer.weight.dtype == torch.float32 and cpu_ops.available()
-        if pack and (groups := find_quant_groups(layer.weight)) is not None:  # the loader's disk cache, maybe
+        if pack and (groups := checkpoint_groups(layer.weight) or find_quant_groups(layer.weight)) is not None:
             keep_low_bit(layer, groups)  # the float32 weight dropped: low_bit_linear's method from now on
             return
         if transpose:

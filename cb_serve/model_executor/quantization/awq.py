@@ -3,9 +3,9 @@ many vendors' ``-AWQ`` releases): ``X.qweight`` int32 ``[in, out / 8]``, eight 4
 *output* dimension in AWQ's interleaved order (word ``c``'s nibble ``i`` holds output ``8c + [0, 2, 4, 6, 1, 3,
 5, 7][i]``), ``X.qzeros`` ``[groups, out / 8]`` packed the same way, ``X.scales`` ``[groups, out]``.
 
-Each weight is ``(q - zero) * scale`` in the scale's dtype, as AutoAWQ's ``dequantize_gemm`` computes it; read
-as loaded, slice by slice for tensor-parallel ranks. Other kernels' layouts (``gemv``, ``gemv_fast``, Marlin)
-and checkpoints without zero points are refused by name."""
+Each weight is ``(q - zero) * scale`` in float32 (``qweight.GroupedIntWeight``), AutoAWQ's ``dequantize_gemm``
+in a float32 model; read as loaded, slice by slice for tensor-parallel ranks. Other kernels' layouts
+(``gemv``, ``gemv_fast``, Marlin) and checkpoints without zero points are refused by name."""
 
 from __future__ import annotations
 

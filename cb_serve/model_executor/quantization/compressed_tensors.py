@@ -8,9 +8,12 @@ many vendors' INT4 and FP8 releases), read as the ``compressed-tensors`` library
 - ``naive-quantized``: the same integers unpacked, as int8 ``X.weight``;
 - ``float-quantized`` (FP8): ``float8_e4m3fn`` ``X.weight`` with ``X.weight_scale`` per tensor, row or block.
 
-Each value is ``(q - zero_point) * scale`` in the scale's dtype, the library's own arithmetic, so the weights are
-what transformers computes with; activations are not quantized (a scheme's input quantization is unused). Not
-read yet, and refused by name: other formats, sparsity, transforms, activation-ordered groups (``g_idx``)."""
+Each value is ``(q - zero_point) * scale`` in float32, the library's arithmetic on the scales transformers
+upcasts to a float32 model's dtype, so the weights are what transformers computes with (a half-precision scale
+times a small integer or an FP8 value is exact in float32; a float16 or bfloat16 model's cast then rounds once,
+as the library's arithmetic in that dtype does); activations are not quantized (a scheme's input quantization is
+unused). 4-bit slices give their groups (``low_bit_groups``) for the CPU's low-bit kernels. Not read yet, and
+refused by name: other formats, sparsity, transforms, activation-ordered groups (``g_idx``)."""
 
 from __future__ import annotations
 
@@ -21,10 +24,18 @@ from typing import Any, ClassVar
 
 import torch
 
+from cb_serve.cpu_ops.exact_quant import QuantGroups
 from cb_serve.model_executor.layers.checkpoint import FP8 as FP8_DTYPES
 from cb_serve.model_executor.quantization.base import QuantizationConfig
 from cb_serve.model_executor.quantization.fp8 import Fp8Weight
-from cb_serve.model_executor.quantization.weights import QuantizedState, QuantizedWeight, Tensor, read, stored_dtype
+from cb_serve.model_executor.quantization.weights import (
+    QuantizedState,
+    QuantizedWeight,
+    Tensor,
+    int4_slice_groups,
+    read,
+    stored_dtype,
+)
 
 FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")  # int-: naive's W8A8 name
 
@@ -102,8 +113,8 @@ def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class IntWeight(QuantizedWeight):
-    """An integer weight (packed in int32 words, or int8): each slice ``(q - zero_point) * scale`` in the scale's
-    dtype, with the scales (and zero points) of its groups, rows or tensor."""
+    """An integer weight (packed in int32 words, or int8): each slice ``(q - zero_point) * scale`` in float32,
+    with the scales (and zero points) of its groups, rows or tensor."""
 
     def __init__(self, name: str, values: Tensor, shape: list[int], scale: Tensor, zero_point: Tensor | None,
                  scheme: WeightScheme, packed: bool, dtype: torch.dtype) -> None:  # fmt: skip
@@ -133,6 +144,22 @@ class IntWeight(QuantizedWeight):
         values = values[:, inner.start - first * per_word : inner.stop - first * per_word]
         return values.t() if along_rows else values
 
+    def low_bit_groups(self, rows: slice, cols: slice) -> QuantGroups | None:
+        if self.scheme.num_bits != 4:
+            return None
+        out = rows.stop - rows.start
+        if self.per_tensor:
+            scale = read(self.scale, None, None).reshape(1, 1).expand(out, 1)
+            zero = read(self.zero_point, None, torch.int32).reshape(1, 1).expand(out, 1) if self.zero_point else None
+            group_of = torch.zeros(cols.stop - cols.start, dtype=torch.int64)
+        else:
+            every = slice(0, self.shape[1] // self.group)
+            scale = read(self.scale, (rows, every), None)
+            zero = None if self.zero_point is None else self.ints(self.zero_point, rows, every, along_rows=True)
+            group_of = torch.arange(cols.start, cols.stop) // self.group
+        zero = torch.zeros_like(scale, dtype=torch.int32) if zero is None else zero
+        return int4_slice_groups(self.ints(self.values, rows, cols) + 8, zero + 8, scale, group_of, cols)
+
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         groups = slice(cols.start // self.group, (cols.stop - 1) // self.group + 1)
         group_of = torch.arange(cols.start, cols.stop) // self.group - groups.start
@@ -140,14 +167,14 @@ class IntWeight(QuantizedWeight):
             scale, group_of = read(self.scale, None, None).reshape(1, 1), torch.zeros_like(group_of)
         else:
             scale = read(self.scale, (rows, groups), None)
-        values = self.ints(self.values, rows, cols).to(scale.dtype)
+        values = self.ints(self.values, rows, cols).float()
         if self.zero_point is not None:
             if self.per_tensor:
                 zero = read(self.zero_point, None, torch.int32).reshape(1, 1)
             else:
                 zero = self.ints(self.zero_point, rows, groups, along_rows=True)
-            values = values - zero.to(scale.dtype)[:, group_of]
-        return (values * scale[:, group_of]).float()
+            values = values - zero.float()[:, group_of]
+        return values * scale.float()[:, group_of]
 
 
 class CompressedTensorsState(QuantizedState):
@@ -175,6 +202,6 @@ class CompressedTensorsState(QuantizedState):
         scale, zero = state[name + "_scale"], state.get(name + "_zero_point")
         if kind in FP8_DTYPES:
             block = scheme.block_structure if scheme.strategy == "block" else None
-            return Fp8Weight(name, stored, scale, block, self.dtype, in_scale_dtype=True)
+            return Fp8Weight(name, stored, scale, block, self.dtype)
         shape = [int(n) for n in read(state[name + "_shape"], None, torch.int64)] if packed else list(stored.shape)
         return IntWeight(name, stored, shape, scale, zero, scheme, packed, self.dtype)

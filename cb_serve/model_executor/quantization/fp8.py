@@ -61,11 +61,9 @@ class Fp8Config(QuantizationConfig):
 class Fp8Weight(QuantizedWeight):
     """One FP8 weight: each slice multiplied by its blocks' (row's, tensor's) scales in float32."""
 
-    def __init__(self, name: str, weight: Tensor, scale: Tensor, block: tuple[int, int] | None, dtype,
-                 in_scale_dtype: bool = False) -> None:  # fmt: skip
-        """``in_scale_dtype``: multiply in the scale's dtype (compressed-tensors' arithmetic), not float32."""
+    def __init__(self, name: str, weight: Tensor, scale: Tensor, block: tuple[int, int] | None, dtype) -> None:
         super().__init__(name, list(weight.shape), dtype)
-        self.weight, self.scale, self.block, self.in_scale_dtype = weight, scale, block, in_scale_dtype
+        self.weight, self.scale, self.block = weight, scale, block
         shape, scales = self.shape, list(scale.shape)
         if block is not None:
             grid = [math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])]
@@ -78,14 +76,14 @@ class Fp8Weight(QuantizedWeight):
         self.per_row = block is None and len(scales) > 0 and scales[0] == shape[0] > 1
 
     def scales(self, index=None) -> torch.Tensor:
-        """``scale[index]`` as multipliers: float32 (or as stored, ``in_scale_dtype``); E8M0 exponents stored as
+        """``scale[index]`` as float32 multipliers; E8M0 exponents stored as
         bytes (MXFP8's) decoded to ``2 ** (byte - 127)``, as transformers decodes them."""
         raw = read(self.scale, index, None)
         if raw.dtype == torch.uint8:
             return (raw.to(torch.float32) - 127.0).exp2()
         if not raw.dtype.is_floating_point:
             raise ValueError(f"{self.name}: scales stored as {raw.dtype} are not supported")
-        return raw if self.in_scale_dtype else raw.to(torch.float32)
+        return raw.to(torch.float32)
 
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         if self.block is None:
@@ -93,7 +91,7 @@ class Fp8Weight(QuantizedWeight):
         else:
             (row_blocks, row_of), (col_blocks, col_of) = blocks_of(rows, self.block[0]), blocks_of(cols, self.block[1])
             scale = self.scales((row_blocks, col_blocks))[row_of][:, col_of]
-        return (read(self.weight, (rows, cols), scale.dtype) * scale).float()  # FP8 values are exact in either
+        return read(self.weight, (rows, cols), torch.float32) * scale  # FP8 values are exact in float32
 
 
 class Fp8Weights(QuantizedState):

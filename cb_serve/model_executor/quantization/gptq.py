@@ -5,8 +5,8 @@ the output dimension, ``X.scales`` ``[groups, out]``, and ``X.g_idx`` ``[in]``, 
 ``desc_act``, activation order, any permutation of the groups).
 
 The original format (``checkpoint_format: gptq``) stores each zero point minus one, GPTQ v2 (``gptq_v2``) as
-it is; each weight is ``(q - zero) * scale`` in the scale's dtype, as GPTQModel's torch kernel computes it,
-so the dequantized weights are what it multiplies by. Read as they are loaded, slice by slice for
+it is; each weight is ``(q - zero) * scale`` in float32, as GPTQModel's torch kernel computes it in a float32
+model, so the dequantized weights are what it multiplies by. Read as they are loaded, slice by slice for
 tensor-parallel ranks; 2- and 3-bit weights and Marlin-repacked checkpoints are refused by name."""
 
 from __future__ import annotations

@@ -2,8 +2,11 @@
 stored as ``X.qweight`` (integers packed into int32 words), ``X.qzeros`` (zero points packed the same way along
 the output dimension), ``X.scales`` (``[groups, out]``, float16 as published) and, for GPTQ, ``X.g_idx`` (each
 input's group). ``QWeightState`` reads such a checkpoint with each ``X.weight`` a ``QuantizedWeight`` and
-those tensors hidden; ``GroupedIntWeight`` dequantizes a slice as ``(q - zero) * scale`` in the scale's dtype,
-the arithmetic of the formats' reference kernels (GPTQModel's torch kernel, AutoAWQ's ``dequantize_gemm``)."""
+those tensors hidden; ``GroupedIntWeight`` dequantizes a slice as ``(q - zero) * scale`` in float32 (the
+formats' reference kernels, GPTQModel's torch kernel and AutoAWQ's ``dequantize_gemm``, in a float32 model: a
+float16 scale times a small integer is exact, so in a float16 or bfloat16 model the cast rounds once, as their
+half-precision arithmetic does), and gives a 4-bit slice's groups (``QuantizedWeight.low_bit_groups``) for the
+CPU's low-bit kernels."""
 
 from __future__ import annotations
 
@@ -12,8 +15,15 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from cb_serve.cpu_ops.exact_quant import QuantGroups
 from cb_serve.model_executor.quantization.compressed_tensors import unpack
-from cb_serve.model_executor.quantization.weights import QuantizedState, QuantizedWeight, Tensor, read
+from cb_serve.model_executor.quantization.weights import (
+    QuantizedState,
+    QuantizedWeight,
+    Tensor,
+    int4_slice_groups,
+    read,
+)
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized layer's tensors, after its prefix
 
@@ -33,7 +43,7 @@ def word_span(part: slice, per_word: int) -> tuple[slice, slice]:
 
 class GroupedIntWeight(QuantizedWeight):
     """One GPTQ or AWQ weight ``[out, in]``: integers ``q`` with per-group zero points and scales, each
-    slice ``(q - zero) * scale`` in the scale's dtype (float16 rounding for float16 scales), then float32."""
+    slice ``(q - zero) * scale`` in float32."""
 
     def __init__(self, name: str, parts: dict[str, Tensor], shape: list[int], bits: int, group: int,
                  dtype: torch.dtype, zero_offset: int = 0) -> None:  # fmt: skip
@@ -77,13 +87,20 @@ class GroupedIntWeight(QuantizedWeight):
     def ints(self, rows: slice, cols: slice) -> torch.Tensor:
         """int32 ``[len(cols), len(rows)]``: the stored integers of inputs ``cols`` and outputs ``rows``."""
 
+    def low_bit_groups(self, rows: slice, cols: slice) -> QuantGroups | None:
+        if self.bits != 4:
+            return None
+        scale = read(self.parts["scales"], (slice(None), rows), None).t()
+        zeros = (self.zeros(rows) + self.zero_offset).t()
+        return int4_slice_groups(self.ints(rows, cols).t(), zeros, scale, self.group_of(cols), cols)
+
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         scale = read(self.parts["scales"], (slice(None), rows), None)
         if not scale.dtype.is_floating_point:
             raise ValueError(f"{self.name}: scales stored as {scale.dtype} are not supported")
         group = self.group_of(cols)
         ints = self.ints(rows, cols) - (self.zeros(rows) + self.zero_offset)[group]  # [in, out], exact
-        return (ints.to(scale.dtype) * scale[group]).float().t()
+        return (ints.float() * scale.float()[group]).t()
 
 
 class QWeightState(QuantizedState):

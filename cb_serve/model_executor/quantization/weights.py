@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from cb_serve.cpu_ops.exact_quant import GROUP, QuantGroups, int4_groups
 from cb_serve.model_executor.layers.checkpoint import FP8, LazyTensor
 
 Tensor = torch.Tensor | LazyTensor
@@ -24,6 +25,21 @@ def read(tensor: Tensor, index=None, dtype: torch.dtype | None = torch.float32) 
     """``tensor[index]`` (all of it: None) as stored, then in ``dtype`` (None: as stored)."""
     part = tensor.raw(index) if isinstance(tensor, LazyTensor) else tensor if index is None else tensor[index]
     return part if dtype is None else part.to(dtype)
+
+
+def int4_slice_groups(ints: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
+                      cols: slice) -> QuantGroups | None:  # fmt: skip
+    """The groups of an INT4 slice ``(ints - zeros[g]) * scales[g]`` (``ints`` ``[out, in]`` in 0..15, ``zeros`` /
+    ``scales`` ``[out, groups]``, ``group_of`` each input's group): where its inputs start on a group of 32
+    and each 32 share one group (``exact_quant.int4_groups``)."""
+    width = cols.stop - cols.start
+    if cols.start % GROUP or width % GROUP:
+        return None
+    blocks = group_of.view(-1, GROUP)
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):  # activation order: a block spans groups
+        return None
+    first = blocks[:, 0]
+    return int4_groups(ints, zeros[:, first], scales[:, first])
 
 
 def blocks_of(part: slice, block: int) -> tuple[slice, torch.Tensor]:
@@ -49,14 +65,23 @@ class QuantizedWeight(ABC):
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         """The float32 values of ``[rows, cols]`` (both non-empty, step 1, within the shape)."""
 
+    def low_bit_groups(self, rows: slice, cols: slice) -> QuantGroups | None:
+        """``[rows, cols]`` as 4-bit groups of 32 inputs that give ``dequantize``'s values bit for bit (kept so on
+        the CPU, ``low_bit_linear``), or None: a format or slice without them."""
+        return None
+
     def __getitem__(self, index) -> torch.Tensor:
+        """The slice's values; a float32 slice that has ``low_bit_groups`` carries them as ``quant_groups``."""
         rows, cols = index if isinstance(index, tuple) else (index, slice(None))
         if not (isinstance(rows, slice) and isinstance(cols, slice)) or rows.step not in (None, 1):
             raise TypeError(f"{self.name}: quantized weights are read by row and column slices, not {index!r}")
         rows, cols = (slice(*s.indices(n)[:2]) for s, n in zip((rows, cols), self._shape))
         if rows.stop <= rows.start or cols.stop <= cols.start:
             return torch.zeros(max(rows.stop - rows.start, 0), max(cols.stop - cols.start, 0), dtype=self.dtype)
-        return self.dequantize(rows, cols).to(self.dtype)
+        values = self.dequantize(rows, cols).to(self.dtype)
+        if self.dtype == torch.float32 and (groups := self.low_bit_groups(rows, cols)) is not None:
+            values.quant_groups = groups
+        return values
 
 
 class QuantizedState(Mapping):
