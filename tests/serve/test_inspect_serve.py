@@ -215,6 +215,8 @@ def test_inspect_page_shows_the_expert_heat_map_of_a_mixture_of_experts(app, ran
             ready = f"{heat_map} && document.querySelectorAll('g.step').length >= 30"
             wait_for("the page to draw the heat map", lambda: page.evaluate(ready), 60)
             page.screenshot(MOE_SCREENSHOT)
+            window = lambda: httpx.get(f"{BASE}/debug/state", timeout=30).json()["experts"]["steps"] == 60  # noqa: E731
+            wait_for("a full window of 60 steps (a slow machine may not have run them yet)", window, 120)
             stop.set()
             for w in workers:
                 w.join()
