@@ -60,8 +60,10 @@ def serve_run(
     log_path = workdir / "serve_run.log"
     log = log_path.open("w")
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(
-        [serve_bin, "run", str(config)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    command, output = [serve_bin, "run", str(config)], dict(stdout=log, stderr=subprocess.STDOUT)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 - xdist workers ignore it
+    proc = subprocess.Popen(  # (inheriting that, `serve run` would never stop on the SIGINT below: 60 s lost)
+        command, cwd=root, env=env, **output, start_new_session=True, preexec_fn=default_sigint
     )
 
     def log_tail() -> str:

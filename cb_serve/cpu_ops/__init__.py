@@ -80,7 +80,7 @@ BF16_EXTENSION = (
 # decode_gemm built for one instruction set on any x86-64 CPU (decode_gemm_variant): what a CPU without
 # AVX-512 runs, testable here. Each: its compiler flags, and the /proc/cpuinfo flags its instructions need.
 ISA_VARIANTS = {
-    "avx2": (["-mno-avx512f"], frozenset({"avx", "avx2", "fma"})),
+    "avx2": (["-mno-avx512f"], frozenset({"avx", "avx2", "fma", "f16c"})),
     "scalar": (["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-avx"], frozenset()),
 }
 

@@ -23,7 +23,9 @@ tiles and applies ``d`` and ``m`` per group.
 
 INT4 checkpoints (GPTQ, AWQ, compressed-tensors) give their groups directly (``int4_groups``): a weight is
 ``(q - zero) * scale`` in float32, and with a scale of at most 20 significant bits (float16, bfloat16) ``d * q``
-is exact and ``m = -zero * d`` too, so ``fma(d, q, m)`` is the weight itself, as for GGUF.
+is exact and ``m = -zero * d`` too, so ``fma(d, q, m)`` is the weight itself, as for GGUF. FP8 checkpoints give
+theirs too (``Fp8Weight.low_bit_groups``): e4m3 codes as ``q`` with their blocks' float32 scales as ``d``, where
+``fma(d, value, 0)`` is the product ``value * scale`` the dequantization rounds once (1.125 bytes a weight).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ FINDERS = (  # (find, inputs per group), tried in turn
 
 @dataclass(frozen=True)
 class QuantGroups:
-    q: torch.Tensor  # [N, K]: uint8 0..15 (4-bit, with m) or int8 -127..127 (8-bit, m is None)
+    q: torch.Tensor  # [N, K]: uint8 0..15 (4-bit, with m), int8 -127..127 or float8_e4m3fn codes (8-bit, m None)
     d: torch.Tensor  # float32 [N, K // 32] (8-bit also [N, K // 16]: Q6_K's scale per 16 inputs)
     m: torch.Tensor | None  # float32 [N, K // 32] (4-bit only)
 
@@ -149,11 +151,14 @@ def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     ``d[32]`` (and for 4 bits ``m[32]``, for scales per 16 inputs the second ``d[32]``) as float32, then 32 rows
     (one per input) of the tile's columns: 4-bit as 16 bytes, byte ``j`` holding column ``j`` in its low nibble
     and column ``j + 16`` in its high nibble (uint8 ``[tiles, K // 32, 768]``); 8-bit as 32 bytes (int8
-    ``[tiles, K // 32, 1152]``, or 1280 with scales per 16)."""
+    ``[tiles, K // 32, 1152]``, or 1280 with scales per 16; FP8 codes as float8_e4m3fn ``[tiles, K // 32, 1152]``)."""
     n, k = groups.q.shape
+    fp8 = groups.q.dtype == torch.float8_e4m3fn
     tiles, num_groups = -(-n // TILE_COLS), k // GROUP
-    q = _column_tiles(groups.q, tiles, TILE_COLS).view(tiles, TILE_COLS, num_groups, GROUP)
-    return _with_scales(groups, q.permute(0, 2, 3, 1), TILE_COLS)  # rows: [t, g, k, col]
+    codes = groups.q.view(torch.uint8) if fp8 else groups.q  # (laid out as bytes)
+    q = _column_tiles(codes, tiles, TILE_COLS).view(tiles, TILE_COLS, num_groups, GROUP)
+    packed = _with_scales(groups, q.permute(0, 2, 3, 1), TILE_COLS)  # rows: [t, g, k, col]
+    return packed.view(torch.float8_e4m3fn) if fp8 else packed
 
 
 Q4_GROUP_BYTES, Q8_GROUP_BYTES, Q8X2_GROUP_BYTES = 768, 1152, 1280  # decode layout's bytes per tile and group
@@ -185,9 +190,9 @@ def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
     for 4 bits ``m[16]``) as float32, then q as 16 VNNI rows of 32 values (input pair, column, pair member):
     4-bit as 16 bytes, byte ``j`` holding value ``j`` in its low nibble and ``j + 16`` in its high one (uint8
     ``[N / 16, K / 32, 384]``), 8-bit as 32 int8 (``[N / 16, K / 32, 576]``). N is padded to 32; None for K
-    over the kernel's 16384 and for scales per 16 inputs (which the kernel does not take)."""
+    over the kernel's 16384, for scales per 16 inputs and for FP8 codes (which the kernel does not take)."""
     n, k = groups.q.shape
-    if k > 16384 or groups.group_size != GROUP:
+    if k > 16384 or groups.group_size != GROUP or groups.q.dtype == torch.float8_e4m3fn:
         return None
     tiles, num_groups = -(-n // 32) * 2, k // GROUP
     # q [N, K] -> [tile, column, group, pair, member] -> [tile, group, pair, column, member]: 32 values a row

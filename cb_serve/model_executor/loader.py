@@ -273,6 +273,9 @@ def load_model(
     if device.type == "cpu":
         with weight_cache.cached_quant_groups() if source.gguf_file else contextlib.nullcontext():
             model.prepare_for_cpu()
+    for parameter in model.parameters():  # a checkpoint's low-bit groups that no CPU kernel took
+        if hasattr(parameter, "quant_groups"):
+            del parameter.quant_groups
         _return_freed_heap()  # the loading copies and the float32 weights low-bit ones replaced
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)

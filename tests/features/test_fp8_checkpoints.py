@@ -3,9 +3,10 @@ projection ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per block (here
 x 128 as published), the embedding, norms and LM head left in float. The random weights are quantized here
 by the format's rule (a block's scale is its largest magnitude over 448, e4m3's largest value), so the
 checkpoint is a well-defined float model: transformers dequantizes it on a CPU, and the engine, which reads
-each slice with its blocks' scales (``quantization/fp8.py``), gives HF's greedy tokens under the stress
-workload, on both backends and over two ranks (each reading its row or column slices of the file, cut
-mid-block). A malformed checkpoint or ``quantization_config`` is a clear error at load."""
+each slice with its blocks' scales (``quantization/fp8.py``; on the C++ backend keeping them as FP8 groups),
+gives HF's greedy tokens under the stress workload, on both backends and over two ranks (each reading its row
+or column slices of the file, cut mid-block). A malformed checkpoint or ``quantization_config`` is a clear
+error at load."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from exactness import check_engine_exercised, make_prompts, run_and_compare
 from models import STRESS_ENGINE_ARGS, assert_same_greedy, greedy_outputs, make_random_model
 from safetensors.torch import load_file, save_file
 
-from cb_serve import LLM, SamplingParams
+from cb_serve import LLM, SamplingParams, cpu_ops
 
 BLOCK = [32, 32]
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": BLOCK}
@@ -89,7 +90,11 @@ def test_the_weights_are_transformers_dequantization(fp8_llama, tmp_path, block)
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_an_fp8_checkpoint_gives_hf_s_greedy_tokens(fp8_llama, backend):
+    """On the C++ backend the projections stay FP8 (``fp8_e4m3``: the codes and their blocks' scales, 1.125 bytes
+    a weight, multiplied in registers), and the tokens are still HF's."""
     llm = LLM(str(fp8_llama), attention_backend=backend, **STRESS_ENGINE_ARGS)
+    kept = "fp8_e4m3" in llm.engine.get_stats().weight_bytes
+    assert kept == (backend == "cpu" and cpu_ops.available()), llm.engine.get_stats().weight_bytes
     prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=5)
     deltas = run_and_compare(llm, fp8_llama, prompts, max_tokens, f"fp8 {backend}", stop_at_eos=False)
     check_engine_exercised(llm, prompts, deltas)

@@ -92,3 +92,6 @@ def test_scales_are_read_from_either_name_and_checked():
     other["m.layers.0.self_attn.v_proj.output_scale"] = torch.tensor([-1.0])
     with pytest.raises(ValueError, match="must be positive"):
         KVCacheScales.read(other, "m.layers.0.self_attn.")
+    other["m.layers.0.self_attn.v_proj.output_scale"] = torch.ones(4)  # one per KV head
+    with pytest.raises(ValueError, match="only per-tensor KV-cache scales"):
+        KVCacheScales.read(other, "m.layers.0.self_attn.")

@@ -32,9 +32,17 @@ SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128), (960, 576), (576, 576), (30
 ROWS = [1, 5, 8, 13, 24, 25, 64]  # AVX2 blocks: 6 x 16 columns, 2 x 32, 1 x 32; AVX-512: in registers up to 24
 
 
-def random_groups(n: int, k: int, bits: int, seed: int) -> exact_quant.QuantGroups:
-    """``bits`` 4 or 8: scales per 32 inputs; 6: Q6_K's int8 -32..31 with a scale per 16 inputs."""
+KINDS = [4, 8, 6, "fp8"]  # random_groups' kinds
+
+
+def random_groups(n: int, k: int, bits: int | str, seed: int) -> exact_quant.QuantGroups:
+    """``bits`` 4 or 8: scales per 32 inputs; 6: Q6_K's int8 -32..31 with a scale per 16 inputs; ``fp8``: every
+    finite e4m3 code (subnormals and +-448 included) with float32 scales of full precision."""
     g = torch.Generator().manual_seed(seed)
+    if bits == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int32)
+        codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes).to(torch.uint8).view(torch.float8_e4m3fn)
+        return exact_quant.QuantGroups(codes, torch.rand(n, k // 32, generator=g) * 1e-2 + 1e-4, None)
     d = (torch.rand(n, k // (16 if bits == 6 else 32), generator=g) * 0.02 + 1e-3).half().float()
     if bits == 6:
         return exact_quant.QuantGroups(torch.randint(-32, 32, (n, k), generator=g).to(torch.int8), d, None)
@@ -67,7 +75,7 @@ def fma_chain_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8, 6])
+@pytest.mark.parametrize("bits", KINDS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_gemm_builds_agree_bit_for_bit(shape, bits):
     n, k = shape
@@ -85,15 +93,20 @@ def test_decode_gemm_builds_agree_bit_for_bit(shape, bits):
 
 @pytest.mark.bitwise
 @needs_kernels
-@pytest.mark.parametrize("bits", [4, 8, 6])
+@pytest.mark.parametrize("bits", KINDS)
 def test_decode_gemm_is_the_fma_chain_reference(bits):
+    """(FP8: in registers for 9 rows, from a dequantized tile for 45; the scalar build too, whose e4m3 decoding
+    is its own; and the packing's rows read back as the dequantized weight's.)"""
     n, k = 96, 160  # the AVX2 build walks k in chunks of 64: two and a partial one
-    groups = random_groups(n, k, bits, seed=bits)
+    groups = random_groups(n, k, bits, seed=len(str(bits)))
     packed, bias = exact_quant.pack_decode_weight_quantized(groups), torch.randn(n)
-    x = activations(9, k, seed=bits)
-    reference = fma_chain_reference(x, groups.dequantize(), bias)
-    for isa in [None] + [isa for isa in ("avx2",) if cpu_ops.decode_gemm_variant(isa)]:
-        assert torch.equal(cpu_ops.decode_gemm(x, packed, n, bias, isa), reference), isa
+    weight = groups.dequantize()
+    for x in (activations(9, k, seed=len(str(bits))), activations(45, k, seed=3)):
+        reference = fma_chain_reference(x, weight, bias)
+        for isa in [None] + [isa for isa in ("avx2", "scalar") if cpu_ops.decode_gemm_variant(isa)]:
+            assert torch.equal(cpu_ops.decode_gemm(x, packed, n, bias, isa), reference), isa
+    rows = torch.tensor([0, 31, 32, 95])
+    assert torch.equal(exact_quant.decode_weight_rows(packed, rows), weight[rows])
 
 
 @pytest.mark.bitwise

@@ -208,10 +208,11 @@ constexpr int kLowBitMaxRows = kMaxRows;
 // Up to this many rows, blocks dequantize in registers; more rows share one dequantized tile (its store and
 // reloads cost less than a dequantization per block; bench/micro_kernels.py gemm --weights exact).
 constexpr int64_t kLowBitAllRows = 2 * kMaxRows;
-constexpr std::array<std::array<LowBitFn, kLowBitMaxRows>, 3> kLowBitBlocks = {
+constexpr std::array<std::array<LowBitFn, kLowBitMaxRows>, lowbit::kKinds> kLowBitBlocks = {
     lowbit_table<kQ4>(std::make_integer_sequence<int, kLowBitMaxRows>{}),
     lowbit_table<kQ8>(std::make_integer_sequence<int, kLowBitMaxRows>{}),
-    lowbit_table<kQ8x2>(std::make_integer_sequence<int, kLowBitMaxRows>{})};
+    lowbit_table<kQ8x2>(std::make_integer_sequence<int, kLowBitMaxRows>{}),
+    lowbit_table<lowbit::kF8>(std::make_integer_sequence<int, kLowBitMaxRows>{})};
 
 // One tile (float32, or low-bit: up to kLowBitAllRows rows dequantize it in registers, more dequantize it
 // into `scratch` first): out[:, n0:n0 + cols] = x @ tile (+ bias). Both low-bit paths give the same bits.
@@ -291,12 +292,16 @@ float* aligned(std::vector<float>& buffer, int64_t size) {
 
 // out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight (float32
 // [tiles, K, 32]) or pack_decode_weight_quantized (uint8 [tiles, K / 32, kQ4GroupBytes] or int8
-// [tiles, K / 32, kQ8GroupBytes or kQ8x2GroupBytes]); bias [N] or undefined.
+// [tiles, K / 32, kQ8GroupBytes or kQ8x2GroupBytes], or float8_e4m3fn [tiles, K / 32, kQ8GroupBytes]: FP8
+// codes); bias [N] or undefined.
 void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [M, K]");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = out.size(1), tiles = packed.size(0);
-  const bool q4 = packed.scalar_type() == at::kByte, q8 = packed.scalar_type() == at::kChar;
-  const Kind kind = q4 ? kQ4 : packed.dim() == 3 && packed.size(2) == kQ8x2GroupBytes ? kQ8x2 : kQ8;
+  const bool q4 = packed.scalar_type() == at::kByte, f8 = packed.scalar_type() == at::kFloat8_e4m3fn;
+  const bool q8 = packed.scalar_type() == at::kChar || f8;
+  const Kind kind = q4   ? kQ4
+                    : f8 ? lowbit::kF8
+                    : packed.dim() == 3 && packed.size(2) == kQ8x2GroupBytes ? kQ8x2 : kQ8;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
                   (q4 || q8 ? k_dim % kGroup == 0 && packed.size(1) == k_dim / kGroup &&
                                   packed.size(2) == group_bytes(kind)

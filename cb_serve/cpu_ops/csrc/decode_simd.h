@@ -16,8 +16,8 @@ inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> fp32: the 16 bits bec
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 // FP8 e4m3 (bias 7) -> fp16 (bias 15) by moving its sign, exponent and mantissa bits into place (subnormals
-// included), then * 2^8 for the biases' difference: exact. (0x7F / 0xFF, e4m3's NaN, never reach the cache:
-// writes saturate.)
+// included), then * 2^8 for the biases' difference: exact. (0x7F / 0xFF, e4m3's NaN, read as +-480: writes
+// saturate finite values at +-448, so only a NaN key or value, already a broken step, is stored as one.)
 inline __m256i e4m3_as_half(__m256i bytes16) {
   return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes16, _mm256_set1_epi16(0x80)), 8),
                          _mm256_slli_epi16(_mm256_and_si256(bytes16, _mm256_set1_epi16(0x7F)), 7));

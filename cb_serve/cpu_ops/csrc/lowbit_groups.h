@@ -12,15 +12,38 @@
 namespace lowbit {
 
 constexpr int64_t kCols = 32;  // output columns per tile
+// The group layouts (below): 4-bit; 8-bit, one scale per 32 inputs; per 16 (Q6_K); FP8 e4m3 codes
+enum Kind : int { kQ4 = 0, kQ8 = 1, kQ8x2 = 2, kF8 = 3 };
+constexpr int kKinds = 4;
+constexpr int64_t scale_vectors(Kind kind) { return kind == kQ4 || kind == kQ8x2 ? 2 : 1; }
+
+// An FP8 e4m3 code's value (bias 7; subnormals m * 2^-9): exact in float32. (0x7F / 0xFF, NaN, are not weights.)
+inline float e4m3_value(uint8_t byte) {
+  const int exponent = (byte >> 3) & 0xF, mantissa = byte & 7;
+  const float magnitude = exponent ? std::ldexp(static_cast<float>(8 + mantissa), exponent - 10)
+                                   : std::ldexp(static_cast<float>(mantissa), -9);
+  return byte & 0x80 ? -magnitude : magnitude;
+}
 
 #if defined(__AVX512F__)
+// 16 FP8 e4m3 codes as float32: sign, exponent and mantissa moved into float16's places, then * 2^8 (exact).
+inline __m512 e4m3_16(const uint8_t* codes) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                       _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+}
+
 // Input k's 32 values of a group as float32, columns 0-15 and 16-31.
-template <bool FourBit>
+template <Kind K>
 inline void q_row(const uint8_t* q, int64_t k, __m512& q0, __m512& q1) {
-  if constexpr (FourBit) {
+  if constexpr (K == kQ4) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
     q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
     q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  } else if constexpr (K == kF8) {
+    q0 = e4m3_16(q + k * 32);
+    q1 = e4m3_16(q + k * 32 + 16);
   } else {
     const __m128i* bytes = reinterpret_cast<const __m128i*>(q + k * 32);
     q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
@@ -34,14 +57,15 @@ inline void q_row(const uint8_t* q, int64_t k, __m512& q0, __m512& q1) {
 // the second half's scales d2[32]), then one row per input: 4-bit as 16 bytes, byte j holding column j in
 // its low nibble and column j + 16 in its high nibble; 8-bit as 32 signed bytes. d * q is exact for 4 bits,
 // so fma(d, q, m) is the float32 weight the packing started from (for 8 bits fma(d, q, 0) is the rounded
-// product the weight was checked against) and the GEMM is bit for bit the float32 one.
+// product the weight was checked against) and the GEMM is bit for bit the float32 one. FP8 weights (an FP8
+// checkpoint's e4m3 codes with their blocks' float32 scales) are laid out as 8 bits: fma(d, value, 0) is the
+// product value * scale that dequantizing the checkpoint rounds once.
 constexpr int64_t kGroup = 32;
-enum Kind { kQ4 = 0, kQ8 = 1, kQ8x2 = 2 };  // 4-bit; 8-bit, one scale per 32 inputs; per 16 (Q6_K)
 constexpr int64_t kQ4GroupBytes = 2 * kCols * 4 + kGroup * kCols / 2;
 constexpr int64_t kQ8GroupBytes = kCols * 4 + kGroup * kCols;
 constexpr int64_t kQ8x2GroupBytes = 2 * kCols * 4 + kGroup * kCols;
 constexpr int64_t group_bytes(Kind kind) {
-  return kind == kQ4 ? kQ4GroupBytes : kind == kQ8 ? kQ8GroupBytes : kQ8x2GroupBytes;
+  return kind == kQ4 ? kQ4GroupBytes : kind == kQ8x2 ? kQ8x2GroupBytes : kQ8GroupBytes;
 }
 
 #if defined(__AVX512F__)
@@ -52,7 +76,7 @@ inline void group_weights(const uint8_t* group, Row&& row) {
   constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
   const float* d = reinterpret_cast<const float*>(group);
   const float* m = d + kCols;  // 4-bit: offsets; two scales: the second half's scales
-  const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
+  const uint8_t* q = group + scale_vectors(K) * kCols * 4;
   __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
   const __m512 m0 = FourBit ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
   const __m512 m1 = FourBit ? _mm512_loadu_ps(m + 16) : _mm512_setzero_ps();
@@ -62,7 +86,7 @@ inline void group_weights(const uint8_t* group, Row&& row) {
       d1 = _mm512_loadu_ps(m + 16);
     }
     __m512 q0, q1;
-    q_row<FourBit>(q, k, q0, q1);
+    q_row<K>(q, k, q0, q1);
     row(k, _mm512_fmadd_ps(d0, q0, m0), _mm512_fmadd_ps(d1, q1, m1));
   }
 }
@@ -86,7 +110,7 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
     constexpr bool FourBit = K == kQ4, TwoScales = K == kQ8x2;
     const float* d = reinterpret_cast<const float*>(group);
     const float* m = d + kCols;  // 4-bit: offsets; two scales: the second half's scales
-    const uint8_t* q = group + (K == kQ8 ? 1 : 2) * kCols * 4;
+    const uint8_t* q = group + scale_vectors(K) * kCols * 4;
 #if defined(__AVX2__) && defined(__FMA__)
     for (int64_t line = 0; line < bytes; line += 64)  // every line of the group 4 ahead
       _mm_prefetch((const char*)(group + 4 * bytes + line), _MM_HINT_T0);
@@ -98,20 +122,34 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
     for (int64_t k = 0; k < kGroup; ++k) {
       if (TwoScales && k == kGroup / 2)
         for (int c = 0; c < 4; ++c) dv[c] = _mm256_loadu_ps(m + 8 * c);
-      __m256i words[4];  // columns 0-7, 8-15, 16-23, 24-31
-      if constexpr (FourBit) {
+      __m256 values[4];  // columns 0-7, 8-15, 16-23, 24-31
+      if constexpr (K == kF8) {
+        for (int c = 0; c < 4; ++c) {
+#if defined(__F16C__)
+          const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 32 + 8 * c)));
+          const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                            _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+          values[c] = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+#else
+          alignas(32) float lanes[8];
+          for (int j = 0; j < 8; ++j) lanes[j] = e4m3_value(q[k * 32 + 8 * c + j]);
+          values[c] = _mm256_load_ps(lanes);
+#endif
+        }
+      } else if constexpr (FourBit) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
         const __m256i low = _mm256_cvtepu8_epi32(bytes), high = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-        words[0] = _mm256_and_si256(low, _mm256_set1_epi32(0xF));
-        words[1] = _mm256_and_si256(high, _mm256_set1_epi32(0xF));
-        words[2] = _mm256_srli_epi32(low, 4);
-        words[3] = _mm256_srli_epi32(high, 4);
+        values[0] = _mm256_cvtepi32_ps(_mm256_and_si256(low, _mm256_set1_epi32(0xF)));
+        values[1] = _mm256_cvtepi32_ps(_mm256_and_si256(high, _mm256_set1_epi32(0xF)));
+        values[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(low, 4));
+        values[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(high, 4));
       } else {
         for (int c = 0; c < 4; ++c)
-          words[c] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 32 + 8 * c)));
+          values[c] = _mm256_cvtepi32_ps(
+              _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 32 + 8 * c))));
       }
       for (int c = 0; c < 4; ++c)
-        _mm256_storeu_ps(rows + k * kCols + 8 * c, _mm256_fmadd_ps(dv[c], _mm256_cvtepi32_ps(words[c]), mv[c]));
+        _mm256_storeu_ps(rows + k * kCols + 8 * c, _mm256_fmadd_ps(dv[c], values[c], mv[c]));
     }
 #else
     for (int64_t k = 0; k < kGroup; ++k) {
@@ -121,6 +159,8 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
         if constexpr (FourBit) {
           const uint8_t byte = q[k * 16 + c % 16];
           value = static_cast<float>(c < 16 ? byte & 0xF : byte >> 4);
+        } else if constexpr (K == kF8) {
+          value = e4m3_value(q[k * 32 + c]);
         } else {
           value = static_cast<float>(static_cast<int8_t>(q[k * 32 + c]));
         }
@@ -137,6 +177,7 @@ void dequantize(Kind kind, const uint8_t* packed, int64_t groups, float* tile) {
     case kQ4: return dequantize_groups<kQ4>(packed, groups, tile);
     case kQ8: return dequantize_groups<kQ8>(packed, groups, tile);
     case kQ8x2: return dequantize_groups<kQ8x2>(packed, groups, tile);
+    case kF8: return dequantize_groups<kF8>(packed, groups, tile);
   }
 }
 

@@ -5,9 +5,9 @@ them the scales are 1.0, vLLM's default.
 
 The cache holds ``k / k_scale`` and ``v / v_scale`` in e4m3. Attention is linear in both, so the scales fold
 into it: scores ``scale * q.k = (scale * k_scale) * q.(k / k_scale)`` and output
-``sum p v = v_scale * sum p (v / v_scale)``. ``KVCacheScales.around`` does that around any backend, which then
-needs no scale arguments: keys and values are divided before the write, the softmax scale multiplied, and
-the output multiplied after."""
+``sum p v = v_scale * sum p (v / v_scale)``. The attention layer does that around any backend
+(``Attention.attend``), which then needs no scale arguments: keys and values are divided before the write, the
+softmax scale multiplied, and the output multiplied after."""
 
 from __future__ import annotations
 
@@ -38,7 +38,11 @@ class KVCacheScales:
             prefix = re.sub(r"layers\.\d+\.", f"layers.{source_layer}.", prefix)
         for k_name, v_name in NAMES:
             if prefix + k_name in state and prefix + v_name in state:
-                k, v = (float(materialize(state[prefix + n]).float().reshape(-1)[0]) for n in (k_name, v_name))
+                tensors = [materialize(state[prefix + n]).float() for n in (k_name, v_name)]
+                if any(t.numel() != 1 for t in tensors):  # llm-compressor's per-head strategy, say
+                    raise ValueError(f"{prefix}{k_name} / {v_name}: only per-tensor KV-cache scales are supported, "
+                                     f"not shapes {[list(t.shape) for t in tensors]}")  # fmt: skip
+                k, v = (float(t.reshape(())) for t in tensors)
                 if not (k > 0 and v > 0):
                     raise ValueError(f"{prefix}{k_name} / {v_name}: KV-cache scales must be positive, got {k}, {v}")
                 return cls(k, v) if (k, v) != (1.0, 1.0) else None

@@ -150,7 +150,9 @@ class IntWeight(QuantizedWeight):
         out = rows.stop - rows.start
         if self.per_tensor:
             scale = read(self.scale, None, None).reshape(1, 1).expand(out, 1)
-            zero = read(self.zero_point, None, torch.int32).reshape(1, 1).expand(out, 1) if self.zero_point else None
+            zero = None
+            if self.zero_point is not None:
+                zero = read(self.zero_point, None, torch.int32).reshape(1, 1).expand(out, 1)
             group_of = torch.zeros(cols.stop - cols.start, dtype=torch.int64)
         else:
             every = slice(0, self.shape[1] // self.group)

@@ -3,9 +3,11 @@ releases): each ``*.weight`` stored as ``float8_e4m3fn`` with its scales beside 
 (a multiplier, despite the name; ``*.weight_scale`` in some exports), one per ``weight_block_size`` block
 (128 x 128 as published), or one per tensor or output row without blocks.
 
-Today the weights are dequantized as they are read (``Fp8Weights``): each slice a layer or a tensor-parallel
-rank reads is multiplied by its blocks' scales in float32, the same single rounding transformers'
-dequantization makes, then cast to the model's dtype. Activations are not quantized (a ``static`` activation
+The weights are dequantized as they are read (``Fp8Weights``): each slice a layer or a tensor-parallel rank
+reads is multiplied by its blocks' scales in float32, the same single rounding transformers' dequantization
+makes, then cast to the model's dtype. On the CPU each slice also gives its codes and scales
+(``low_bit_groups``), which the C++ kernels keep instead of the float32 weight (1.125 bytes a weight, the same
+products in registers). Activations are not quantized (a ``static`` activation
 scheme's input scales are unused): the result is the dequantized model's, as transformers computes it on a
 CPU. A float8 weight without scales, or with scales of another shape than its blocks, is refused at load."""
 
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from cb_serve.cpu_ops.exact_quant import GROUP, QuantGroups
 from cb_serve.model_executor.layers.checkpoint import FP8 as FP8_DTYPES
 from cb_serve.model_executor.quantization.base import QuantizationConfig
 from cb_serve.model_executor.quantization.weights import (
@@ -85,13 +88,26 @@ class Fp8Weight(QuantizedWeight):
             raise ValueError(f"{self.name}: scales stored as {raw.dtype} are not supported")
         return raw.to(torch.float32)
 
-    def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
+    def low_bit_groups(self, rows: slice, cols: slice) -> QuantGroups | None:
+        """The e4m3 codes with each group of 32 inputs' float32 scales (constant within it: blocks of a multiple
+        of 32 inputs), for ``decode_gemm``'s FP8 groups."""
+        if cols.start % GROUP or (cols.stop - cols.start) % GROUP or (self.block and self.block[1] % GROUP):
+            return None
+        codes = read(self.weight, (rows, cols), None)
+        if codes.dtype != torch.float8_e4m3fn:
+            return None
+        scale = self.scale_of(rows, cols)[:, ::GROUP]  # each group's first input's: the group's
+        return QuantGroups(codes, scale.expand(len(codes), codes.shape[1] // GROUP).contiguous(), None)
+
+    def scale_of(self, rows: slice, cols: slice) -> torch.Tensor:
+        """float32 ``[len(rows) or 1, len(cols) or 1]``: each weight's scale, broadcast where one serves many."""
         if self.block is None:
-            scale = (self.scales(rows) if self.per_row else self.scales()).reshape(-1, 1)
-        else:
-            (row_blocks, row_of), (col_blocks, col_of) = blocks_of(rows, self.block[0]), blocks_of(cols, self.block[1])
-            scale = self.scales((row_blocks, col_blocks))[row_of][:, col_of]
-        return read(self.weight, (rows, cols), torch.float32) * scale  # FP8 values are exact in float32
+            return (self.scales(rows) if self.per_row else self.scales()).reshape(-1, 1)
+        (row_blocks, row_of), (col_blocks, col_of) = blocks_of(rows, self.block[0]), blocks_of(cols, self.block[1])
+        return self.scales((row_blocks, col_blocks))[row_of][:, col_of]
+
+    def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
+        return read(self.weight, (rows, cols), torch.float32) * self.scale_of(rows, cols)  # FP8 values: exact
 
 
 class Fp8Weights(QuantizedState):

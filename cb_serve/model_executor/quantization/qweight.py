@@ -11,7 +11,7 @@ CPU's low-bit kernels."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 import torch
 
@@ -106,9 +106,6 @@ class GroupedIntWeight(QuantizedWeight):
 class QWeightState(QuantizedState):
     """A GPTQ / AWQ checkpoint: ``X.weight`` read from ``X.qweight`` and its companions (``weight``), which
     are hidden; float layers (``modules_to_not_convert``, the LM head) as stored."""
-
-    def __init__(self, state: Mapping, dtype: torch.dtype) -> None:
-        super().__init__(state, dtype)
 
     @abstractmethod
     def weight(self, name: str, parts: dict[str, Tensor]) -> QuantizedWeight:
