@@ -276,6 +276,7 @@ def load_model(
     for parameter in model.parameters():  # a checkpoint's low-bit groups that no CPU kernel took
         if hasattr(parameter, "quant_groups"):
             del parameter.quant_groups
+    if device.type == "cpu":
         _return_freed_heap()  # the loading copies and the float32 weights low-bit ones replaced
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)
