@@ -16,7 +16,14 @@ from typing import Any, ClassVar
 import torch
 
 from cb_serve.model_executor.quantization.base import QuantizationConfig
-from cb_serve.model_executor.quantization.qweight import GroupedIntWeight, QWeightState, unpack_unsigned, word_span
+from cb_serve.model_executor.quantization.qweight import (
+    GroupedIntWeight,
+    QWeightState,
+    check_group_size,
+    per_group,
+    unpack_unsigned,
+    word_span,
+)
 from cb_serve.model_executor.quantization.weights import Tensor, read
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output each nibble of a word holds, by nibble
@@ -34,8 +41,7 @@ class AWQConfig(QuantizationConfig):
     def __post_init__(self) -> None:
         if self.bits != 4:
             raise ValueError(f"AWQ: {self.bits}-bit weights are not supported (4)")
-        if not isinstance(self.group_size, int) or not (self.group_size == -1 or self.group_size > 0):
-            raise ValueError(f"AWQ: group_size must be -1 or a positive integer, not {self.group_size!r}")
+        check_group_size("AWQ", self.group_size)
         if self.version != "gemm":
             raise ValueError(f"AWQ: version {self.version!r} (its kernel's own layout) is not supported; "
                              f"supported: gemm")  # fmt: skip
@@ -52,7 +58,7 @@ class AWQConfig(QuantizationConfig):
         return AwqState(state, self, dtype)
 
     def describe(self) -> str:
-        per = f"groups of {self.group_size}" if self.group_size > 0 else "per row"
+        per = per_group(self.group_size)
         return f"AWQ ({self.version}): INT{self.bits} weights ({per}, zero points), dequantized as read"
 
 
@@ -68,10 +74,6 @@ class AwqWeight(GroupedIntWeight):
 
 
 class AwqState(QWeightState):
-    def __init__(self, state: Mapping, config: AWQConfig, dtype: torch.dtype) -> None:
-        super().__init__(state, dtype)
-        self.config = config
-
     def weight(self, name: str, parts: dict[str, Tensor]) -> AwqWeight:
         inputs, words = parts["qweight"].shape
         if "g_idx" in parts:

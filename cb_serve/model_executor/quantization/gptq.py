@@ -18,7 +18,14 @@ from typing import Any, ClassVar
 import torch
 
 from cb_serve.model_executor.quantization.base import QuantizationConfig
-from cb_serve.model_executor.quantization.qweight import GroupedIntWeight, QWeightState, unpack_unsigned, word_span
+from cb_serve.model_executor.quantization.qweight import (
+    GroupedIntWeight,
+    QWeightState,
+    check_group_size,
+    per_group,
+    unpack_unsigned,
+    word_span,
+)
 from cb_serve.model_executor.quantization.weights import Tensor, read
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format: zero points stored minus one, or as they are
@@ -35,8 +42,7 @@ class GPTQConfig(QuantizationConfig):
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"GPTQ: {self.bits}-bit weights are not supported yet (4 or 8)")
-        if not isinstance(self.group_size, int) or not (self.group_size == -1 or self.group_size > 0):
-            raise ValueError(f"GPTQ: group_size must be -1 or a positive integer, not {self.group_size!r}")
+        check_group_size("GPTQ", self.group_size)
         if self.checkpoint_format not in FORMATS:
             raise ValueError(f"GPTQ: checkpoint_format {self.checkpoint_format!r} is not supported; supported: "
                              f"{', '.join(FORMATS)}")  # fmt: skip
@@ -53,7 +59,7 @@ class GPTQConfig(QuantizationConfig):
 
     def describe(self) -> str:
         order = ", activation order" if self.desc_act else ""
-        per = f"groups of {self.group_size}" if self.group_size > 0 else "per row"
+        per = per_group(self.group_size)
         return f"GPTQ ({self.checkpoint_format}): INT{self.bits} weights ({per}{order}), dequantized as read"
 
 
@@ -65,10 +71,6 @@ class GptqWeight(GroupedIntWeight):
 
 
 class GptqState(QWeightState):
-    def __init__(self, state: Mapping, config: GPTQConfig, dtype: torch.dtype) -> None:
-        super().__init__(state, dtype)
-        self.config = config
-
     def weight(self, name: str, parts: dict[str, Tensor]) -> GptqWeight:
         words, out = parts["qweight"].shape
         config = self.config

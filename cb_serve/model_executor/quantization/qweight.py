@@ -11,7 +11,7 @@ CPU's low-bit kernels."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -26,6 +26,17 @@ from cb_serve.model_executor.quantization.weights import (
 )
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized layer's tensors, after its prefix
+
+
+def check_group_size(method: str, group_size: object) -> None:
+    """A config's ``group_size``: -1 (one group per output row) or a positive integer, else ``ValueError``."""
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"{method}: group_size must be -1 or a positive integer, not {group_size!r}")
+
+
+def per_group(group_size: int) -> str:
+    """``describe``'s words for the scales' grouping."""
+    return f"groups of {group_size}" if group_size > 0 else "per row"
 
 
 def unpack_unsigned(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -106,6 +117,10 @@ class GroupedIntWeight(QuantizedWeight):
 class QWeightState(QuantizedState):
     """A GPTQ / AWQ checkpoint: ``X.weight`` read from ``X.qweight`` and its companions (``weight``), which
     are hidden; float layers (``modules_to_not_convert``, the LM head) as stored."""
+
+    def __init__(self, state: Mapping, config, dtype: torch.dtype) -> None:
+        super().__init__(state, dtype)
+        self.config = config  # the method's QuantizationConfig
 
     @abstractmethod
     def weight(self, name: str, parts: dict[str, Tensor]) -> QuantizedWeight:
