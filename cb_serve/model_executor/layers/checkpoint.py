@@ -94,8 +94,8 @@ def materialize(value: torch.Tensor | LazyTensor) -> torch.Tensor:
 
 def copy_parts(target: torch.Tensor, *parts: torch.Tensor | LazyTensor | Rows) -> None:
     """``target`` <- the parts, read here and stacked along the first dimension. Where every part came with
-    its INT4 groups (``quant_groups``: a quantized checkpoint's, ``QuantizedWeight``), ``target`` keeps them
-    stacked the same way, for ``Linear.prepare_for_cpu``."""
+    its low-bit groups (``quant_groups``: a quantized checkpoint's INT4 or FP8, ``QuantizedWeight``),
+    ``target`` keeps them stacked the same way, for ``Linear.prepare_for_cpu``."""
     tensors = [materialize(p) for p in parts]
     target.copy_(torch.cat(tensors, dim=0))
     groups = [getattr(t, "quant_groups", None) for t in tensors]

@@ -60,8 +60,9 @@ def find_quant_groups(weight: torch.Tensor) -> exact_quant.QuantGroups | None:
 
 
 def checkpoint_groups(weight: torch.Tensor) -> exact_quant.QuantGroups | None:
-    """The INT4 groups the checkpoint's parts gave ``weight`` as it loaded (``checkpoint.copy_parts``), if they
-    still give it bit for bit (a model may have changed the weight since)."""
+    """The low-bit groups (INT4, FP8 codes) the checkpoint's parts gave ``weight`` as it loaded
+    (``checkpoint.copy_parts``), if they still give it bit for bit (a model may have changed the weight since);
+    taken off the weight either way."""
     groups = getattr(weight, "quant_groups", None)
     if groups is not None:
         del weight.quant_groups
