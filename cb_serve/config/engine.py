@@ -28,6 +28,7 @@ TOOL_CALL_PARSERS = [  # tool_parsers.TOOL_CALL_PARSERS' names
 DTYPES = ["auto", "float32", "bfloat16", "float16"]  # for dtype and kv_cache_dtype
 FP8_KV_CACHE_DTYPES = ["fp8", "fp8_e4m3"]  # vLLM's names: float8_e4m3fn, saturated at +-448
 KV_CACHE_DTYPES = DTYPES + FP8_KV_CACHE_DTYPES
+ACTIVATION_QUANTIZATION = ["auto", "on", "off"]
 
 
 def _arg(default: Any, help: str, **kwargs: Any) -> Any:
@@ -57,6 +58,15 @@ class EngineConfig:
         "fp8 (fp8_e4m3): FP8 e4m3 values with per-tensor k/v scales from the checkpoint (else 1.0), a "
         "quarter of float32's memory (cpu and torch backends).",
         choices=KV_CACHE_DTYPES,
+    )
+    activation_quantization: str = _arg(
+        "auto",
+        "A W8A8 checkpoint's input quantization (FP8 activation_scheme, compressed-tensors input_activations): "
+        "on (each quantized layer's input rounded to FP8 / INT8 with the checkpoint's dynamic or static scales, "
+        "then multiplied in float: the W8A8 numbers, emulated), off (the weights alone, as transformers runs such "
+        "a checkpoint on a CPU), auto (on where the device multiplies FP8 codes natively: no kernel does yet, so "
+        "off).",
+        choices=ACTIVATION_QUANTIZATION,
     )
     device: str = _arg(
         "auto", "Device: auto ($CB_SERVE_DEVICE if set, else cuda if available, else cpu), cpu, cuda, cuda:N."
@@ -220,6 +230,9 @@ class EngineConfig:
             raise ValueError(f"Unknown dtype {self.dtype!r}.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"Unknown kv_cache_dtype {self.kv_cache_dtype!r} (one of {KV_CACHE_DTYPES}).")
+        if self.activation_quantization not in ACTIVATION_QUANTIZATION:
+            raise ValueError(f"Unknown activation_quantization {self.activation_quantization!r} "
+                             f"(one of {ACTIVATION_QUANTIZATION}).")  # fmt: skip
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"Unknown distributed_executor_backend {self.distributed_executor_backend!r}.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

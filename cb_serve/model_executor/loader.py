@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from cb_serve.attention.base import AttentionBackend
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor import gguf_cache, weight_cache
 from cb_serve.model_executor.builtin_models import gemma3_270m_file
+from cb_serve.model_executor.layers.activation_quant import ActivationScheme
 from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, LazyTensor, safetensors_files
+from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.rope_tables import rope_tables
 from cb_serve.model_executor.models import CausalLM, model_class
 from cb_serve.model_executor.quantization import quantization_config
@@ -255,6 +258,7 @@ def load_model(
     trust_remote_code: bool = False,
     shard: TensorParallelShard | None = None,
     tp: TensorParallelGroup | None = None,
+    activation_quantization: str = "auto",
 ) -> CausalLM:
     """Loads weights through transformers (safetensors, sharded checkpoints, GGUF with
     dequantization, hub downloads) and copies them into our compact module. Under tensor
@@ -270,16 +274,28 @@ def load_model(
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)
     del state
+    if quant is not None and quant.activations is not None:
+        take_input_quant(model, quant.activations, activation_quantization)
     if device.type == "cpu":
         with weight_cache.cached_quant_groups() if source.gguf_file else contextlib.nullcontext():
             model.prepare_for_cpu()
-    for parameter in model.parameters():  # a checkpoint's low-bit groups that no CPU kernel took
-        if hasattr(parameter, "quant_groups"):
-            del parameter.quant_groups
+    for parameter in model.parameters():  # a checkpoint's low-bit groups that no CPU kernel took (or layer)
+        for attribute in ("quant_groups", "input_quant"):
+            if hasattr(parameter, attribute):
+                delattr(parameter, attribute)
     if device.type == "cpu":
         _return_freed_heap()  # the loading copies and the float32 weights low-bit ones replaced
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)
+
+
+def take_input_quant(model: nn.Module, scheme: ActivationScheme, setting: str) -> None:
+    """A W8A8 checkpoint's input quantization onto its layers (``Linear.take_input_quant``) where ``setting``
+    (the engine's ``activation_quantization``) says on; logged either way."""
+    apply = setting == "on"  # auto: no device multiplies the codes natively yet
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.take_input_quant(apply) is not None]
+    how = "quantized" if apply else "left in float (activation_quantization=on to quantize them)"
+    logger.info("W8A8 checkpoint (%s): the inputs of %d projections %s", scheme.describe(), len(layers), how)
 
 
 def _return_freed_heap() -> None:

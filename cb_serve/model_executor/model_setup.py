@@ -109,4 +109,5 @@ class ModelSetup:
             self.config.trust_remote_code,
             shard,
             tp,
+            self.config.activation_quantization,
         )

@@ -187,3 +187,30 @@ def test_what_it_cannot_read_is_refused_at_load(checkpoints, tmp_path, edit, mat
     broken = write_compressed(checkpoints[0], tmp_path / "broken", "w4_group", edit)
     with pytest.raises(ValueError, match=match):
         LLM(str(broken), max_model_len=128, num_gpu_blocks=16)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (None, None),
+        ({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}, ("fp8", True, None)),
+        ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True}, ("fp8", True, None)),
+        ({"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}, ("fp8", True, 128)),
+        ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}, ("fp8", False, None)),
+        ({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}, ("int8", True, None)),
+        ({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": False}, "not supported"),
+        ({"num_bits": 4, "type": "float", "strategy": "tensor_group", "dynamic": "local"}, "not supported"),
+        ({"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False}, "strategy 'channel'"),
+    ],
+)
+def test_input_activations_read_as_w8a8_schemes(args, expected):
+    """A scheme's ``input_activations`` (W8A8): FP8 or symmetric INT8, dynamic per token (per tensor: per token
+    too, so no request's numbers depend on its batch) or per group, or static per tensor; others refused."""
+    from cb_serve.model_executor.quantization.compressed_tensors import activation_scheme
+
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            activation_scheme(args)
+        return
+    scheme = activation_scheme(args)
+    assert (scheme and (scheme.kind, scheme.dynamic, scheme.group_size)) == expected

@@ -159,3 +159,155 @@ def test_e8m0_byte_scales_and_fp8_tensors_it_cannot_read():
     assert torch.equal(weights["a.weight"][:], expected) and list(weights) == ["a.weight", "experts.gate_up_proj"]
     with pytest.raises(ValueError, match="experts.gate_up_proj is stored in torch.float8_e4m3fn, which is not read"):
         weights["experts.gate_up_proj"]
+
+
+# --- W8A8: the inputs quantized too (``activation_quantization="on"``) ---------------------------------------
+
+
+def qdq_reference(x: torch.Tensor, kind: str, group: int | None, static: float | None) -> torch.Tensor:
+    """vLLM's activation quantization written out per row and group: codes of ``x / scale`` times ``scale``."""
+    largest = {"fp8": 448.0, "int8": 127.0}[kind]
+    out = torch.empty_like(x)
+    for r in range(x.shape[0]):
+        width = group or x.shape[1]
+        for start in range(0, x.shape[1], width):
+            part = x[r, start : start + width]
+            scale = static if static is not None else max(part.abs().max().item() / largest, 1 / (largest * 512))
+            y = (part / scale).clamp(-largest, largest)
+            y = y.to(torch.float8_e4m3fn).float() if kind == "fp8" else y.round()
+            out[r, start : start + width] = y * scale
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind, group, static",
+    [
+        ("fp8", None, None),
+        ("fp8", 32, None),
+        ("fp8", 48, None),
+        ("fp8", None, 0.01),
+        ("int8", None, None),
+        ("int8", 32, None),
+    ],  # fmt: skip
+)
+def test_activation_quantization_rounds_as_vllm_does(kind, group, static):
+    """Per token, per group (a short last group), static (saturating); a zero row stays zero, and each row's
+    numbers are its own: alone or in a batch, the same (no scale over the batch)."""
+    from cb_serve.model_executor.layers.activation_quant import ActivationQuant
+
+    torch.manual_seed(1)
+    x = torch.randn(5, 80) * torch.tensor([0.01, 1, 30, 1e3, 0])[:, None]
+    quant = ActivationQuant(kind, group, static)
+    y = quant(x)
+    assert torch.equal(y, qdq_reference(x, kind, group, static)) and not y[4].any()
+    assert torch.equal(torch.cat([quant(x[i : i + 1]) for i in range(5)]), y)
+    if static is None:  # each row's (group's) largest input is a code's largest value exactly
+        assert (y.abs().amax(dim=1)[:4] - x.abs().amax(dim=1)[:4]).abs().max() <= 1e-6 * x.abs().max()
+
+
+def hooked_hf(path: Path, kind: str, group: int | None, scales: dict[str, float] | None):
+    """HF float32 on the dequantized checkpoint, each decoder projection's input quantized by the reference first
+    (static: q, k, v share the largest of their scales, and gate, up theirs, as vLLM's fused layers do)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    fused = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
+             "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
+             "up_proj": ("gate_proj", "up_proj")}  # fmt: skip
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.startswith("model.layers.") and leaf.endswith("_proj"):
+            static = None
+            if scales is not None:
+                static = max(scales[name.removesuffix(leaf) + p] for p in fused.get(leaf, (leaf,)))
+
+            def hook(module, args, static=static):
+                x = args[0]
+                return (qdq_reference(x.reshape(-1, x.shape[-1]), kind, group, static).view_as(x),)
+
+            module.register_forward_pre_hook(hook)
+    return model
+
+
+def static_scales(weights, config):
+    """Each projection a calibrated-looking input scale (different within a fused group), and a static scheme."""
+    config["quantization_config"]["activation_scheme"] = "static"
+    names = [n.removesuffix(".weight") for n in weights if n.endswith("_proj.weight")]
+    for i, name in enumerate(sorted(names)):
+        weights[name + ".input_scale"] = torch.tensor(0.006 + 0.002 * (i % 5))
+
+
+def w8a8_checkpoint(fp8_llama: Path, tmp_path: Path, scheme: str):
+    """The checkpoint for ``scheme`` and the HF reference with its rounding hooked in."""
+    if scheme == "dynamic":
+        return fp8_llama, hooked_hf(fp8_llama, "fp8", BLOCK[1], None)
+    path = write_fp8(fp8_llama.parent / "float", tmp_path / "static", static_scales)
+    stored = load_file(path / "model.safetensors")
+    scales = {n.removesuffix(".input_scale"): float(t) for n, t in stored.items() if n.endswith(".input_scale")}
+    return path, hooked_hf(path, "fp8", None, scales)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_w8a8_gives_the_tokens_of_hf_with_its_inputs_quantized(fp8_llama, tmp_path, scheme):
+    """With ``activation_quantization="on"`` each projection's input is quantized as vLLM does (dynamic: per token
+    in groups of the blocks' width; static: the checkpoint's ``input_scale``): the greedy tokens of HF on the
+    dequantized checkpoint with that rounding hooked before each projection (the torch backend, whose inputs to
+    the rounding are HF's bit for bit). (Off, the default: HF's own tokens, above.)"""
+    path, reference = w8a8_checkpoint(fp8_llama, tmp_path, scheme)
+    llm = LLM(str(path), attention_backend="torch", activation_quantization="on", **STRESS_ENGINE_ARGS)
+    prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=11)
+    deltas = run_and_compare(llm, reference, prompts, max_tokens, f"w8a8 {scheme}", stop_at_eos=False)
+    check_engine_exercised(llm, prompts, deltas)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ kernels did not build")
+def test_w8a8_on_the_cpu_backend_keeps_the_fp8_weights_and_hf_s_numbers(fp8_llama):
+    """On the C++ backend the weights stay FP8 and the inputs are rounded first. Its float32 sums differ from HF's
+    in the last bits, and a rounding step (1/16 of a value in e4m3) turns a last-bit difference at a code's
+    boundary into a visible one, so greedy paths may part where HF's are not tied: the teacher-forced
+    logprobs are compared, which stay close (an order of magnitude closer than without the rounding)."""
+    reference = hooked_hf(fp8_llama, "fp8", BLOCK[1], None)
+    llm = LLM(str(fp8_llama), attention_backend="cpu", activation_quantization="on", max_model_len=256)
+    assert "fp8_e4m3" in llm.engine.get_stats().weight_bytes
+    torch.manual_seed(3)
+    prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (7, 40, 120, 200)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    deltas = []
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        ours = torch.tensor([out.prompt_logprobs[j][prompt[j]].logprob for j in range(1, len(prompt))])
+        deltas.append((ours - logits[torch.arange(len(prompt) - 1), prompt[1:]]).abs())
+    deltas = torch.cat(deltas)
+    assert deltas.mean() < 0.02 and deltas.max() < 0.5, (deltas.mean(), deltas.max())
+
+
+def test_w8a8_changes_the_numbers_only_when_on(fp8_llama):
+    """auto (no native FP8 GEMM yet) and off give the dequantized model's logprobs; on gives others."""
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    prompt = [list(range(100, 140))]
+    runs = {s: greedy_outputs(fp8_llama, prompt, params, activation_quantization=s) for s in ("auto", "off", "on")}
+    logprob = {s: next(iter(r[0][1][0].values())).logprob for s, r in runs.items()}
+    assert logprob["auto"] == logprob["off"] != logprob["on"], logprob
+
+
+def static_without_scales(weights, config):
+    config["quantization_config"]["activation_scheme"] = "static"
+
+
+def per_channel_input_scale(weights, config):
+    static_scales(weights, config)
+    weights["model.layers.0.mlp.up_proj.input_scale"] = torch.full((64,), 0.01)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (static_without_scales, r"quantizes activations statically, and has no model\.layers\.\d\..*input_scale"),
+        (per_channel_input_scale, r"up_proj\.input_scale: only one input scale per layer is supported"),
+    ],
+)
+def test_a_static_scheme_without_its_scales_is_refused(fp8_llama, tmp_path, edit, match):
+    broken = write_fp8(fp8_llama.parent / "float", tmp_path / "broken", edit)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(broken), max_model_len=128, num_gpu_blocks=16, activation_quantization="on")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from cb_serve.cpu_ops.exact_quant import QuantGroups
+from cb_serve.model_executor.layers import activation_quant
 
 FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 STORED_FP8 = {"F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
@@ -49,8 +50,10 @@ class LazyTensor:
         return part.to(self.dtype)
 
     def raw(self, index=None) -> torch.Tensor:
-        """``[index]`` (None: all of it) as stored, not cast."""
-        return self.handle.get_tensor(self.name) if index is None else self.handle.get_slice(self.name)[index]
+        """``[index]`` (None, or any index of a 0-dim tensor: all of it) as stored, not cast."""
+        if index is None or not self.shape:  # a scalar (a scale): safetensors' slices cannot index it
+            return self.handle.get_tensor(self.name)
+        return self.handle.get_slice(self.name)[index]
 
     @property
     def shape(self) -> list[int]:
@@ -95,9 +98,12 @@ def materialize(value: torch.Tensor | LazyTensor) -> torch.Tensor:
 def copy_parts(target: torch.Tensor, *parts: torch.Tensor | LazyTensor | Rows) -> None:
     """``target`` <- the parts, read here and stacked along the first dimension. Where every part came with
     its low-bit groups (``quant_groups``: a quantized checkpoint's INT4 or FP8, ``QuantizedWeight``),
-    ``target`` keeps them stacked the same way, for ``Linear.prepare_for_cpu``."""
+    ``target`` keeps them stacked the same way, for ``Linear.prepare_for_cpu``; where they came with their
+    input quantization (``input_quant``: W8A8), ``target`` keeps the parts' one (``activation_quant.merge``)."""
     tensors = [materialize(p) for p in parts]
     target.copy_(torch.cat(tensors, dim=0))
+    if (quant := activation_quant.merge(getattr(t, "input_quant", None) for t in tensors)) is not None:
+        target.input_quant = quant
     groups = [getattr(t, "quant_groups", None) for t in tensors]
     if all(g is not None for g in groups) and (stacked := QuantGroups.cat(groups)) is not None:
         target.quant_groups = stacked

@@ -31,6 +31,7 @@ from torch import nn
 from cb_serve import cpu_ops
 from cb_serve.cpu_ops import exact_quant
 from cb_serve.cpu_ops.kernel_choice import AMX_MIN_ROWS, kernel_choice
+from cb_serve.model_executor.layers.activation_quant import ActivationQuant
 from cb_serve.model_executor.layers.fused_experts import CpuExpertGemm
 from cb_serve.model_executor.layers.linear_method import LinearMethod
 from cb_serve.model_executor.layers.low_bit_linear import keep_low_bit
@@ -124,20 +125,33 @@ UNQUANTIZED = UnquantizedLinearMethod()
 
 class Linear(nn.Linear):
     """A linear layer whose ``method`` keeps and multiplies its weight (``UnquantizedLinearMethod`` by
-    default); the packed copies a method derives live here, beside the weight."""
+    default); the packed copies a method derives live here, beside the weight. ``input_quant``: a W8A8
+    checkpoint's quantization of the input, applied first (``take_input_quant``)."""
 
     decode_weight: torch.Tensor | None = None
     split_weight: torch.Tensor | None = None  # exact_quant.pack_amx_weight's layout, for split_kernel (low-bit)
     bf16_weight: torch.Tensor | None = None  # cpu_ops.pack_expert_weight's bf16 layout, one group
     split_kernel: str = "mkl"
     split_min_rows: int = 0
+    input_quant: ActivationQuant | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, method: LinearMethod | None = None):
         super().__init__(in_features, out_features, bias)
         self.method = method or UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quant is not None:
+            x = self.input_quant(x)
         return self.method.apply(self, x)
+
+    def take_input_quant(self, apply: bool) -> ActivationQuant | None:
+        """The input quantization the checkpoint's parts gave the weight (``checkpoint.copy_parts``), taken off
+        it, and kept as this layer's where ``apply``."""
+        quant = getattr(self.weight, "input_quant", None)
+        if quant is not None:
+            del self.weight.input_quant
+        self.input_quant = quant if apply else None
+        return quant
 
     def bytes_read(self, rows: int) -> int:
         """Bytes of weight (and bias) that ``forward`` streams for a batch of ``rows`` rows."""

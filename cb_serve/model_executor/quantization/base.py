@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from cb_serve.model_executor.layers.activation_quant import ActivationScheme
+
 
 class QuantizationConfig(ABC):
     """One checkpoint's quantization, from its ``quantization_config`` dict."""
@@ -29,6 +31,11 @@ class QuantizationConfig(ABC):
     def weights(self, state: Mapping, dtype: torch.dtype) -> Mapping:
         """The checkpoint's tensors (a state dict or a ``LazyCheckpoint``) as the layers read them, quantized
         weights as ``dtype`` values."""
+
+    @property
+    def activations(self) -> ActivationScheme | None:
+        """How the checkpoint quantizes each quantized layer's input (W8A8), or None: weight-only."""
+        return None
 
     @abstractmethod
     def describe(self) -> str:

@@ -11,9 +11,10 @@ many vendors' INT4 and FP8 releases), read as the ``compressed-tensors`` library
 Each value is ``(q - zero_point) * scale`` in float32, the library's arithmetic on the scales transformers
 upcasts to a float32 model's dtype, so the weights are what transformers computes with (a half-precision scale
 times a small integer or an FP8 value is exact in float32; a float16 or bfloat16 model's cast then rounds once,
-as the library's arithmetic in that dtype does); activations are not quantized (a scheme's input quantization is
-unused). 4-bit slices give their groups (``low_bit_groups``) for the CPU's low-bit kernels. Not read yet, and
-refused by name: other formats, sparsity, transforms, activation-ordered groups (``g_idx``)."""
+as the library's arithmetic in that dtype does). A scheme's ``input_activations`` (W8A8: FP8 or symmetric INT8,
+dynamic per token or group, or static per tensor) is the checkpoint's ``activations``. 4-bit slices give their
+groups (``low_bit_groups``) for the CPU's low-bit kernels. Not read yet, and refused by name: other formats,
+sparsity, transforms, activation-ordered groups (``g_idx``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from cb_serve.cpu_ops.exact_quant import QuantGroups
+from cb_serve.model_executor.layers.activation_quant import ActivationScheme
 from cb_serve.model_executor.layers.checkpoint import FP8 as FP8_DTYPES
 from cb_serve.model_executor.quantization.base import QuantizationConfig
 from cb_serve.model_executor.quantization.fp8 import Fp8Weight
@@ -65,12 +67,31 @@ class WeightScheme:
                    args.get("group_size"), tuple(block) if block else None)  # fmt: skip
 
 
+def activation_scheme(args: dict[str, Any] | None) -> ActivationScheme | None:
+    """A config group's ``input_activations`` as cb-serve applies it; ``ValueError`` for what it cannot."""
+    if not args:
+        return None
+    kind = {("float", 8): "fp8", ("int", 8): "int8"}.get((args.get("type", "int"), args.get("num_bits")))
+    strategy, dynamic, group = args.get("strategy") or "tensor", args.get("dynamic", False), args.get("group_size")
+    if kind is None or args.get("symmetric", True) is not True or dynamic not in (True, False):
+        raise ValueError(f"compressed-tensors: input activations {args} are not supported (FP8, or symmetric INT8, "
+                         "with dynamic or static scales)")  # fmt: skip
+    if dynamic and strategy in ("token", "tensor"):  # per tensor: per token instead (``activation_quant``)
+        return ActivationScheme(kind, True)
+    if dynamic and strategy == "group" and group:
+        return ActivationScheme(kind, True, int(group))
+    if not dynamic and strategy == "tensor":
+        return ActivationScheme(kind, False)
+    raise ValueError(f"compressed-tensors: input activations with strategy {strategy!r} and dynamic={dynamic} "
+                     "are not supported")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class CompressedTensorsConfig(QuantizationConfig):
     name: ClassVar[str] = "compressed-tensors"
     format: str = "pack-quantized"
     scheme: WeightScheme = WeightScheme(4, "int", "group", 128)
-    activations_quantized: bool = False
+    input_scheme: ActivationScheme | None = None
 
     @classmethod
     def from_hf(cls, params: dict[str, Any]) -> CompressedTensorsConfig:
@@ -89,17 +110,27 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError(f"compressed-tensors: format {fmt!r} is not supported yet; supported: {FORMATS}")
         if any((g["weights"].get("actorder") == "group") for g in groups):
             raise ValueError("compressed-tensors: activation-ordered groups (actorder: group, g_idx) not supported yet")
-        return cls(fmt, scheme, any(g.get("input_activations") for g in groups))
+        inputs = {activation_scheme(g.get("input_activations")) for g in groups}
+        if len(inputs) != 1:
+            raise ValueError("compressed-tensors: config groups with different input activations are not supported")
+        return cls(fmt, scheme, inputs.pop())
+
+    @property
+    def activations(self) -> ActivationScheme | None:
+        return self.input_scheme
 
     def weights(self, state: Mapping, dtype: torch.dtype) -> Mapping:
-        return CompressedTensorsState(state, self.scheme, dtype)
+        return CompressedTensorsState(state, self.scheme, dtype, self.input_scheme)
 
     def describe(self) -> str:
         s = self.scheme
         kind = f"INT{s.num_bits}" if s.type == "int" else "FP8"
         per = f"groups of {s.group_size}" if s.strategy == "group" else s.strategy
-        note = "; activations unquantized" if self.activations_quantized else ""
-        return f"compressed-tensors {self.format}: {kind} weights ({per} scales), dequantized as read{note}"
+        inputs = self.input_scheme.describe() if self.input_scheme else "unquantized"
+        return (
+            f"compressed-tensors {self.format}: {kind} weights ({per} scales), dequantized as read; activations "
+            + inputs
+        )
 
 
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -186,8 +217,9 @@ class CompressedTensorsState(QuantizedState):
     STORED = "_packed"
     COMPANIONS = ("_scale", "_zero_point", "_shape", "_g_idx", "_global_scale")
 
-    def __init__(self, state: Mapping, scheme: WeightScheme, dtype: torch.dtype) -> None:
-        super().__init__(state, dtype)
+    def __init__(self, state: Mapping, scheme: WeightScheme, dtype: torch.dtype,
+                 activations: ActivationScheme | None = None) -> None:  # fmt: skip
+        super().__init__(state, dtype, activations)
         self.scheme = scheme
 
     def quantized(self, name: str) -> QuantizedWeight | None:

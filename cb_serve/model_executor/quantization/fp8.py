@@ -7,9 +7,11 @@ The weights are dequantized as they are read (``Fp8Weights``): each slice a laye
 reads is multiplied by its blocks' scales in float32, the same single rounding transformers' dequantization
 makes, then cast to the model's dtype. On the CPU each slice also gives its codes and scales
 (``low_bit_groups``), which the C++ kernels keep instead of the float32 weight (1.125 bytes a weight, the same
-products in registers). Activations are not quantized (a ``static`` activation
-scheme's input scales are unused): the result is the dequantized model's, as transformers computes it on a
-CPU. A float8 weight without scales, or with scales of another shape than its blocks, is refused at load."""
+products in registers). The ``activation_scheme`` (W8A8) is the checkpoint's ``activations``: dynamic scales per
+token, in groups of the blocks' width where the weights have blocks, or each layer's static ``input_scale``; the
+loader applies it or not (``activation_quantization``: without it the result is the dequantized model's, as
+transformers computes it on a CPU). A float8 weight without scales, or with scales of another shape than its
+blocks, is refused at load."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from cb_serve.cpu_ops.exact_quant import GROUP, QuantGroups
+from cb_serve.model_executor.layers.activation_quant import ActivationScheme
 from cb_serve.model_executor.layers.checkpoint import FP8 as FP8_DTYPES
 from cb_serve.model_executor.quantization.base import QuantizationConfig
 from cb_serve.model_executor.quantization.weights import (
@@ -53,12 +56,18 @@ class Fp8Config(QuantizationConfig):
         block = params.get("weight_block_size")
         return cls(tuple(block) if block is not None else None, params.get("activation_scheme") or "dynamic")
 
+    @property
+    def activations(self) -> ActivationScheme:
+        dynamic, block = self.activation_scheme == "dynamic", self.weight_block_size
+        return ActivationScheme("fp8", dynamic, block[1] if dynamic and block else None)
+
     def weights(self, state: Mapping, dtype: torch.dtype) -> Mapping:
-        return Fp8Weights(state, self.weight_block_size, dtype)
+        return Fp8Weights(state, self.weight_block_size, dtype, self.activations)
 
     def describe(self) -> str:
         blocks = "x".join(map(str, self.weight_block_size)) if self.weight_block_size else "per tensor or row"
-        return f"FP8 weights ({blocks} scales), dequantized as they are read"
+        inputs = self.activations.describe()
+        return f"FP8 weights ({blocks} scales), dequantized as they are read; activations {inputs}"
 
 
 class Fp8Weight(QuantizedWeight):
@@ -116,8 +125,9 @@ class Fp8Weights(QuantizedState):
 
     COMPANIONS = SCALE_SUFFIXES
 
-    def __init__(self, state: Mapping, block: tuple[int, int] | None, dtype: torch.dtype) -> None:
-        super().__init__(state, dtype)
+    def __init__(self, state: Mapping, block: tuple[int, int] | None, dtype: torch.dtype,
+                 activations: ActivationScheme | None = None) -> None:  # fmt: skip
+        super().__init__(state, dtype, activations)
         self.block = block
 
     def quantized(self, name: str) -> Fp8Weight | None:

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from cb_serve.cpu_ops.exact_quant import GROUP, QuantGroups, int4_groups
+from cb_serve.model_executor.layers.activation_quant import ActivationQuant, ActivationScheme
 from cb_serve.model_executor.layers.checkpoint import FP8, LazyTensor
 
 Tensor = torch.Tensor | LazyTensor
@@ -50,7 +51,10 @@ def blocks_of(part: slice, block: int) -> tuple[slice, torch.Tensor]:
 
 class QuantizedWeight(ABC):
     """One quantized weight ``[out, in]`` read as ``dtype`` values: indexing by row and column slices
-    dequantizes just that part, in float32 (the formats' own rounding), then casts it."""
+    dequantizes just that part, in float32 (the formats' own rounding), then casts it. ``input_quant``: how the
+    layer's input is quantized (W8A8), which every slice carries to the layer (``checkpoint.copy_parts``)."""
+
+    input_quant: ActivationQuant | None = None
 
     def __init__(self, name: str, shape: list[int], dtype: torch.dtype) -> None:
         if len(shape) != 2:
@@ -77,24 +81,28 @@ class QuantizedWeight(ABC):
             raise TypeError(f"{self.name}: quantized weights are read by row and column slices, not {index!r}")
         rows, cols = (slice(*s.indices(n)[:2]) for s, n in zip((rows, cols), self._shape))
         if rows.stop <= rows.start or cols.stop <= cols.start:
-            return torch.zeros(max(rows.stop - rows.start, 0), max(cols.stop - cols.start, 0), dtype=self.dtype)
-        values = self.dequantize(rows, cols).to(self.dtype)
-        if self.dtype == torch.float32 and (groups := self.low_bit_groups(rows, cols)) is not None:
-            values.quant_groups = groups
+            values = torch.zeros(max(rows.stop - rows.start, 0), max(cols.stop - cols.start, 0), dtype=self.dtype)
+        else:
+            values = self.dequantize(rows, cols).to(self.dtype)
+            if self.dtype == torch.float32 and (groups := self.low_bit_groups(rows, cols)) is not None:
+                values.quant_groups = groups
+        if self.input_quant is not None:
+            values.input_quant = self.input_quant
         return values
 
 
 class QuantizedState(Mapping):
     """A checkpoint (state dict or ``LazyCheckpoint``) whose quantized weights read as ``QuantizedWeight``s: the
     weight ``X.weight`` is stored as ``X.weight`` + ``STORED`` beside its companions ``X.weight`` + each of
-    ``COMPANIONS`` (scales...), which are hidden; ``UNUSED`` tensors are hidden too. Others are as stored."""
+    ``COMPANIONS`` (scales...), which are hidden; the input scales are hidden too (``activations``, the
+    checkpoint's activation quantization, reads them for each weight). Others are as stored."""
 
     STORED: ClassVar[str] = ""
     COMPANIONS: ClassVar[tuple[str, ...]] = ()
-    UNUSED: ClassVar[tuple[str, ...]] = (".input_scale", ".activation_scale")  # activations stay unquantized
+    UNUSED: ClassVar[tuple[str, ...]] = (".input_scale", ".activation_scale")  # read through the weights
 
-    def __init__(self, state: Mapping, dtype: torch.dtype) -> None:
-        self.state, self.dtype = state, dtype
+    def __init__(self, state: Mapping, dtype: torch.dtype, activations: ActivationScheme | None = None) -> None:
+        self.state, self.dtype, self.activations = state, dtype, activations
 
     @abstractmethod
     def quantized(self, name: str) -> QuantizedWeight | None:
@@ -102,6 +110,8 @@ class QuantizedState(Mapping):
 
     def __getitem__(self, name: str):
         if name.endswith(".weight") and (weight := self.quantized(name)) is not None:
+            if self.activations is not None:
+                weight.input_quant = self.activations.for_weight(self.state, name)
             return weight
         tensor = self.state[name]
         if stored_dtype(tensor) in FP8:  # (fused experts, say): never cast without their scales
