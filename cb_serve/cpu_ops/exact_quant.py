@@ -26,6 +26,8 @@ INT4 checkpoints (GPTQ, AWQ, compressed-tensors) give their groups directly (``i
 is exact and ``m = -zero * d`` too, so ``fma(d, q, m)`` is the weight itself, as for GGUF. FP8 checkpoints give
 theirs too (``Fp8Weight.low_bit_groups``): e4m3 codes as ``q`` with their blocks' float32 scales as ``d``, where
 ``fma(d, value, 0)`` is the product ``value * scale`` the dequantization rounds once (1.125 bytes a weight).
+MXFP4 experts (gpt-oss) are found from their values (``fp4_groups``): each group of 32 inputs ``e2m1 * 2^e``,
+kept as the 4-bit codes with the power of two as ``d`` (0.625 bytes a weight), where ``d * value`` is exact.
 """
 
 from __future__ import annotations
@@ -47,19 +49,31 @@ FINDERS = (  # (find, inputs per group), tried in turn
 )
 
 
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by FP4 code
+
+
 @dataclass(frozen=True)
 class QuantGroups:
-    q: torch.Tensor  # [N, K]: uint8 0..15 (4-bit, with m), int8 -127..127 or float8_e4m3fn codes (8-bit, m None)
+    # [N, K]: uint8 0..15 (4-bit: with m, integers; without, FP4 e2m1 codes), int8 -127..127 or float8_e4m3fn codes
+    q: torch.Tensor
     d: torch.Tensor  # float32 [N, K // 32] (8-bit also [N, K // 16]: Q6_K's scale per 16 inputs)
-    m: torch.Tensor | None  # float32 [N, K // 32] (4-bit only)
+    m: torch.Tensor | None  # float32 [N, K // 32] (4-bit integers only)
 
     @property
     def group_size(self) -> int:
         return self.q.shape[1] // self.d.shape[1]
 
+    @property
+    def fp4(self) -> bool:
+        return self.q.dtype == torch.uint8 and self.m is None
+
+    def values(self) -> torch.Tensor:
+        """float32 ``[N, K]``: each code's value before its scale."""
+        return torch.tensor(E2M1_VALUES)[self.q.long()] if self.fp4 else self.q.float()
+
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        w = self.d[..., None] * self.q.view(n, k // self.group_size, self.group_size).float()
+        w = self.d[..., None] * self.values().view(n, k // self.group_size, self.group_size)
         return (w if self.m is None else w + self.m[..., None]).view(n, k)
 
     @staticmethod
@@ -109,6 +123,27 @@ def find_quant_groups(weight: torch.Tensor) -> QuantGroups | None:
     return None
 
 
+def fp4_groups(weight: torch.Tensor) -> QuantGroups | None:
+    """The MXFP4 groups that give back ``weight`` (float32 ``[N, K]``) bit for bit, or None: per row and 32
+    inputs, FP4 e2m1 codes and a power of two (the largest magnitude over it is 4 or 6, e2m1's top values: with
+    the largest power of two that allows, every value of an MXFP4 block is a code's)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP or weight.numel() == 0:
+        return None
+    n, k = weight.shape
+    blocks = weight.detach().reshape(n, k // GROUP, GROUP)
+    d = torch.ldexp(torch.ones(()), (torch.frexp(blocks.abs().amax(-1)).exponent - 3).float())  # amax / d in [4, 8)
+    if not (d > 0).all():
+        return None
+    magnitude = blocks.abs() / d[..., None]
+    positive = torch.tensor(E2M1_VALUES[:8])
+    code = torch.searchsorted(positive, magnitude.contiguous()).clamp(max=7)
+    if not torch.equal(positive[code], magnitude):
+        return None
+    q = (code | (torch.signbit(blocks).long() << 3)).to(torch.uint8).view(n, k)
+    groups = QuantGroups(q, d, None)
+    return groups if torch.equal(groups.dequantize(), weight) else None
+
+
 def int4_groups(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> QuantGroups | None:
     """The groups of an INT4 weight ``(q - zero) * scale`` in float32 (the GPTQ, AWQ and compressed-tensors
     dequantization): ``q`` ``[N, K]`` in 0..15, ``zero`` (integers) and ``scale`` ``[N, K // 32]``, per group of
@@ -137,9 +172,9 @@ def _with_scales(groups: QuantGroups, q_rows: torch.Tensor, cols: int) -> torch.
     group) -> per tile and group: ``groups.scales()`` (``[cols]`` each) as float32, then the R rows, 4-bit
     as 16 bytes (byte ``j``: value ``j`` in the low nibble, ``j + 16`` in the high one), 8-bit as 32."""
     tiles, num_groups = q_rows.shape[:2]
-    if groups.m is None:
+    if groups.q.dtype != torch.uint8:
         rows = q_rows.reshape(tiles, num_groups, -1)
-    else:
+    else:  # 4-bit codes, two a byte
         rows = (q_rows[..., :16] | (q_rows[..., 16:] << 4)).reshape(tiles, num_groups, -1)
     scales = groups.scales()
     scale_bytes = [_column_tiles(s, tiles, cols).transpose(1, 2).contiguous().view(rows.dtype) for s in scales]
@@ -150,19 +185,20 @@ def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     """The layout ``decode_gemm`` reads, per tile of 32 output columns and group of 32 inputs:
     ``d[32]`` (and for 4 bits ``m[32]``, for scales per 16 inputs the second ``d[32]``) as float32, then 32 rows
     (one per input) of the tile's columns: 4-bit as 16 bytes, byte ``j`` holding column ``j`` in its low nibble
-    and column ``j + 16`` in its high nibble (uint8 ``[tiles, K // 32, 768]``); 8-bit as 32 bytes (int8
-    ``[tiles, K // 32, 1152]``, or 1280 with scales per 16; FP8 codes as float8_e4m3fn ``[tiles, K // 32, 1152]``)."""
+    and column ``j + 16`` in its high nibble (uint8 ``[tiles, K // 32, 768]``; FP4 codes, with no offsets, as
+    float4_e2m1fn_x2 ``[tiles, K // 32, 640]``); 8-bit as 32 bytes (int8 ``[tiles, K // 32, 1152]``, or 1280 with
+    scales per 16; FP8 codes as float8_e4m3fn ``[tiles, K // 32, 1152]``)."""
     n, k = groups.q.shape
     fp8 = groups.q.dtype == torch.float8_e4m3fn
     tiles, num_groups = -(-n // TILE_COLS), k // GROUP
     codes = groups.q.view(torch.uint8) if fp8 else groups.q  # (laid out as bytes)
     q = _column_tiles(codes, tiles, TILE_COLS).view(tiles, TILE_COLS, num_groups, GROUP)
     packed = _with_scales(groups, q.permute(0, 2, 3, 1), TILE_COLS)  # rows: [t, g, k, col]
-    return packed.view(torch.float8_e4m3fn) if fp8 else packed
+    return packed.view(torch.float8_e4m3fn) if fp8 else packed.view(torch.float4_e2m1fn_x2) if groups.fp4 else packed
 
 
-Q4_GROUP_BYTES, Q8_GROUP_BYTES, Q8X2_GROUP_BYTES = 768, 1152, 1280  # decode layout's bytes per tile and group
-SCALE_COUNTS = {Q4_GROUP_BYTES: 2, Q8_GROUP_BYTES: 1, Q8X2_GROUP_BYTES: 2}  # float32 scale vectors before the rows
+Q4_GROUP_BYTES, Q8_GROUP_BYTES, Q8X2_GROUP_BYTES, F4_GROUP_BYTES = 768, 1152, 1280, 640  # per tile and group
+SCALE_COUNTS = {Q4_GROUP_BYTES: 2, Q8_GROUP_BYTES: 1, Q8X2_GROUP_BYTES: 2, F4_GROUP_BYTES: 1}  # float32 vectors first
 
 
 def decode_weight_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -170,15 +206,19 @@ def decode_weight_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor
     ``pack_decode_weight_quantized`` layout, the values ``decode_gemm`` multiplies (``fma(d, q, m)``, with
     ``d * q`` exact: ``d * q + m`` is the same float32) and so the float32 weight the groups came from. Reads
     only those rows' bytes: an embedding lookup or a few rows' norms without a float32 copy."""
+    fp4 = packed.dtype == torch.float4_e2m1fn_x2
+    packed = packed.view(torch.uint8) if fp4 else packed
     tiles, num_groups, group_bytes = packed.shape
     scale_count = SCALE_COUNTS[group_bytes]
     tile, col = rows // TILE_COLS, rows % TILE_COLS
     scales = packed[..., : scale_count * 128].view(torch.float32).view(tiles, num_groups, scale_count, TILE_COLS)
     s = scales[tile, :, :, col]  # [R, G, scale_count]
     if packed.dtype == torch.uint8:  # 4 bits: byte j holds column j (low nibble) and j + 16 (high nibble)
-        q = packed[..., 256:].view(tiles, num_groups, GROUP, TILE_COLS // 2)[tile, :, :, col % 16]
-        q = torch.where((col < 16)[:, None, None], q & 15, q >> 4).float()
-        return torch.addcmul(s[..., 1:2], s[..., 0:1], q).flatten(1)
+        q = packed[..., scale_count * 128 :].view(tiles, num_groups, GROUP, TILE_COLS // 2)[tile, :, :, col % 16]
+        q = torch.where((col < 16)[:, None, None], q & 15, q >> 4)
+        if fp4:
+            return (s[..., 0:1] * torch.tensor(E2M1_VALUES)[q.long()]).flatten(1)
+        return torch.addcmul(s[..., 1:2], s[..., 0:1], q.float()).flatten(1)
     q = packed[..., scale_count * 128 :].view(tiles, num_groups, GROUP, TILE_COLS)[tile, :, :, col].float()
     if scale_count == 1:
         return (s * q).flatten(1)
@@ -190,9 +230,9 @@ def pack_amx_weight(groups: QuantGroups) -> torch.Tensor | None:
     for 4 bits ``m[16]``) as float32, then q as 16 VNNI rows of 32 values (input pair, column, pair member):
     4-bit as 16 bytes, byte ``j`` holding value ``j`` in its low nibble and ``j + 16`` in its high one (uint8
     ``[N / 16, K / 32, 384]``), 8-bit as 32 int8 (``[N / 16, K / 32, 576]``). N is padded to 32; None for K
-    over the kernel's 16384, for scales per 16 inputs and for FP8 codes (which the kernel does not take)."""
+    over the kernel's 16384, for scales per 16 inputs and for FP8 and FP4 codes (which the kernel does not take)."""
     n, k = groups.q.shape
-    if k > 16384 or groups.group_size != GROUP or groups.q.dtype == torch.float8_e4m3fn:
+    if k > 16384 or groups.group_size != GROUP or groups.q.dtype == torch.float8_e4m3fn or groups.fp4:
         return None
     tiles, num_groups = -(-n // 32) * 2, k // GROUP
     # q [N, K] -> [tile, column, group, pair, member] -> [tile, group, pair, column, member]: 32 values a row

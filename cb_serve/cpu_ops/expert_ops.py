@@ -6,15 +6,31 @@ from __future__ import annotations
 
 import torch
 
+from cb_serve.cpu_ops import exact_quant
+
 
 def exact_in_bf16(weight: torch.Tensor) -> bool:
     """Every value of float32 ``weight`` is a bf16 value (its low 16 bits zero), as a bf16 checkpoint's are."""
     return weight.dtype == torch.float32 and not bool((weight.view(torch.int32) & 0xFFFF).any())
 
 
-def pack_expert_weight(weight: torch.Tensor) -> torch.Tensor:
+def fp4_expert_groups(weight: torch.Tensor) -> list[exact_quant.QuantGroups] | None:
+    """Each expert's MXFP4 groups (``exact_quant.fp4_groups``) where every expert's weight is MXFP4 values
+    (gpt-oss's experts, dequantized), else None (the first expert's first rows tell a weight of another kind)."""
+    if weight.dim() != 3 or weight.shape[0] == 0 or exact_quant.fp4_groups(weight[0, :64]) is None:
+        return None
+    groups = [exact_quant.fp4_groups(w) for w in weight]
+    return None if any(g is None for g in groups) else groups
+
+
+def pack_expert_weight(weight: torch.Tensor, fp4: bool = True) -> torch.Tensor:
     """Float32 ``[E, N, K]`` as ``grouped_gemm`` reads it: ``pack_decode_weight`` per expert, ``[E, tiles, K,
-    32]``, kept as bf16 where every weight is exact in bf16 (the same values at half the bytes)."""
+    32]``, kept as bf16 where every weight is exact in bf16 (the same values at half the bytes); MXFP4 values
+    as their FP4 codes and power-of-two scales, ``[E, tiles, K / 32, 640]`` float4_e2m1fn_x2 (0.625 bytes a
+    weight, ``pack_decode_weight_quantized`` per expert; not with ``fp4`` False), the same products in registers."""
+    if fp4 and (groups := fp4_expert_groups(weight)) is not None:
+        packed = [exact_quant.pack_decode_weight_quantized(g).view(torch.uint8) for g in groups]
+        return torch.stack(packed).view(torch.float4_e2m1fn_x2)
     packed = torch.stack([torch.ops.cb_serve.pack_decode_weight(w) for w in weight])
     return packed.to(torch.bfloat16) if exact_in_bf16(weight) else packed
 

@@ -39,7 +39,7 @@ from models import STRESS_ENGINE_ARGS, assert_same_greedy, make_random_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from cb_serve import LLM, SamplingParams
+from cb_serve import LLM, SamplingParams, cpu_ops
 
 FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 MXFP4_CONFIG = {  # openai/gpt-oss-20b's
@@ -120,6 +120,8 @@ def test_an_mxfp4_gpt_oss_checkpoint_serves_as_hf_dequantizes_it(mxfp4_gpt_oss):
     state = hf.state_dict()
     assert all(torch.equal(state[name], w) for name, w in dequantized.items())
     llm = LLM(str(model_dir), **STRESS_ENGINE_ARGS)
+    kept = llm.engine.get_stats().weight_bytes.get("mxfp4_groups", 0)  # on the CPU: the experts' FP4 codes
+    assert kept == (5 * sum(w.numel() for w in dequantized.values()) // 8 if cpu_ops.available() else 0)
     prompts, max_tokens = make_prompts(list(range(100, 40000)), seed=11)
     deltas = run_and_compare(llm, hf, prompts, max_tokens, "gpt-oss mxfp4", stop_at_eos=False)
     check_engine_exercised(llm, prompts, deltas)

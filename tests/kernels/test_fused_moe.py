@@ -24,6 +24,7 @@ import torch
 from models import tiny_config
 
 from cb_serve import cpu_ops
+from cb_serve.cpu_ops import exact_quant
 from cb_serve.model_executor.layers.fused_experts import (
     CpuExpertGemm,
     ExpertRouting,
@@ -185,6 +186,37 @@ def test_grouped_gemm_is_decode_gemm_per_expert():
     ]
     assert torch.equal(out, torch.cat(per_expert))
     assert cpu_ops.grouped_gemm(x[:0], torch.zeros(7, dtype=torch.long), packed, 70, None).shape == (0, 70)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", [None, "avx2", "scalar"])
+def test_mxfp4_experts_stay_fp4_and_give_the_float32_gemm_bit_for_bit(isa):
+    """Experts whose values are MXFP4's (gpt-oss's, dequantized) are packed as their FP4 codes and power-of-two
+    scales (0.625 bytes a weight); every build's grouped GEMM, in registers (few rows) or from a dequantized tile
+    (many), gives the float32 packing's bits. A weight one value off MXFP4's stays float32."""
+    if isa is not None and not cpu_ops.decode_gemm_variant(isa):
+        pytest.skip(f"no {isa} build here")
+    g = torch.Generator().manual_seed(4)
+    counts, n, k = [3, 0, 17, 1, 60, 0, 13], 70, 96
+    codes = torch.randint(0, 16, (len(counts), n, k), generator=g)
+    scales = torch.randint(-9, 3, (len(counts), n, k // 32, 1), generator=g).float().exp2()
+    values = torch.tensor(exact_quant.E2M1_VALUES)[codes].view(len(counts), n, k // 32, 32)
+    weight = (values * scales).view(len(counts), n, k)
+    bias, x = torch.randn(len(counts), n, generator=g), torch.randn(sum(counts), k, generator=g)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    packed = CpuExpertGemm().prepare(weight)
+    assert packed.dtype == torch.float4_e2m1fn_x2 and packed.nbytes == len(counts) * 96 * k * 5 // 8  # 70 -> 96 columns
+    off = weight.clone()
+    off[2, 5, 7] = 0.7 * scales[2, 5, 0, 0]
+    assert CpuExpertGemm().prepare(off).dtype == torch.float32
+    f32 = torch.stack([cpu_ops.pack_decode_weight(w) for w in weight])
+    op = torch.ops.cb_serve.grouped_gemm if isa is None else getattr(torch.ops.cb_serve, f"grouped_gemm_{isa}")
+    outs = []
+    for p in (packed, f32):
+        out = x.new_empty(x.shape[0], n)
+        op(out, x, offsets, p, bias)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_expert_parallel_shares_sum_to_the_whole():

@@ -32,13 +32,17 @@ SHAPES = [(128, 64), (64, 64), (256, 64), (64, 128), (960, 576), (576, 576), (30
 ROWS = [1, 5, 8, 13, 24, 25, 64]  # AVX2 blocks: 6 x 16 columns, 2 x 32, 1 x 32; AVX-512: in registers up to 24
 
 
-KINDS = [4, 8, 6, "fp8"]  # random_groups' kinds
+KINDS = [4, 8, 6, "fp8", "fp4"]  # random_groups' kinds
 
 
 def random_groups(n: int, k: int, bits: int | str, seed: int) -> exact_quant.QuantGroups:
     """``bits`` 4 or 8: scales per 32 inputs; 6: Q6_K's int8 -32..31 with a scale per 16 inputs; ``fp8``: every
-    finite e4m3 code (subnormals and +-448 included) with float32 scales of full precision."""
+    finite e4m3 code (subnormals and +-448 included) with float32 scales of full precision; ``fp4``: MXFP4's e2m1
+    codes (-0 included) with powers of two."""
     g = torch.Generator().manual_seed(seed)
+    if bits == "fp4":
+        codes = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+        return exact_quant.QuantGroups(codes, torch.randint(-12, 4, (n, k // 32), generator=g).float().exp2(), None)
     if bits == "fp8":
         codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int32)
         codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes).to(torch.uint8).view(torch.float8_e4m3fn)

@@ -212,7 +212,8 @@ constexpr std::array<std::array<LowBitFn, kLowBitMaxRows>, lowbit::kKinds> kLowB
     lowbit_table<kQ4>(std::make_integer_sequence<int, kLowBitMaxRows>{}),
     lowbit_table<kQ8>(std::make_integer_sequence<int, kLowBitMaxRows>{}),
     lowbit_table<kQ8x2>(std::make_integer_sequence<int, kLowBitMaxRows>{}),
-    lowbit_table<lowbit::kF8>(std::make_integer_sequence<int, kLowBitMaxRows>{})};
+    lowbit_table<lowbit::kF8>(std::make_integer_sequence<int, kLowBitMaxRows>{}),
+    lowbit_table<lowbit::kF4>(std::make_integer_sequence<int, kLowBitMaxRows>{})};
 
 // One tile (float32, or low-bit: up to kLowBitAllRows rows dequantize it in registers, more dequantize it
 // into `scratch` first): out[:, n0:n0 + cols] = x @ tile (+ bias). Both low-bit paths give the same bits.
@@ -290,22 +291,32 @@ float* aligned(std::vector<float>& buffer, int64_t size) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
 }
 
+// The low-bit kind of a packed weight (pack_decode_weight_quantized), by its dtype and bytes per group; false
+// for float32 / bf16 tiles.
+bool low_bit_kind(const at::Tensor& packed, Kind& kind) {
+  const auto dtype = packed.scalar_type();
+  const int64_t bytes = packed.dim() > 0 ? packed.size(-1) : 0;
+  if (dtype == at::kByte) kind = kQ4;
+  else if (dtype == at::kFloat8_e4m3fn) kind = lowbit::kF8;
+  else if (dtype == at::kFloat4_e2m1fn_x2) kind = lowbit::kF4;
+  else if (dtype == at::kChar) kind = bytes == kQ8x2GroupBytes ? kQ8x2 : kQ8;
+  else return false;
+  return true;
+}
+
 // out [M, N] contiguous; x [M, K] contiguous float32; packed from pack_decode_weight (float32
 // [tiles, K, 32]) or pack_decode_weight_quantized (uint8 [tiles, K / 32, kQ4GroupBytes] or int8
-// [tiles, K / 32, kQ8GroupBytes or kQ8x2GroupBytes], or float8_e4m3fn [tiles, K / 32, kQ8GroupBytes]: FP8
-// codes); bias [N] or undefined.
+// [tiles, K / 32, kQ8GroupBytes or kQ8x2GroupBytes], float8_e4m3fn [tiles, K / 32, kQ8GroupBytes]: FP8
+// codes, float4_e2m1fn_x2 [tiles, K / 32, kF4GroupBytes]: FP4 codes); bias [N] or undefined.
 void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [M, K]");
   const int64_t m_dim = x.size(0), k_dim = x.size(1), n_dim = out.size(1), tiles = packed.size(0);
-  const bool q4 = packed.scalar_type() == at::kByte, f8 = packed.scalar_type() == at::kFloat8_e4m3fn;
-  const bool q8 = packed.scalar_type() == at::kChar || f8;
-  const Kind kind = q4   ? kQ4
-                    : f8 ? lowbit::kF8
-                    : packed.dim() == 3 && packed.size(2) == kQ8x2GroupBytes ? kQ8x2 : kQ8;
+  Kind kind = kQ4;
+  const bool quantized = low_bit_kind(packed, kind);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
-                  (q4 || q8 ? k_dim % kGroup == 0 && packed.size(1) == k_dim / kGroup &&
-                                  packed.size(2) == group_bytes(kind)
-                            : packed.scalar_type() == at::kFloat && packed.size(1) == k_dim && packed.size(2) == kCols),
+                  (quantized ? k_dim % kGroup == 0 && packed.size(1) == k_dim / kGroup &&
+                                   packed.size(2) == group_bytes(kind)
+                             : packed.scalar_type() == at::kFloat && packed.size(1) == k_dim && packed.size(2) == kCols),
               "packed weight does not match x");
   TORCH_CHECK(out.is_contiguous() && out.size(0) == m_dim && (n_dim + kCols - 1) / kCols == tiles, "out: [M, N]");
   const float* b = nullptr;
@@ -315,7 +326,6 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const bool quantized = q4 || q8;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch_buffer, acc_buffer;  // kept between calls
     const int64_t scratch_inputs = kScratchInputs ? std::min(kScratchInputs, k_dim) : k_dim;
@@ -333,18 +343,24 @@ void decode_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
 
 // The experts of a mixture-of-experts layer at once: rows offsets[g]:offsets[g + 1] of x times group g's
 // weight. out [P, N], x [P, K] contiguous float32; offsets [G + 1] int64; packed [G, tiles, K, 32] float32
-// (each group's weight as pack_decode_weight lays it out) or bf16 (the same, for weights exact in bf16);
-// bias [G, N] or undefined. Groups of more than max_rows rows (max_rows >= 0) are left to another kernel
+// (each group's weight as pack_decode_weight lays it out) or bf16 (the same, for weights exact in bf16), or
+// [G, tiles, K / 32, group bytes] low-bit (each group's as pack_decode_weight_quantized lays it out: MXFP4
+// experts' FP4 codes); bias [G, N] or undefined. Groups of more than max_rows rows (max_rows >= 0) are left to another kernel
 // (amx_grouped_gemm). One parallel loop over (non-empty group, tile): each tile is streamed once for all
 // of its group's rows, and each output is the same FMA chain over k as decode_gemm's.
 void grouped_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& offsets, const at::Tensor& packed,
                   const c10::optional<at::Tensor>& bias, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous float32 [P, K]");
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && (bf16 || packed.scalar_type() == at::kFloat) &&
-                  packed.size(2) == x.size(1) && packed.size(3) == kCols,
-              "packed: float32 or bf16 [G, tiles, K, 32]");
+  Kind kind = kQ4;
+  const bool quantized = low_bit_kind(packed, kind);
   const int64_t groups = packed.size(0), tiles = packed.size(1), k_dim = x.size(1), n_dim = out.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() &&
+                  (quantized ? k_dim % kGroup == 0 && packed.size(2) == k_dim / kGroup &&
+                                   packed.size(3) == group_bytes(kind)
+                             : (bf16 || packed.scalar_type() == at::kFloat) && packed.size(2) == k_dim &&
+                                   packed.size(3) == kCols),
+              "packed: float32 or bf16 [G, tiles, K, 32], or low-bit [G, tiles, K / 32, group bytes]");
   TORCH_CHECK(offsets.dim() == 1 && offsets.is_contiguous() && offsets.scalar_type() == at::kLong &&
                   offsets.size(0) == groups + 1,
               "offsets: int64 [G + 1]");
@@ -370,14 +386,19 @@ void grouped_gemm(at::Tensor out, const at::Tensor& x, const at::Tensor& offsets
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> acc_buffer, scratch_buffer;
     float* acc = aligned(acc_buffer, kScratchInputs ? most_rows * kCols : 0);
-    float* scratch = aligned(scratch_buffer, bf16 && kScratchInputs ? kScratchInputs * kCols : 0);
+    const int64_t scratch_inputs = quantized ? (kScratchInputs ? std::min(kScratchInputs, k_dim) : k_dim)
+                                             : bf16 ? kScratchInputs : 0;
+    float* scratch = aligned(scratch_buffer, scratch_inputs * kCols);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = active[i / tiles], t = i % tiles, n0 = t * kCols, cols = std::min<int64_t>(kCols, n_dim - n0);
       const bool prefetch = i + 1 < end && t + 1 < tiles;
       const float* xg = xp + off[g] * k_dim;
       float* og = op + off[g] * n_dim + n0;
       const float* bg = b ? b + g * n_dim + n0 : nullptr;
-      if (bf16) {
+      if (quantized) {
+        const uint8_t* tile = static_cast<const uint8_t*>(packed.data_ptr()) + (g * tiles + t) * packed.stride(1);
+        gemm_tile(xg, off[g + 1] - off[g], k_dim, nullptr, tile, kind, nullptr, scratch, acc, og, n_dim, cols, bg);
+      } else if (bf16) {
         const uint16_t* tile = reinterpret_cast<const uint16_t*>(packed.data_ptr()) + (g * tiles + t) * tile_size;
         gemm_tile_bf16(xg, off[g + 1] - off[g], k_dim, tile, prefetch ? tile + tile_size : nullptr, scratch, acc, og,
                        n_dim, cols, bg);

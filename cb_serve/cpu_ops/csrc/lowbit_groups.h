@@ -12,10 +12,14 @@
 namespace lowbit {
 
 constexpr int64_t kCols = 32;  // output columns per tile
-// The group layouts (below): 4-bit; 8-bit, one scale per 32 inputs; per 16 (Q6_K); FP8 e4m3 codes
-enum Kind : int { kQ4 = 0, kQ8 = 1, kQ8x2 = 2, kF8 = 3 };
-constexpr int kKinds = 4;
+// The group layouts (below): 4-bit; 8-bit, one scale per 32 inputs; per 16 (Q6_K); FP8 e4m3 codes; FP4 e2m1 codes
+enum Kind : int { kQ4 = 0, kQ8 = 1, kQ8x2 = 2, kF8 = 3, kF4 = 4 };
+constexpr int kKinds = 5;
 constexpr int64_t scale_vectors(Kind kind) { return kind == kQ4 || kind == kQ8x2 ? 2 : 1; }
+
+// An FP4 e2m1 code's value (MXFP4's elements: bit 3 the sign), by code.
+alignas(64) constexpr float kE2M1[16] = {0.f,  .5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
+                                         -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 // An FP8 e4m3 code's value (bias 7; subnormals m * 2^-9): exact in float32. (0x7F / 0xFF, NaN, are not weights.)
 inline float e4m3_value(uint8_t byte) {
@@ -44,6 +48,11 @@ inline void q_row(const uint8_t* q, int64_t k, __m512& q0, __m512& q1) {
   } else if constexpr (K == kF8) {
     q0 = e4m3_16(q + k * 32);
     q1 = e4m3_16(q + k * 32 + 16);
+  } else if constexpr (K == kF4) {  // 4-bit codes as kQ4 lays them out, each looked up in the table
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
+    const __m512 table = _mm512_load_ps(kE2M1);
+    q0 = _mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), table);
+    q1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   } else {
     const __m128i* bytes = reinterpret_cast<const __m128i*>(q + k * 32);
     q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
@@ -59,13 +68,18 @@ inline void q_row(const uint8_t* q, int64_t k, __m512& q0, __m512& q1) {
 // so fma(d, q, m) is the float32 weight the packing started from (for 8 bits fma(d, q, 0) is the rounded
 // product the weight was checked against) and the GEMM is bit for bit the float32 one. FP8 weights (an FP8
 // checkpoint's e4m3 codes with their blocks' float32 scales) are laid out as 8 bits: fma(d, value, 0) is the
-// product value * scale that dequantizing the checkpoint rounds once.
+// product value * scale that dequantizing the checkpoint rounds once. FP4 weights (MXFP4 experts: e2m1 codes,
+// a power-of-two scale per 32 inputs) are laid out as 4 bits without offsets: fma(d, value, 0) is exact.
 constexpr int64_t kGroup = 32;
 constexpr int64_t kQ4GroupBytes = 2 * kCols * 4 + kGroup * kCols / 2;
 constexpr int64_t kQ8GroupBytes = kCols * 4 + kGroup * kCols;
 constexpr int64_t kQ8x2GroupBytes = 2 * kCols * 4 + kGroup * kCols;
+constexpr int64_t kF4GroupBytes = kCols * 4 + kGroup * kCols / 2;
 constexpr int64_t group_bytes(Kind kind) {
-  return kind == kQ4 ? kQ4GroupBytes : kind == kQ8x2 ? kQ8x2GroupBytes : kQ8GroupBytes;
+  return kind == kQ4     ? kQ4GroupBytes
+         : kind == kQ8x2 ? kQ8x2GroupBytes
+         : kind == kF4   ? kF4GroupBytes
+                         : kQ8GroupBytes;
 }
 
 #if defined(__AVX512F__)
@@ -136,6 +150,17 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
           values[c] = _mm256_load_ps(lanes);
 #endif
         }
+      } else if constexpr (K == kF4) {  // the table's positive half by the low 3 bits, then bit 3 as the sign
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+        const __m256i low = _mm256_cvtepu8_epi32(bytes), high = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+        const __m256i codes[4] = {_mm256_and_si256(low, _mm256_set1_epi32(0xF)),
+                                  _mm256_and_si256(high, _mm256_set1_epi32(0xF)), _mm256_srli_epi32(low, 4),
+                                  _mm256_srli_epi32(high, 4)};
+        const __m256 positive = _mm256_load_ps(kE2M1);
+        for (int c = 0; c < 4; ++c) {
+          const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes[c], _mm256_set1_epi32(8)), 28);
+          values[c] = _mm256_xor_ps(_mm256_permutevar8x32_ps(positive, codes[c]), _mm256_castsi256_ps(sign));
+        }
       } else if constexpr (FourBit) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
         const __m256i low = _mm256_cvtepu8_epi32(bytes), high = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
@@ -161,6 +186,9 @@ void dequantize_groups(const uint8_t* packed, int64_t groups, float* tile) {
           value = static_cast<float>(c < 16 ? byte & 0xF : byte >> 4);
         } else if constexpr (K == kF8) {
           value = e4m3_value(q[k * 32 + c]);
+        } else if constexpr (K == kF4) {
+          const uint8_t byte = q[k * 16 + c % 16];
+          value = kE2M1[c < 16 ? byte & 0xF : byte >> 4];
         } else {
           value = static_cast<float>(static_cast<int8_t>(q[k * 32 + c]));
         }
@@ -178,6 +206,7 @@ void dequantize(Kind kind, const uint8_t* packed, int64_t groups, float* tile) {
     case kQ8: return dequantize_groups<kQ8>(packed, groups, tile);
     case kQ8x2: return dequantize_groups<kQ8x2>(packed, groups, tile);
     case kF8: return dequantize_groups<kF8>(packed, groups, tile);
+    case kF4: return dequantize_groups<kF4>(packed, groups, tile);
   }
 }
 

@@ -113,7 +113,7 @@ class UnquantizedLinearMethod(LinearMethod):
             layer.weight.data = layer.weight.data.t().contiguous().t()
         if pack:
             if cpu_ops.exact_in_bf16(layer.weight):
-                layer.bf16_weight = cpu_ops.pack_expert_weight(layer.weight[None])
+                layer.bf16_weight = cpu_ops.pack_expert_weight(layer.weight[None], fp4=False)
                 choice = kernel_choice()
                 layer.split_kernel = "amx" if choice is not None and choice.split == "amx" else "mkl"
             else:
