@@ -144,6 +144,18 @@ def fp4_groups(weight: torch.Tensor) -> QuantGroups | None:
     return groups if torch.equal(groups.dequantize(), weight) else None
 
 
+def int8_groups(q: torch.Tensor, scale: torch.Tensor) -> QuantGroups | None:
+    """The groups of an 8-bit weight ``q * scale`` in float32 (GPTQ's symmetric 8 bits, ``q`` less its zero point;
+    compressed-tensors' INT8): ``q`` ``[N, K]`` integers, ``scale`` ``[N, K // 32]``. None where a value does not
+    fit int8 or ``d * q`` would round (a scale of more than 17 significant bits)."""
+    if q.shape[1] % GROUP or q.numel() == 0 or q.min() < -128 or q.max() > 127:
+        return None
+    d = scale.float()
+    if (d.view(torch.int32) & 0x3F).any():
+        return None
+    return QuantGroups(q.to(torch.int8), d, None)
+
+
 def int4_groups(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> QuantGroups | None:
     """The groups of an INT4 weight ``(q - zero) * scale`` in float32 (the GPTQ, AWQ and compressed-tensors
     dequantization): ``q`` ``[N, K]`` in 0..15, ``zero`` (integers) and ``scale`` ``[N, K // 32]``, per group of

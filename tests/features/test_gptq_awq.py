@@ -6,7 +6,8 @@
 - AWQ, 4 bits in groups of 32 with zero points;
 - GPTQ (original format), 4 bits in groups of 32, symmetric, activation order (``desc_act``: ``g_idx`` a
   permutation of the groups);
-- GPTQ v2, 8 bits, one group per row, asymmetric.
+- GPTQ v2, 8 bits, one group per row, asymmetric;
+- GPTQ, 8 bits in groups of 32, symmetric (zero 128).
 
 The engine's weights equal the formats' dequantization ``(q - zero) * scale`` in float32, also for slices
 cut mid-group and mid-word; its greedy tokens are HF float32's running the same weights dequantized, under
@@ -45,6 +46,14 @@ CASES = {  # name: quantization_config (the group size and zero points' kind dri
         "desc_act": False,
         "sym": False,
         "checkpoint_format": "gptq_v2",
+    },  # fmt: skip
+    "gptq_sym_int8": {
+        "quant_method": "gptq",
+        "bits": 8,
+        "group_size": 32,
+        "desc_act": False,
+        "sym": True,
+        "checkpoint_format": "gptq",
     },  # fmt: skip
 }
 
@@ -144,7 +153,9 @@ def test_the_weights_are_the_format_s_dequantization(checkpoints, case):
         assert torch.equal(ours[name][3:5, 40:41], ref[3:5, 40:41]), name  # within one word both ways
 
 
-@pytest.mark.parametrize("case, backend", [("awq", "cpu"), ("gptq_act_order", "torch"), ("gptq_act_order", "cpu")])
+@pytest.mark.parametrize(
+    "case, backend", [("awq", "cpu"), ("gptq_act_order", "torch"), ("gptq_act_order", "cpu"), ("gptq_sym_int8", "cpu")]
+)
 def test_a_checkpoint_gives_hf_s_greedy_tokens_on_its_dequantized_weights(checkpoints, case, backend):
     path, reference = checkpoints[1][case]
     llm = LLM(str(path), attention_backend=backend, **STRESS_ENGINE_ARGS)
@@ -156,16 +167,19 @@ def test_a_checkpoint_gives_hf_s_greedy_tokens_on_its_dequantized_weights(checkp
 def test_int4_groups_stay_4_bit_on_the_cpu(checkpoints):
     """With the C++ kernels, AWQ's and GPTQ's 4-bit projections keep only their groups (``q4_groups``: 0.75 bytes a
     weight; ``fma(scale, q, -zero * scale)`` is each weight exactly): the HF-equal tokens above come from them.
-    Activation order (groups that differ within 32 inputs) and 8 bits stay float32."""
+    Symmetric 8 bits keep theirs too (``q8_groups``: ``q - 128`` in int8, 1.125 bytes). Activation order (groups
+    that differ within 32 inputs) and asymmetric 8 bits (``q - zero`` past int8) stay float32."""
     if not cpu_ops.available():
         pytest.skip("cb_serve CPU kernels did not build here")
     float_bytes = LLM(str(checkpoints[0]), max_model_len=128, num_gpu_blocks=16).engine.get_stats().weight_bytes
-    for case, kept in (("awq", True), ("gptq_act_order", False), ("gptq_v2_int8", False)):
+    kinds = {"awq": ("q4_groups", 0.75), "gptq_sym_int8": ("q8_groups", 1.125)}
+    for case in ("awq", "gptq_act_order", "gptq_v2_int8", "gptq_sym_int8"):
         llm = LLM(str(checkpoints[1][case][0]), max_model_len=128, num_gpu_blocks=16)
         weights = llm.engine.get_stats().weight_bytes
-        if kept:
+        if case in kinds:
+            kind, per_weight = kinds[case]
             projections = float_bytes["float32"] - weights["float32"]  # the float32 bytes the groups replaced
-            assert projections > 0 and weights["q4_groups"] * 4 <= projections * 0.75 * 1.1, weights
+            assert projections > 0 and weights[kind] * 4 <= projections * per_weight * 1.1, weights
         else:
             assert weights == float_bytes, (case, weights)
 

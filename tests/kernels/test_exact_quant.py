@@ -355,6 +355,10 @@ def test_int4_checkpoint_groups_are_the_float32_dequantization(scale_dtype):
     expected = (q.view(64, 3, 32) - zero[..., None]).float() * scale.float()[..., None]
     assert groups is not None and torch.equal(groups.dequantize(), expected.view(64, 96))
     assert exact_quant.int4_groups(q, zero, torch.rand(64, 3, generator=g)) is None  # float32: d * q inexact
+    q8 = torch.randint(-127, 128, (64, 96), generator=g)  # 8 bits (symmetric GPTQ's q - 128): int8_groups
+    groups8 = exact_quant.int8_groups(q8, scale)
+    assert torch.equal(groups8.dequantize(), (q8.view(64, 3, 32).float() * scale.float()[..., None]).view(64, 96))
+    assert exact_quant.int8_groups(q8 + 1, scale) is None and exact_quant.int8_groups(q8, scale.float() / 3) is None
     if cpu_ops.available():
         packed, x = exact_quant.pack_decode_weight_quantized(groups), torch.randn(5, 96, generator=g)
         reference = cpu_ops.decode_gemm(x, cpu_ops.pack_decode_weight(groups.dequantize()), 64, None)

@@ -35,6 +35,7 @@ from cb_serve.model_executor.quantization.weights import (
     QuantizedWeight,
     Tensor,
     int4_slice_groups,
+    int8_slice_groups,
     read,
     stored_dtype,
 )
@@ -176,8 +177,6 @@ class IntWeight(QuantizedWeight):
         return values.t() if along_rows else values
 
     def low_bit_groups(self, rows: slice, cols: slice) -> QuantGroups | None:
-        if self.scheme.num_bits != 4:
-            return None
         out = rows.stop - rows.start
         if self.per_tensor:
             scale = read(self.scale, None, None).reshape(1, 1).expand(out, 1)
@@ -191,7 +190,10 @@ class IntWeight(QuantizedWeight):
             zero = None if self.zero_point is None else self.ints(self.zero_point, rows, every, along_rows=True)
             group_of = torch.arange(cols.start, cols.stop) // self.group
         zero = torch.zeros_like(scale, dtype=torch.int32) if zero is None else zero
-        return int4_slice_groups(self.ints(self.values, rows, cols) + 8, zero + 8, scale, group_of, cols)
+        ints = self.ints(self.values, rows, cols)
+        if self.scheme.num_bits == 4:
+            return int4_slice_groups(ints + 8, zero + 8, scale, group_of, cols)
+        return int8_slice_groups(ints, zero, scale, group_of, cols)
 
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         groups = slice(cols.start // self.group, (cols.stop - 1) // self.group + 1)

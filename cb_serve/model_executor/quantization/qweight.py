@@ -22,6 +22,7 @@ from cb_serve.model_executor.quantization.weights import (
     QuantizedWeight,
     Tensor,
     int4_slice_groups,
+    int8_slice_groups,
     read,
 )
 
@@ -99,11 +100,11 @@ class GroupedIntWeight(QuantizedWeight):
         """int32 ``[len(cols), len(rows)]``: the stored integers of inputs ``cols`` and outputs ``rows``."""
 
     def low_bit_groups(self, rows: slice, cols: slice) -> QuantGroups | None:
-        if self.bits != 4:
-            return None
+        """4 bits as they are; 8 bits where ``q - zero`` fits int8 (symmetric: zero 128)."""
         scale = read(self.parts["scales"], (slice(None), rows), None).t()
         zeros = (self.zeros(rows) + self.zero_offset).t()
-        return int4_slice_groups(self.ints(rows, cols).t(), zeros, scale, self.group_of(cols), cols)
+        groups = int4_slice_groups if self.bits == 4 else int8_slice_groups
+        return groups(self.ints(rows, cols).t(), zeros, scale, self.group_of(cols), cols)
 
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         scale = read(self.parts["scales"], (slice(None), rows), None)

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from cb_serve.cpu_ops.exact_quant import GROUP, QuantGroups, int4_groups
+from cb_serve.cpu_ops.exact_quant import GROUP, QuantGroups, int4_groups, int8_groups
 from cb_serve.model_executor.layers.activation_quant import ActivationQuant, ActivationScheme
 from cb_serve.model_executor.layers.checkpoint import FP8, LazyTensor
 
@@ -28,19 +28,33 @@ def read(tensor: Tensor, index=None, dtype: torch.dtype | None = torch.float32) 
     return part if dtype is None else part.to(dtype)
 
 
+def first_groups(group_of: torch.Tensor, cols: slice) -> torch.Tensor | None:
+    """The group of each run of 32 inputs of a slice (``group_of``: each input's), or None where the slice does not
+    start on one or a run spans groups (activation order)."""
+    if cols.start % GROUP or (cols.stop - cols.start) % GROUP:
+        return None
+    blocks = group_of.view(-1, GROUP)
+    return blocks[:, 0] if torch.equal(blocks, blocks[:, :1].expand_as(blocks)) else None
+
+
 def int4_slice_groups(ints: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
                       cols: slice) -> QuantGroups | None:  # fmt: skip
     """The groups of an INT4 slice ``(ints - zeros[g]) * scales[g]`` (``ints`` ``[out, in]`` in 0..15, ``zeros`` /
     ``scales`` ``[out, groups]``, ``group_of`` each input's group): where its inputs start on a group of 32
     and each 32 share one group (``exact_quant.int4_groups``)."""
-    width = cols.stop - cols.start
-    if cols.start % GROUP or width % GROUP:
+    first = first_groups(group_of, cols)
+    return None if first is None else int4_groups(ints, zeros[:, first], scales[:, first])
+
+
+def int8_slice_groups(ints: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
+                      cols: slice) -> QuantGroups | None:  # fmt: skip
+    """The same for 8 bits: ``ints - zeros[g]`` as int8 where every one fits (symmetric GPTQ's zero 128,
+    compressed-tensors' signed values), ``exact_quant.int8_groups``."""
+    first = first_groups(group_of, cols)
+    if first is None:
         return None
-    blocks = group_of.view(-1, GROUP)
-    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):  # activation order: a block spans groups
-        return None
-    first = blocks[:, 0]
-    return int4_groups(ints, zeros[:, first], scales[:, first])
+    group_index = torch.arange(ints.shape[1]) // GROUP
+    return int8_groups(ints - zeros[:, first][:, group_index], scales[:, first])
 
 
 def blocks_of(part: slice, block: int) -> tuple[slice, torch.Tensor]:
