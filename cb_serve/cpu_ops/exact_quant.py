@@ -32,6 +32,7 @@ kept as the 4-bit codes with the power of two as ``d`` (0.625 bytes a weight), w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class QuantGroups:
     q: torch.Tensor
     d: torch.Tensor  # float32 [N, K // 32] (8-bit also [N, K // 16]: Q6_K's scale per 16 inputs)
     m: torch.Tensor | None  # float32 [N, K // 32] (4-bit integers only)
+    # int64 [K]: the groups are of ``weight[:, perm]`` (GPTQ's activation order sorted into runs), else None
+    perm: torch.Tensor | None = None
 
     @property
     def group_size(self) -> int:
@@ -72,19 +75,32 @@ class QuantGroups:
         return torch.tensor(E2M1_VALUES)[self.q.long()] if self.fp4 else self.q.float()
 
     def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]``, in its own input order."""
         n, k = self.q.shape
         w = self.d[..., None] * self.values().view(n, k // self.group_size, self.group_size)
-        return (w if self.m is None else w + self.m[..., None]).view(n, k)
+        w = (w if self.m is None else w + self.m[..., None]).view(n, k)
+        if self.perm is None:
+            return w
+        weight = torch.empty_like(w)
+        weight[:, self.perm] = w
+        return weight
+
+    def permuted(self, perm: torch.Tensor | None) -> QuantGroups:
+        """These groups as those of ``weight[:, perm]`` (their own ``q``, ``d``, ``m``)."""
+        return self if perm is None else dataclasses.replace(self, perm=perm)
 
     @staticmethod
     def cat(parts: list[QuantGroups]) -> QuantGroups | None:
         """Groups of the weights stacked along the outputs (a fused projection's parts), or None where they
         differ in kind."""
-        kinds = {(p.q.dtype, p.group_size, p.m is None) for p in parts}
+        kinds = {(p.q.dtype, p.group_size, p.m is None, p.perm is None) for p in parts}
         if len(kinds) != 1 or len({p.q.shape[1] for p in parts}) != 1:
             return None
+        perm = parts[0].perm
+        if perm is not None and not all(torch.equal(p.perm, perm) for p in parts):  # one input order for all
+            return None
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return QuantGroups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+        return QuantGroups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m, perm)
 
     def scales(self) -> list[torch.Tensor]:
         """Per group of 32: ``[d]``, ``[d, m]`` (4-bit) or ``[d of the first 16 inputs, d of the last 16]``."""

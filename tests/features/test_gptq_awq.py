@@ -67,15 +67,18 @@ def pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement into int32
 
 
-def quantize(w: torch.Tensor, config: dict, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def quantize(w: torch.Tensor, config: dict, gen: torch.Generator,
+             order: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:  # fmt: skip
     """One ``[out, in]`` weight's checkpoint tensors (suffixes after the layer's prefix) and the float32 weight
-    they dequantize to (``(q - zero) * scale`` in float32: the float16 scales upcast, as a float32 model has them)."""
+    they dequantize to (``(q - zero) * scale`` in float32: the float16 scales upcast, as a float32 model has them).
+    ``order``: the activation order's permutation of the inputs (``desc_act``; random where not given)."""
     out, inputs = w.shape
     bits, group = config["bits"], config["group_size"] if config["group_size"] > 0 else inputs
     top, groups = (1 << bits) - 1, inputs // group
     if config.get("desc_act"):  # activation order: input perm[i] in group i // group
         g_idx = torch.empty(inputs, dtype=torch.int32)
-        g_idx[torch.randperm(inputs, generator=gen)] = torch.arange(inputs, dtype=torch.int32) // group
+        order = torch.randperm(inputs, generator=gen) if order is None else order
+        g_idx[order] = torch.arange(inputs, dtype=torch.int32) // group
     else:
         g_idx = torch.arange(inputs, dtype=torch.int32) // group
     wt = w.t()  # [in, out]
@@ -108,10 +111,15 @@ def write_checkpoints(model_dir: Path, base: Path, case: str, edit=None) -> tupl
     for d in (quantized, reference):
         shutil.copytree(model_dir, d)
     weights, saved, floats = load_file(model_dir / "model.safetensors"), {}, {}
+    orders: dict[tuple[str, str], torch.Tensor] = {}
     for name, w in weights.items():
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
             prefix = name[: -len("weight")]
-            tensors, floats[name] = quantize(w, config, gen)
+            # projections of one input share its activation order (GPTQ sorts by that input's Hessian)
+            role = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(name.split(".")[-2])
+            key = (name.split(".")[2], role or name.split(".")[-2])
+            order = orders.setdefault(key, torch.randperm(w.shape[1], generator=gen))
+            tensors, floats[name] = quantize(w, config, gen, order)
             saved |= {prefix + part: t for part, t in tensors.items()}
         else:
             saved[name] = floats[name] = w
@@ -167,12 +175,13 @@ def test_a_checkpoint_gives_hf_s_greedy_tokens_on_its_dequantized_weights(checkp
 def test_int4_groups_stay_4_bit_on_the_cpu(checkpoints):
     """With the C++ kernels, AWQ's and GPTQ's 4-bit projections keep only their groups (``q4_groups``: 0.75 bytes a
     weight; ``fma(scale, q, -zero * scale)`` is each weight exactly): the HF-equal tokens above come from them.
-    Symmetric 8 bits keep theirs too (``q8_groups``: ``q - 128`` in int8, 1.125 bytes). Activation order (groups
-    that differ within 32 inputs) and asymmetric 8 bits (``q - zero`` past int8) stay float32."""
+    Symmetric 8 bits keep theirs too (``q8_groups``: ``q - 128`` in int8, 1.125 bytes), and activation order (groups
+    that differ within 32 inputs) as its inputs sorted by group (``x[:, perm]`` times them). Asymmetric 8 bits
+    (``q - zero`` past int8) stay float32."""
     if not cpu_ops.available():
         pytest.skip("cb_serve CPU kernels did not build here")
     float_bytes = LLM(str(checkpoints[0]), max_model_len=128, num_gpu_blocks=16).engine.get_stats().weight_bytes
-    kinds = {"awq": ("q4_groups", 0.75), "gptq_sym_int8": ("q8_groups", 1.125)}
+    kinds = {"awq": ("q4_groups", 0.75), "gptq_act_order": ("q4_groups", 0.75), "gptq_sym_int8": ("q8_groups", 1.125)}
     for case in ("awq", "gptq_act_order", "gptq_v2_int8", "gptq_sym_int8"):
         llm = LLM(str(checkpoints[1][case][0]), max_model_len=128, num_gpu_blocks=16)
         weights = llm.engine.get_stats().weight_bytes

@@ -133,6 +133,7 @@ class Linear(nn.Linear):
     bf16_weight: torch.Tensor | None = None  # cpu_ops.pack_expert_weight's bf16 layout, one group
     split_kernel: str = "mkl"
     split_min_rows: int = 0
+    input_perm: torch.Tensor | None = None  # low-bit groups of weight[:, input_perm] (low_bit_linear)
     input_quant: ActivationQuant | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, method: LinearMethod | None = None):

@@ -11,6 +11,9 @@ float32 copy (4 bytes a weight, against 0.75-1.25) is dropped once they are pack
   ``bf16_gemm``) and the groups suit it: that kernel, from its own layout of the same groups.
 
 An embedding tied to such a head reads its rows from the same packing (``exact_quant.decode_weight_rows``).
+Groups of a permutation of the inputs (GPTQ's activation order sorted into runs of one group,
+``QuantGroups.perm``) are multiplied by the input columns in that order (``PERMUTED_LOW_BIT``): the same
+products, summed in another order.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def keep_low_bit(layer: nn.Linear, groups: exact_quant.QuantGroups) -> None:
         layer.split_weight = exact_quant.pack_amx_weight(groups)  # None: decode_gemm at every size
         layer.split_kernel, layer.split_min_rows = choice.split, choice.split_min_rows
     layer.weight.data = layer.weight.data.new_empty(0)
-    layer.method = EXACT_LOW_BIT
+    layer.input_perm = groups.perm
+    layer.method = EXACT_LOW_BIT if groups.perm is None else PERMUTED_LOW_BIT
 
 
 def weight_rows(layer: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
@@ -75,4 +79,13 @@ class ExactLowBitLinearMethod(LinearMethod):
         return weight.nbytes + (0 if layer.bias is None else layer.bias.nbytes)
 
 
+class PermutedLowBitLinearMethod(ExactLowBitLinearMethod):
+    """Groups of ``weight[:, input_perm]``: ``x[:, input_perm]`` times them. (Not ``EXACT_LOW_BIT``: a greedy head
+    or a tied embedding, which read the packing in the weight's own order, do not take it.)"""
+
+    def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return super().apply(layer, x.index_select(-1, layer.input_perm))
+
+
 EXACT_LOW_BIT = ExactLowBitLinearMethod()
+PERMUTED_LOW_BIT = PermutedLowBitLinearMethod()

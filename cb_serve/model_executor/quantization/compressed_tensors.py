@@ -192,8 +192,8 @@ class IntWeight(QuantizedWeight):
         zero = torch.zeros_like(scale, dtype=torch.int32) if zero is None else zero
         ints = self.ints(self.values, rows, cols)
         if self.scheme.num_bits == 4:
-            return int4_slice_groups(ints + 8, zero + 8, scale, group_of, cols)
-        return int8_slice_groups(ints, zero, scale, group_of, cols)
+            return int4_slice_groups(ints + 8, zero + 8, scale, group_of)
+        return int8_slice_groups(ints, zero, scale, group_of)
 
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         groups = slice(cols.start // self.group, (cols.stop - 1) // self.group + 1)

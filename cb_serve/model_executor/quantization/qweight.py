@@ -104,7 +104,7 @@ class GroupedIntWeight(QuantizedWeight):
         scale = read(self.parts["scales"], (slice(None), rows), None).t()
         zeros = (self.zeros(rows) + self.zero_offset).t()
         groups = int4_slice_groups if self.bits == 4 else int8_slice_groups
-        return groups(self.ints(rows, cols).t(), zeros, scale, self.group_of(cols), cols)
+        return groups(self.ints(rows, cols).t(), zeros, scale, self.group_of(cols))
 
     def dequantize(self, rows: slice, cols: slice) -> torch.Tensor:
         scale = read(self.parts["scales"], (slice(None), rows), None)

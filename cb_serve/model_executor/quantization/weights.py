@@ -28,33 +28,45 @@ def read(tensor: Tensor, index=None, dtype: torch.dtype | None = torch.float32) 
     return part if dtype is None else part.to(dtype)
 
 
-def first_groups(group_of: torch.Tensor, cols: slice) -> torch.Tensor | None:
-    """The group of each run of 32 inputs of a slice (``group_of``: each input's), or None where the slice does not
-    start on one or a run spans groups (activation order)."""
-    if cols.start % GROUP or (cols.stop - cols.start) % GROUP:
+def group_runs(group_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The group of each run of 32 inputs of a slice (``group_of``: each input's group), and the input order that
+    makes the runs: None where the slice's own order does, else the inputs sorted by group (GPTQ's activation
+    order, whose groups are permutations of the inputs). None where no order does (a group's inputs in the
+    slice not a multiple of 32)."""
+    if len(group_of) % GROUP:
         return None
-    blocks = group_of.view(-1, GROUP)
-    return blocks[:, 0] if torch.equal(blocks, blocks[:, :1].expand_as(blocks)) else None
+    order, blocks = None, group_of.view(-1, GROUP)
+    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+        order = torch.argsort(group_of, stable=True)
+        blocks = group_of[order].view(-1, GROUP)
+        if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
+            return None
+    return blocks[:, 0], order
 
 
-def int4_slice_groups(ints: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
-                      cols: slice) -> QuantGroups | None:  # fmt: skip
+def int4_slice_groups(ints: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                      group_of: torch.Tensor) -> QuantGroups | None:  # fmt: skip
     """The groups of an INT4 slice ``(ints - zeros[g]) * scales[g]`` (``ints`` ``[out, in]`` in 0..15, ``zeros`` /
-    ``scales`` ``[out, groups]``, ``group_of`` each input's group): where its inputs start on a group of 32
-    and each 32 share one group (``exact_quant.int4_groups``)."""
-    first = first_groups(group_of, cols)
-    return None if first is None else int4_groups(ints, zeros[:, first], scales[:, first])
+    ``scales`` ``[out, groups]``, ``group_of`` each input's group): where each run of 32 inputs shares a group,
+    in the slice's order or sorted by group (``group_runs``; the groups then carry the order as ``perm``), and
+    ``exact_quant.int4_groups`` takes them."""
+    if (runs := group_runs(group_of)) is None:
+        return None
+    first, order = runs
+    groups = int4_groups(ints if order is None else ints[:, order], zeros[:, first], scales[:, first])
+    return None if groups is None else groups.permuted(order)
 
 
-def int8_slice_groups(ints: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor,
-                      cols: slice) -> QuantGroups | None:  # fmt: skip
+def int8_slice_groups(ints: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                      group_of: torch.Tensor) -> QuantGroups | None:  # fmt: skip
     """The same for 8 bits: ``ints - zeros[g]`` as int8 where every one fits (symmetric GPTQ's zero 128,
     compressed-tensors' signed values), ``exact_quant.int8_groups``."""
-    first = first_groups(group_of, cols)
-    if first is None:
+    if (runs := group_runs(group_of)) is None:
         return None
-    group_index = torch.arange(ints.shape[1]) // GROUP
-    return int8_groups(ints - zeros[:, first][:, group_index], scales[:, first])
+    first, order = runs
+    ints = ints if order is None else ints[:, order]
+    groups = int8_groups(ints - zeros[:, first].repeat_interleave(GROUP, dim=1), scales[:, first])
+    return None if groups is None else groups.permuted(order)
 
 
 def blocks_of(part: slice, block: int) -> tuple[slice, torch.Tensor]:
