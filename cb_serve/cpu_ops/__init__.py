@@ -6,6 +6,7 @@ their PyTorch path. The ops are registered as ``torch.ops.cb_serve.*``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import logging
@@ -192,13 +193,15 @@ def build(name: str, source: str | tuple[str, ...], flags: list[str]) -> None:
 
 @functools.cache
 def available() -> bool:
-    """Builds (or loads the cached builds of) the kernels, once per process."""
+    """Builds (or loads the cached builds of) the kernels, once per process: the extensions at once, one
+    compiler per core (each is one source file: built in turn, a fresh build takes their sum)."""
     if os.environ.get("CB_SERVE_CPU_OPS", "1") == "0":
         logger.warning("cb_serve CPU kernels disabled (CB_SERVE_CPU_OPS=0); using the PyTorch path.")
         return False
     try:
-        for name, (source, flags) in EXTENSIONS.items():
-            build(name, source, flags)
+        workers = max(1, min(len(EXTENSIONS), os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cb_serve_build") as pool:
+            list(pool.map(lambda item: build(item[0], *item[1]), EXTENSIONS.items()))  # raises the first failure
         return all(hasattr(torch.ops.cb_serve, op) for op in OPS)
     except Exception as e:  # no compiler or ninja, unsupported platform
         BUILD_ERROR.append(str(e))
