@@ -62,8 +62,9 @@ class EngineConfig:
     activation_quantization: str = _arg(
         "auto",
         "A W8A8 checkpoint's input quantization (FP8 activation_scheme, compressed-tensors input_activations): "
-        "on (each quantized layer's input rounded to FP8 / INT8 with the checkpoint's dynamic or static scales, "
-        "then multiplied in float: the W8A8 numbers, emulated), off (the weights alone, as transformers runs such "
+        "on (each quantized linear projection's input rounded to FP8 / INT8 with the checkpoint's dynamic or "
+        "static scales, then multiplied in float: the W8A8 numbers, emulated; the experts' and recurrent layers' "
+        "projections not yet), off (the weights alone, as transformers runs such "
         "a checkpoint on a CPU), auto (on where the device multiplies FP8 codes natively: no kernel does yet, so "
         "off).",
         choices=ACTIVATION_QUANTIZATION,

@@ -199,9 +199,13 @@ def available() -> bool:
         logger.warning("cb_serve CPU kernels disabled (CB_SERVE_CPU_OPS=0); using the PyTorch path.")
         return False
     try:
-        workers = max(1, min(len(EXTENSIONS), os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cb_serve_build") as pool:
-            list(pool.map(lambda item: build(item[0], *item[1]), EXTENSIONS.items()))  # raises the first failure
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        flags = sys.getdlopenflags()  # each load sets and restores them: threads may interleave that
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(EXTENSIONS), cores))) as pool:
+                list(pool.map(lambda item: build(item[0], *item[1]), EXTENSIONS.items()))  # raises the first failure
+        finally:
+            sys.setdlopenflags(flags)
         return all(hasattr(torch.ops.cb_serve, op) for op in OPS)
     except Exception as e:  # no compiler or ninja, unsupported platform
         BUILD_ERROR.append(str(e))

@@ -41,6 +41,7 @@ import torch
 from cb_serve.cpu_ops import group_recovery
 
 GROUP = 32  # inputs per scale, as in GGUF
+FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)  # torch 2.8 and later; before, FP4 codes are not kept
 TILE_COLS = 32  # output columns per decode_gemm tile
 PROBE_ROWS = 64  # rows checked first, so that a weight of another kind is rejected cheaply
 FINDERS = (  # (find, inputs per group), tried in turn
@@ -143,7 +144,9 @@ def fp4_groups(weight: torch.Tensor) -> QuantGroups | None:
     """The MXFP4 groups that give back ``weight`` (float32 ``[N, K]``) bit for bit, or None: per row and 32
     inputs, FP4 e2m1 codes and a power of two (the largest magnitude over it is 4 or 6, e2m1's top values: with
     the largest power of two that allows, every value of an MXFP4 block is a code's)."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP or weight.numel() == 0:
+    if FP4_DTYPE is None or weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP:
+        return None
+    if weight.numel() == 0:
         return None
     n, k = weight.shape
     blocks = weight.detach().reshape(n, k // GROUP, GROUP)
@@ -167,7 +170,7 @@ def int8_groups(q: torch.Tensor, scale: torch.Tensor) -> QuantGroups | None:
     if q.shape[1] % GROUP or q.numel() == 0 or q.min() < -128 or q.max() > 127:
         return None
     d = scale.float()
-    if (d.view(torch.int32) & 0x3F).any():
+    if (d.view(torch.int32) & 0x7F).any():  # 17 significant bits at most: d * q exact for |q| <= 128
         return None
     return QuantGroups(q.to(torch.int8), d, None)
 
@@ -222,7 +225,7 @@ def pack_decode_weight_quantized(groups: QuantGroups) -> torch.Tensor:
     codes = groups.q.view(torch.uint8) if fp8 else groups.q  # (laid out as bytes)
     q = _column_tiles(codes, tiles, TILE_COLS).view(tiles, TILE_COLS, num_groups, GROUP)
     packed = _with_scales(groups, q.permute(0, 2, 3, 1), TILE_COLS)  # rows: [t, g, k, col]
-    return packed.view(torch.float8_e4m3fn) if fp8 else packed.view(torch.float4_e2m1fn_x2) if groups.fp4 else packed
+    return packed.view(torch.float8_e4m3fn) if fp8 else packed.view(FP4_DTYPE) if groups.fp4 else packed
 
 
 Q4_GROUP_BYTES, Q8_GROUP_BYTES, Q8X2_GROUP_BYTES, F4_GROUP_BYTES = 768, 1152, 1280, 640  # per tile and group
@@ -234,7 +237,7 @@ def decode_weight_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor
     ``pack_decode_weight_quantized`` layout, the values ``decode_gemm`` multiplies (``fma(d, q, m)``, with
     ``d * q`` exact: ``d * q + m`` is the same float32) and so the float32 weight the groups came from. Reads
     only those rows' bytes: an embedding lookup or a few rows' norms without a float32 copy."""
-    fp4 = packed.dtype == torch.float4_e2m1fn_x2
+    fp4 = packed.dtype == FP4_DTYPE
     packed = packed.view(torch.uint8) if fp4 else packed
     tiles, num_groups, group_bytes = packed.shape
     scale_count = SCALE_COUNTS[group_bytes]

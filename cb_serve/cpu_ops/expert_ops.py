@@ -30,7 +30,7 @@ def pack_expert_weight(weight: torch.Tensor, fp4: bool = True) -> torch.Tensor:
     weight, ``pack_decode_weight_quantized`` per expert; not with ``fp4`` False), the same products in registers."""
     if fp4 and (groups := fp4_expert_groups(weight)) is not None:
         packed = [exact_quant.pack_decode_weight_quantized(g).view(torch.uint8) for g in groups]
-        return torch.stack(packed).view(torch.float4_e2m1fn_x2)
+        return torch.stack(packed).view(exact_quant.FP4_DTYPE)
     packed = torch.stack([torch.ops.cb_serve.pack_decode_weight(w) for w in weight])
     return packed.to(torch.bfloat16) if exact_in_bf16(weight) else packed
 

@@ -30,6 +30,7 @@ from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.rope_tables import rope_tables
 from cb_serve.model_executor.models import CausalLM, model_class
 from cb_serve.model_executor.quantization import quantization_config
+from cb_serve.model_executor.quantization.weights import QuantizedState
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,11 @@ def load_model(
     hf_config, state = read_state(source, config, dtype, trust_remote_code, shard, quant)
     if quant is not None:
         logger.info("Quantized checkpoint: %s", quant.describe())
+        if activation_quantization == "on" and quant.activation_refusal:
+            raise ValueError(f"activation_quantization=on: {quant.activation_refusal}")
         state = quant.weights(state, dtype)
+        if activation_quantization != "on" and isinstance(state, QuantizedState):
+            state.activations = None  # weights alone: a static scheme's scales are not even read
     cos, sin = model_rope_tables(hf_config, max_model_len)
     make = functools.partial(model_class(config), hf_config, backend, cos, sin, shard, tp)
     model = build_module(make, dtype, device)
@@ -294,8 +299,12 @@ def take_input_quant(model: nn.Module, scheme: ActivationScheme, setting: str) -
     (the engine's ``activation_quantization``) says on; logged either way."""
     apply = setting == "on"  # auto: no device multiplies the codes natively yet
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.take_input_quant(apply) is not None]
-    how = "quantized" if apply else "left in float (activation_quantization=on to quantize them)"
-    logger.info("W8A8 checkpoint (%s): the inputs of %d projections %s", scheme.describe(), len(layers), how)
+    if apply:  # (the experts' grouped GEMMs and recurrent layers' projections are not Linear layers: in float)
+        logger.info("W8A8 checkpoint (%s): the inputs of %d linear projections quantized (experts and recurrent "
+                    "layers' projections in float)", scheme.describe(), len(layers))  # fmt: skip
+    else:
+        logger.info("W8A8 checkpoint (%s): activations left in float (activation_quantization=on to quantize "
+                    "them)", scheme.describe())  # fmt: skip
 
 
 def _return_freed_heap() -> None:

@@ -19,8 +19,9 @@ FORMATS = {
     torch.uint8: "q4_groups",
     torch.int8: "q8_groups",
     torch.float8_e4m3fn: "fp8_e4m3",
-    torch.float4_e2m1fn_x2: "mxfp4_groups",  # FP4 codes, two to a byte, with a float32 power of two per 32
 }
+if hasattr(torch, "float4_e2m1fn_x2"):  # torch 2.8 and later
+    FORMATS[torch.float4_e2m1fn_x2] = "mxfp4_groups"  # FP4 codes, two to a byte, with a float32 power of two per 32
 
 
 def _kept_tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -214,3 +214,15 @@ def test_input_activations_read_as_w8a8_schemes(args, expected):
         return
     scheme = activation_scheme(args)
     assert (scheme and (scheme.kind, scheme.dynamic, scheme.group_size)) == expected
+
+
+def test_input_activations_it_cannot_apply_leave_the_weights_loadable():
+    """Refused only where they would be applied (``activation_quantization="on"``, the loader); the weights alone
+    load as transformers loads them."""
+    from cb_serve.model_executor.quantization.compressed_tensors import CompressedTensorsConfig
+
+    group = {"weights": scheme(8, "float", "channel", True),
+             "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True,
+                                   "symmetric": False}}  # fmt: skip
+    config = CompressedTensorsConfig.from_hf({"format": "float-quantized", "config_groups": {"group_0": group}})
+    assert config.activations is None and "not supported" in config.activation_refusal

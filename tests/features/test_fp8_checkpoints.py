@@ -308,6 +308,8 @@ def per_channel_input_scale(weights, config):
     ],
 )
 def test_a_static_scheme_without_its_scales_is_refused(fp8_llama, tmp_path, edit, match):
+    """(Only where the scales would be used: with the weights alone it loads, as transformers loads it.)"""
     broken = write_fp8(fp8_llama.parent / "float", tmp_path / "broken", edit)
     with pytest.raises(ValueError, match=match):
         LLM(str(broken), max_model_len=128, num_gpu_blocks=16, activation_quantization="on")
+    LLM(str(broken), max_model_len=128, num_gpu_blocks=16).engine.shutdown()

@@ -298,7 +298,9 @@ bool low_bit_kind(const at::Tensor& packed, Kind& kind) {
   const int64_t bytes = packed.dim() > 0 ? packed.size(-1) : 0;
   if (dtype == at::kByte) kind = kQ4;
   else if (dtype == at::kFloat8_e4m3fn) kind = lowbit::kF8;
+#if __has_include(<c10/util/Float4_e2m1fn_x2.h>)  // torch 2.8 and later
   else if (dtype == at::kFloat4_e2m1fn_x2) kind = lowbit::kF4;
+#endif
   else if (dtype == at::kChar) kind = bytes == kQ8x2GroupBytes ? kQ8x2 : kQ8;
   else return false;
   return true;

@@ -97,7 +97,7 @@ def static_scale(state: Mapping, weight_name: str) -> float:
         raise ValueError(f"{weight_name}: the checkpoint quantizes activations statically, and has no "
                          f"{base}input_scale for it")  # fmt: skip
     value = state[name]
-    value = (value if isinstance(value, torch.Tensor) else value[:]).float()  # a LazyTensor read whole
+    value = (value if isinstance(value, torch.Tensor) else value.raw()).float()  # a LazyTensor as stored, not cast
     if value.numel() != 1:
         raise ValueError(f"{name}: only one input scale per layer is supported, not shape {list(value.shape)}")
     return float(value.reshape(()))

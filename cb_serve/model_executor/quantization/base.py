@@ -37,6 +37,12 @@ class QuantizationConfig(ABC):
         """How the checkpoint quantizes each quantized layer's input (W8A8), or None: weight-only."""
         return None
 
+    @property
+    def activation_refusal(self) -> str | None:
+        """Why the checkpoint's input quantization cannot be applied (with ``activation_quantization="on"``), or
+        None; without it the weights alone still load."""
+        return None
+
     @abstractmethod
     def describe(self) -> str:
         """One line for the start-up log."""

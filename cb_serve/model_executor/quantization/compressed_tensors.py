@@ -93,6 +93,11 @@ class CompressedTensorsConfig(QuantizationConfig):
     format: str = "pack-quantized"
     scheme: WeightScheme = WeightScheme(4, "int", "group", 128)
     input_scheme: ActivationScheme | None = None
+    input_refusal: str | None = None  # input activations it cannot apply: the weights alone load
+
+    @property
+    def activation_refusal(self) -> str | None:
+        return self.input_refusal
 
     @classmethod
     def from_hf(cls, params: dict[str, Any]) -> CompressedTensorsConfig:
@@ -111,9 +116,12 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError(f"compressed-tensors: format {fmt!r} is not supported yet; supported: {FORMATS}")
         if any((g["weights"].get("actorder") == "group") for g in groups):
             raise ValueError("compressed-tensors: activation-ordered groups (actorder: group, g_idx) not supported yet")
-        inputs = {activation_scheme(g.get("input_activations")) for g in groups}
-        if len(inputs) != 1:
-            raise ValueError("compressed-tensors: config groups with different input activations are not supported")
+        try:
+            inputs = {activation_scheme(g.get("input_activations")) for g in groups}
+            if len(inputs) != 1:
+                raise ValueError("compressed-tensors: config groups with different input activations are not supported")
+        except ValueError as e:
+            return cls(fmt, scheme, None, str(e))
         return cls(fmt, scheme, inputs.pop())
 
     @property
