@@ -7,8 +7,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# The two pytest-xdist workers (and the processes they start) each run torch's OpenMP pool over every
+# core: its threads would spin at each barrier while the other worker's threads hold the cores (a tiny
+# model's step is all barriers). Idle threads sleep instead; the kernels still run their multi-thread
+# paths. Set before torch loads libgomp, which reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The helpers beside this file (models.py, serving.py, ...), and the tests by concern (engine/,
 # kernels/, features/, serve/, deploy/), whose modules a few others import helpers from.
