@@ -68,13 +68,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def drain_serve_applications() -> None:
-    """Deletes every Serve application of the local Ray instance, waiting for it: the proxies stay
-    up while each replica stops taking requests and its streams finish (graceful_shutdown_timeout_s)."""
+def serve_run_gcs_address(session: int) -> str | None:
+    """The GCS address of the Ray instance that ``serve run`` (the leader of ``session``) started: its
+    raylet's ``--gcs-address``, None when it started none (it joined ``RAY_ADDRESS``'s cluster)."""
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(proc.info["pid"]) != session:
+                continue
+        except OSError:
+            continue
+        args = " ".join(proc.info["cmdline"] or ()).split()
+        if args and Path(args[0]).name == "raylet":
+            found = [a.split("=", 1)[1] for a in args if a.startswith("--gcs-address=")]
+            if found:
+                return found[0]
+    return None
+
+
+def drain_serve_applications(address: str | None = None) -> None:
+    """Deletes every Serve application of the Ray instance at ``address`` (default: the one ``ray``
+    finds, ``RAY_ADDRESS`` first), waiting for it: the proxies stay up while each replica stops taking
+    requests and its streams finish (graceful_shutdown_timeout_s)."""
     import ray
     from ray import serve
 
-    ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    ray.init(address=address or "auto", log_to_driver=False, logging_level="ERROR")
     try:
         for name in list(serve.status().applications):
             serve.delete(name)
@@ -120,8 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     while proc.poll() is None and not stopping:
         time.sleep(0.2)
     if proc.poll() is None:
-        try:
-            drain_serve_applications()
+        try:  # the instance this `serve run` started, not another on the machine (`ray`'s "auto" guesses)
+            drain_serve_applications(serve_run_gcs_address(proc.pid))
         except Exception as e:  # noqa: BLE001 - still stop the server
             print(f"cb-serve: draining the applications failed ({e}); stopping anyway", file=sys.stderr)
         return stop_serve_run(proc)

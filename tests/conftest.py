@@ -97,23 +97,45 @@ def smol_hf():
     return AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
 
 
+# The Serve modules run in two groups, at once, one per worker (each group's modules one after another): the
+# ones that start `serve run` / `cb-serve serve` on deploy/config.yaml's port 8000 or a `ray start` cluster, and
+# the rest (each its own in-process cluster on a port of its own). None runs `ray stop` (it would stop the other
+# group's cluster): each kills its own processes (``serving.kill_session``). The faults module balances them.
+SERVE_RUN_GROUP = ("test_serve.py", "test_gemma3_serve.py", "test_clients.py", "test_shutdown.py", "test_node_loss.py")
+SERVE_RUN_GROUP += ("test_faults.py",)
+
+
+def serve_group(nodeid: str) -> str | None:
+    """The Ray group of a test (None: not a Serve module)."""
+    module = nodeid.split("::", 1)[0]
+    if not module.startswith("tests/serve/"):
+        return None
+    return "ray: serve run" if module.rsplit("/", 1)[-1] in SERVE_RUN_GROUP else "ray: in-process"
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``make test`` runs two pytest-xdist workers with ``--dist loadscope``, scheduled here: each
-    module's tests stay on one worker (its fixtures, an engine or a Serve cluster, are made once),
-    and every module that starts Ray clusters (``tests/serve/``) is one unit, so one worker runs
-    them one cluster at a time (they mostly wait on Ray and HTTP) while the other computes the rest.
-    (xdist's own ``loadgroup`` renames node ids, which pytest 9 no longer reads.)"""
+    module's tests stay on one worker (its fixtures, an engine or a Serve cluster, are made once), and
+    the modules that start Ray clusters (``tests/serve/``) are two units (``SERVE_RUN_GROUP``), the
+    first work each worker takes: they mostly wait on Ray and HTTP, and the rest fills the cores
+    around them. (xdist's own ``loadgroup`` renames node ids, which pytest 9 no longer reads.)"""
     if config.getoption("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ModulesWithRayTogether(LoadScopeScheduling):
+    class ServeGroupsFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "ray" if module.startswith("tests/serve/") else module
+            return serve_group(nodeid) or nodeid.split("::", 1)[0]
 
-    return ModulesWithRayTogether(config, log)
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "serve_groups_first", False):  # the first assignment: the queue is complete
+                self.serve_groups_first = True
+                for scope in [s for s in self.workqueue if not s.startswith("ray: ")]:
+                    self.workqueue.move_to_end(scope)  # the Ray groups first, the rest in xdist's order
+            super()._assign_work_unit(node)
+
+    return ServeGroupsFirst(config, log)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -26,6 +26,64 @@ REPLICA_HEADER = "x-cb-replica"
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
+def descendants(pid: int) -> list[int]:
+    """The live descendants of ``pid`` (by ``/proc``'s parent links)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
+
+
+def sessions_of(pid: int) -> set[int]:
+    """The sessions of ``pid``'s live descendants (``cb-serve serve`` starts ``serve run`` in a session of its
+    own), the tests' own aside."""
+    sessions = set()
+    for p in descendants(pid):
+        try:
+            sessions.add(os.getsid(p))
+        except OSError:
+            pass
+    return sessions - {os.getsid(0)}
+
+
+def kill_session(sid: int, timeout: float = 30) -> None:
+    """SIGKILL to every process of session ``sid`` (a process started with ``start_new_session``: its
+    Ray cluster's GCS, raylet, workers and reaper keep the session, whatever process group they take),
+    until none is left. Unlike ``ray stop --force`` it leaves the other Ray clusters on this machine
+    alone: the Serve modules run in two groups at once (``conftest.pytest_xdist_make_scheduler``)."""
+    deadline = time.monotonic() + timeout
+    while pids := session_pids(sid):
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert time.monotonic() < deadline, f"session {sid} still has processes {pids}"
+        time.sleep(0.2)
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (field 6 of ``/proc/PID/stat``), zombies aside."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, _pgrp, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue
+        if int(session) == sid and state != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,8 +110,8 @@ def serve_run(
     config: Path, workdir: Path, env: dict[str, str], headers: dict[str, str] | None = None, timeout_s: float = 240
 ) -> Iterator[str]:
     """``serve run CONFIG`` as a user runs it (a process group of its own, from the repository root),
-    until ``/v1/models`` answers on 127.0.0.1:8000; stopped with Ctrl-C (then killed) and ``ray stop``
-    after. Yields the base URL; the log is ``workdir/serve_run.log``."""
+    until ``/v1/models`` answers on 127.0.0.1:8000; stopped with Ctrl-C, then every process of its
+    session killed. Yields the base URL; the log is ``workdir/serve_run.log``."""
     bin_dir = Path(sys.executable).parent
     serve_bin = shutil.which("serve", path=str(bin_dir)) or "serve"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", **env}
@@ -88,8 +146,8 @@ def serve_run(
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], capture_output=True, timeout=60)
+            pass
+        kill_session(proc.pid)
         log.close()
 
 

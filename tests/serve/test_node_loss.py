@@ -19,34 +19,19 @@ from typing import Any
 import httpx
 import pytest
 from models import make_random_model
-from serving import RAY_ENV, free_port, run_app, running_engine_replicas, wait_for
+from serving import RAY_ENV, descendants, free_port, kill_session, run_app, running_engine_replicas, wait_for
 
 serve = pytest.importorskip("ray.serve")
 
 RAY = str(Path(sys.executable).parent / "ray")
-PORT = 8323
+PORT = 8325
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "nodes"
 # Two loopback addresses Ray does not rewrite to the machine's address (it does so for 127.0.0.1).
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 # The GCS declares a node dead after 3 missed health checks 1 s apart (defaults: 5 x 3 s).
+SESSIONS: list[int] = []  # each worker node's session (its `ray start` process id)
 ENV = {**os.environ, **RAY_ENV, "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
-
-
-def descendants(pid: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        out += children
-        todo += children
-    return out
 
 
 class WorkerNode:
@@ -69,6 +54,7 @@ class WorkerNode:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        SESSIONS.append(self.proc.pid)
 
     def kill(self) -> None:
         """Node loss: the node's every process at once."""
@@ -78,6 +64,17 @@ class WorkerNode:
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=30)
+
+
+def forget_ray_address(address: str) -> None:
+    """Removes Ray's record of the last `ray start` cluster (``ray_current_cluster`` in its temp dir) where it
+    is ``address``: `ray.init()` without an address, as `serve run` calls it, joins the cluster recorded."""
+    record = Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp") / "ray" / "ray_current_cluster"
+    try:
+        if record.read_text().strip() == address:
+            record.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def alive_nodes() -> int:
@@ -116,21 +113,26 @@ def cluster(tmp_path_factory, tokenizer):
         "--include-dashboard=false",
         "--disable-usage-stats",
     ]
-    subprocess.run(head, env=ENV, check=True, capture_output=True, timeout=180)
-    worker = None
+    # A session of its own: its daemons are killed by session, not by `ray stop` (every cluster here).
+    started = subprocess.Popen(head, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out = started.communicate(timeout=180)[0]
+    state = {"address": address, "model": model_dir, "worker": None, "tmp": tmp}
     try:
-        worker = WorkerNode(address, tmp / "worker.log")
+        assert started.returncode == 0, out.decode(errors="replace")
+        state["worker"] = WorkerNode(address, tmp / "worker.log")
         ray.init(address=address, _node_ip_address=HEAD_IP, log_to_driver=False, runtime_env={"env_vars": RAY_ENV})
         wait_for("two alive Ray nodes", lambda: alive_nodes() == 2, 120)
         serve.start(http_options={"host": "127.0.0.1", "port": PORT}, proxy_location="HeadOnly")
-        yield {"address": address, "model": model_dir, "worker": worker, "tmp": tmp}
+        yield state
     finally:
         try:
             serve.shutdown()
         except Exception:  # noqa: BLE001 - the cluster is torn down next anyway
             pass
         ray.shutdown()
-        subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+        for sid in [*SESSIONS, started.pid]:  # every node's processes, the reparented ones too
+            kill_session(sid)
+        forget_ray_address(address)  # what `ray stop` also does: a later `serve run` must not join it
 
 
 class Load:

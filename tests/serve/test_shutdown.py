@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import SSEStream, wait_for
+from serving import SSEStream, kill_session, sessions_of, wait_for
 
 pytest.importorskip("ray.serve")
 
@@ -39,8 +39,10 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path):
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as under `&` in a script
     )
+    sessions = {proc.pid}
     try:
         wait_for("the server", lambda: httpx.get(f"{BASE}/v1/models", timeout=5).status_code == 200, 300, 2)
+        sessions |= sessions_of(proc.pid)  # its `serve run`'s, while it runs
 
         async def scenario() -> tuple[SSEStream, float]:
             async with httpx.AsyncClient(base_url=BASE, timeout=120) as client:
@@ -64,7 +66,6 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path):
         assert stream.finish_reasons == ["length"] and stream.chunks == 200
         assert code == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True, timeout=120)
+        for sid in sessions:  # cb-serve's, its `serve run`'s and that one's Ray instance's
+            kill_session(sid)
         log.close()
