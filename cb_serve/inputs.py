@@ -22,7 +22,8 @@ class TokensPrompt(TypedDict):
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 # Keys of vLLM's prompt dicts for features this engine does not have: refused, never ignored.
-UNSUPPORTED_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds", "cache_salt")
+UNSUPPORTED_KEYS = ("mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds", "cache_salt")
+KNOWN_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", *UNSUPPORTED_KEYS)
 
 
 def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
@@ -34,7 +35,7 @@ def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
         return None, list(prompt)
     if isinstance(prompt, Mapping):
         unsupported = [k for k in prompt if k in UNSUPPORTED_KEYS]
-        unknown = [k for k in prompt if k not in ("prompt", "prompt_token_ids", *UNSUPPORTED_KEYS)]
+        unknown = [k for k in prompt if k not in KNOWN_KEYS]
         if unsupported or unknown:
             what = "unsupported" if unsupported else "unknown"
             raise InvalidRequestError(f"The prompt has {what} fields {unsupported or unknown}.", "prompt")
@@ -54,6 +55,19 @@ def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     raise TypeError(
         f"A prompt is a string, a list of token ids, a TextPrompt or a TokensPrompt dict, got {type(prompt).__name__}."
     )
+
+
+def multi_modal_data(prompt: Any) -> Any:
+    """A prompt dict's images (vLLM's ``{"prompt": ..., "multi_modal_data": {"image": ...}}``), else None."""
+    if not isinstance(prompt, Mapping) or prompt.get("multi_modal_data") is None:
+        return None
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        what = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+        raise InvalidRequestError(f'multi_modal_data takes {{"image": ...}} (images only), got {what}.', "prompt")
+    if "prompt" not in prompt or "prompt_token_ids" in prompt:
+        raise InvalidRequestError('A prompt with images is a text prompt ("prompt" with its placeholders).', "prompt")
+    return data["image"]
 
 
 def is_single_prompt(prompts: Any) -> bool:

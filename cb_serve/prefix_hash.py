@@ -31,10 +31,13 @@ MAX_BITS = 1 << 23
 HASH_BYTES = 32
 
 
-def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Collision-safe content hash of a full block, chained over its whole prefix."""
+def chain_hash(parent: bytes | None, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Collision-safe content hash of a full block, chained over its whole prefix (``extra``: what else
+    its KV depends on, the identifiers of the images whose placeholders it holds)."""
     digest = hashlib.sha256(parent or b"")
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra:
+        digest.update(b"mm" + extra)
     return digest.digest()
 
 

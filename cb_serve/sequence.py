@@ -69,6 +69,7 @@ class Sequence:
         min_tokens_banned: Iterable[int] = (),
         lora: LoRARequest | None = None,
         priority: int = 0,
+        mm_features: tuple = (),
     ) -> None:
         assert prompt_token_ids, "empty prompts are rejected before a Sequence is made"
         self.seq_id = seq_id
@@ -97,6 +98,7 @@ class Sequence:
         self.spec_state: Any = None  # speculative decoding's own (``spec_decode.speculator.SeqSpecState``)
         self.lora = lora  # its adapter (None: the base model)
         self.priority = priority  # scheduling_policy "priority": lower first (vLLM's convention)
+        self.mm_features = mm_features  # its images (``multimodal.MultiModalFeature``), in prompt order
         # prompt_logprobs: entry i is prompt token i's (None for the first), filled as its prefill chunks run
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
         self.lora_wait_steps = 0  # admissions it was passed over for lack of a slot (``lora.admission``'s fairness)

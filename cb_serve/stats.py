@@ -187,6 +187,11 @@ class EngineStats:
     # Recurrent layers (hybrid models): state slots held by running sequences, of max_num_seqs (0 and 0 otherwise)
     state_slots_used: int = 0
     state_slots_total: int = 0
+    # Images (a model that reads them): images run through the vision encoder, images a step took from
+    # the encoder cache instead (a repeated image, a chunk or re-prefill of one seen), embeddings it holds
+    num_images_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_embeddings: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

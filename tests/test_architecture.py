@@ -53,7 +53,8 @@ ALLOWED = {
     "tool_parsers": set(),  # tool-call formats in text: the HTTP layer reads them, through the public API
     "distributed": set(),  # tensor-parallel shards and communicator: below the model
     "lora": {"cpu_ops"},  # adapters' loading, slots and batched apply: below the model runner
-    "model_executor": {"attention", "cpu_ops", "distributed", "lora", "structured_outputs"},
+    "multimodal": set(),  # images checked and processed, their features and encoder outputs: below the runner
+    "model_executor": {"attention", "cpu_ops", "distributed", "lora", "multimodal", "structured_outputs"},
     # proposers, the draft model and verification: above the model they run, below the engine
     "spec_decode": {"model_executor", "structured_outputs"},
     "executor": {"distributed", "model_executor"},  # one rank, or tensor-parallel workers
@@ -61,6 +62,7 @@ ALLOWED = {
         *("attention", "cpu_ops", "distributed", "executor", "lora", "model_executor", "spec_decode"),
         "structured_outputs",
         "reasoning",
+        "multimodal",
     },
     # conversations to prompt token ids (the chat template, tools, thinking switches): LLM.chat and the HTTP front end
     "chat_template": {"engine", "model_executor"},

@@ -40,6 +40,9 @@ class AttentionMetadata:
     group_metas: dict = field(default_factory=dict, repr=False)  # group -> its metadata, made once per step
     state_slots: torch.Tensor | None = None  # int32 [B]: each sequence's recurrent-state slot (hybrid models)
     state_slot_list: list[int] = field(default_factory=list)  # the same, on the host
+    # Prefill rows whose image tokens attend to each other both ways (Gemma 3): row -> the (start, end)
+    # positions of each image in its chunk. A query in one sees its whole image, later tokens included.
+    bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -84,6 +87,9 @@ class AttentionBackend(ABC):
     supports_sinks: bool = True
     # ``rope_and_write_kv``: RoPE on q and k with the KV write in one kernel (then ``forward`` gets no k/v).
     supports_fused_rope_kv: bool = False
+    # ``meta.bidirectional_spans`` (image tokens attending both ways); a layer takes the PyTorch reference
+    # for the steps that have some where its backend does not (``layers.attention.Attention.attend``).
+    supports_bidirectional_spans: bool = False
 
     def rope_and_write_kv(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

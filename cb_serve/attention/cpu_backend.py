@@ -47,6 +47,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sliding_window: int | None,
         extra: Extras = NO_EXTRAS,
     ) -> None:
+        if meta.bidirectional_spans:  # image tokens attending both ways: the PyTorch path's mask
+            return super().prefill(out, q, k, v, kv_cache, meta, scale, sliding_window, extra)
         args = (meta.cu_seqlens_q, meta.seqused_k, meta.block_table, meta.num_decodes, scale, sliding_window)
         if not cpu_ops.paged_prefill_attention(out, q, kv_cache[0], kv_cache[1], *args, extra.softcap, extra.sinks):
             super().prefill(out, q, k, v, kv_cache, meta, scale, sliding_window, extra)

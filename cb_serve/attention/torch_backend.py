@@ -20,12 +20,22 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(*block_ids.shape[:-1], block_ids.shape[-1] * block_size, heads, head_dim)
 
 
-def causal_mask(query_len: int, key_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+def causal_mask(
+    query_len: int,
+    key_len: int,
+    sliding_window: int | None,
+    device: torch.device,
+    spans: list[tuple[int, int]] | None = None,
+) -> torch.Tensor:
     """Boolean ``[query_len, key_len]`` mask (True = attend), aligned to the bottom right:
-    query ``i`` sits at position ``key_len - query_len + i``."""
+    query ``i`` sits at position ``key_len - query_len + i``. Within each of ``spans`` (an image's
+    positions ``start:end``) every query sees every key, later ones too (HF's Gemma 3: causal or same
+    image, and then inside the window)."""
     q_pos = torch.arange(key_len - query_len, key_len, device=device)[:, None]
     k_pos = torch.arange(key_len, device=device)[None, :]
     mask = k_pos <= q_pos
+    for start, end in spans or ():
+        mask |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
@@ -117,6 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supports_narrow_kv_cache = True
+    supports_bidirectional_spans = True
 
     def forward(
         self,
@@ -165,7 +176,8 @@ class TorchAttentionBackend(AttentionBackend):
                 block_ids = meta.block_table[i, : -(-k_len // block_size)]
                 ks = gather_blocks(kv_cache[0], block_ids)[:k_len].to(q.dtype)
                 vs = gather_blocks(kv_cache[1], block_ids)[:k_len].to(q.dtype)
-            out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window, extra)
+            spans = meta.bidirectional_spans.get(i)
+            out[start:end] = self._prefill(q[start:end], ks, vs, scale, sliding_window, extra, spans)
             start = end
 
     def decode(
@@ -192,18 +204,20 @@ class TorchAttentionBackend(AttentionBackend):
             out[b.start : b.end] = o.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k, v, scale: float, sliding_window: int | None, extra: Extras = NO_EXTRAS) -> torch.Tensor:
+    def _prefill(
+        q, k, v, scale: float, sliding_window: int | None, extra: Extras = NO_EXTRAS, spans=None
+    ) -> torch.Tensor:
         q_len, k_len = q.shape[0], k.shape[0]
         if extra.any:
-            mask = causal_mask(q_len, k_len, sliding_window, q.device)
+            mask = causal_mask(q_len, k_len, sliding_window, q.device, spans)
             o = eager_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale, extra
             )
             return o[0].transpose(0, 1)
-        if q_len == k_len and sliding_window is None:
+        if q_len == k_len and sliding_window is None and not spans:
             mask, is_causal = None, True
         else:
-            mask, is_causal = causal_mask(q_len, k_len, sliding_window, q.device), False
+            mask, is_causal = causal_mask(q_len, k_len, sliding_window, q.device, spans), False
         o = F.scaled_dot_product_attention(  # 4-D inputs: CPU SDPA takes its flash kernel only for those
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],

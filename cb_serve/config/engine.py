@@ -175,6 +175,13 @@ class EngineConfig:
     max_logprobs: int = _arg(20, "Most log-probabilities a request may ask for per token (logprobs / top_logprobs).")
     max_stop_strings: int = _arg(64, "Most stop strings one request may carry.")
     max_stop_string_len: int = _arg(512, "Longest stop string, in characters.")
+    limit_mm_per_prompt: dict | None = _arg(
+        None,
+        'Most images one prompt may carry, vLLM\'s {"image": N} (JSON on the command line); default 8 where the '
+        "checkpoint reads images (Gemma 3); 0 serves its text model alone (the vision tower is not loaded).",
+    )
+    max_image_bytes: int = _arg(20 << 20, "Largest encoded image a request may send, in bytes.")
+    max_image_pixels: int = _arg(36_000_000, "Most pixels (width x height) of one image, checked before decoding.")
     max_stop_token_ids: int = _arg(256, "Most stop_token_ids one request may carry.")
     fault_injection: str | None = _arg(
         None,
@@ -205,6 +212,8 @@ class EngineConfig:
             "max_stop_string_len": self.max_stop_string_len,
             "max_stop_token_ids": self.max_stop_token_ids,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "max_image_bytes": self.max_image_bytes,
+            "max_image_pixels": self.max_image_pixels,
         }
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -221,6 +230,14 @@ class EngineConfig:
             LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # raises on a bad option
             if self.tensor_parallel_size > 1:
                 raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet.")
+        if isinstance(self.limit_mm_per_prompt, str):  # from the command line
+            self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
+        if self.limit_mm_per_prompt is not None:
+            limits = self.limit_mm_per_prompt
+            if not isinstance(limits, dict) or set(limits) - {"image"}:
+                raise ValueError(f'limit_mm_per_prompt takes {{"image": N}}, got {limits!r}.')
+            if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in limits.values()):
+                raise ValueError(f"limit_mm_per_prompt's counts are non-negative integers, got {limits!r}.")
         if self.fault_injection:
             FaultInjector(self.fault_injection)  # raises on a malformed spec
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -244,6 +261,10 @@ class EngineConfig:
             raise ValueError(f"Unknown tool_call_parser {self.tool_call_parser!r} (one of {TOOL_CALL_PARSERS}).")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
+
+    def image_limit(self) -> int | None:
+        """The images one prompt may carry as configured (None: the default where the model reads images)."""
+        return None if self.limit_mm_per_prompt is None else self.limit_mm_per_prompt.get("image")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

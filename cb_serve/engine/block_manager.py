@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 
 from cb_serve.engine.state_slots import StateSlots
 from cb_serve.kv_cache_interface import NULL_BLOCK
+from cb_serve.multimodal.features import block_extra_keys
 from cb_serve.prefix_hash import CountingBloom, PrefixDigest, PrefixHit, chain_hash, num_hit_blocks
 from cb_serve.sequence import Sequence
 
@@ -117,8 +118,10 @@ class BlockManager:
         hashes = self.block_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
         salt = None if seq.lora is None else seq.lora.cache_salt  # two adapters never share KV
+        extra = block_extra_keys(seq.mm_features, bs, num_full_blocks) if seq.mm_features else None
         for i in range(len(hashes), num_full_blocks):
-            hashes.append(chain_hash(hashes[-1] if hashes else salt, seq.token_ids[i * bs : (i + 1) * bs]))
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            hashes.append(chain_hash(hashes[-1] if hashes else salt, tokens, extra[i] if extra else b""))
         return hashes
 
     def _lookup(self, group: int, index: int, block_hash: bytes, seq: Sequence) -> int | None:

@@ -74,6 +74,7 @@ class EngineCore:
             self.inspector,
             parts.cpu_kernels,
             parts.weight_bytes,
+            self.executor.runner.encoder_cache,
         )
         self.consecutive_step_failures = 0
         speculating = not isinstance(self.speculator, NoSpeculation)

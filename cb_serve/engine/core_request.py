@@ -37,6 +37,7 @@ class CoreRequest:
                 self.stop_checker.stop_ids,
                 req.lora_request,
                 req.priority,
+                req.mm_features,
             )
             for i in range(n)
         ]

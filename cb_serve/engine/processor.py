@@ -9,8 +9,10 @@ from typing import Any
 
 from cb_serve.config import EngineConfig
 from cb_serve.errors import InvalidRequestError
-from cb_serve.inputs import PromptType, parse_prompt
+from cb_serve.inputs import PromptType, multi_modal_data, parse_prompt
 from cb_serve.lora_request import LoRARequest
+from cb_serve.multimodal.features import MultiModalFeature
+from cb_serve.multimodal.image_inputs import ImageLimits, load_images
 from cb_serve.sampling_params import SamplingParams, tokenize_bad_words
 from cb_serve.structured_outputs_params import ConstraintLimits
 
@@ -27,6 +29,7 @@ class ProcessedRequest:
     lora_weights: Any = None  # the adapter read off the engine thread (``LoRAManager.read``), if it was
     priority: int = 0  # scheduling_policy "priority": lower first
     arrival_time: float = field(default_factory=time.monotonic)  # when the front end took it in
+    mm_features: tuple[MultiModalFeature, ...] = ()  # its images, in prompt order
 
 
 class InputProcessor:
@@ -35,13 +38,22 @@ class InputProcessor:
     naming the parameter)."""
 
     def __init__(
-        self, tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: frozenset[int], config: EngineConfig
+        self,
+        tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        config: EngineConfig,
+        mm_processor=None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.config = config
+        self.mm_processor = mm_processor  # ``multimodal.processor.MultiModalProcessor`` where images are served
+        limit = config.image_limit()
+        self.image_limits = ImageLimits(8 if limit is None else limit, config.max_image_bytes, config.max_image_pixels)
 
     def with_tokenizer(self, tokenizer) -> InputProcessor:
         """The same checks with another tokenizer instance (tokenizers are not thread-safe)."""
@@ -53,7 +65,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}.")
         text, token_ids = parse_prompt(prompt)
-        if token_ids is None:
+        features: tuple[MultiModalFeature, ...] = ()
+        if (images := multi_modal_data(prompt)) is not None:
+            token_ids, features = self._process_images(text, images)
+        elif token_ids is None:
             token_ids = encode_text(self.tokenizer, text)
         else:
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
@@ -86,7 +101,24 @@ class InputProcessor:
         top_k = -1 if params.top_k >= self.vocab_size else params.top_k
         bad_words = tokenize_bad_words(self.tokenizer, params.bad_words, self.vocab_size) if params.bad_words else ()
         params = replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k, bad_words_token_ids=bad_words)
-        return ProcessedRequest(text, token_ids, params, max_tokens)
+        return ProcessedRequest(text, token_ids, params, max_tokens, mm_features=features)
+
+    def _process_images(self, text: str, images) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+        """The prompt's token ids with its image placeholders expanded, and its images' features."""
+        if self.mm_processor is None:
+            raise InvalidRequestError(
+                "This model does not read images (a text model, or limit_mm_per_prompt sets images to 0).",
+                "multi_modal_data",
+            )
+        token_ids, features = self.mm_processor.process(text, load_images(images, self.image_limits))
+        budget = self.config.max_num_batched_tokens
+        if too_long := [f.length for f in features if f.length > budget]:
+            raise InvalidRequestError(
+                f"An image takes {too_long[0]} tokens, more than one step's max_num_batched_tokens ({budget}): "
+                f"an image's tokens are computed in one step.",
+                "multi_modal_data",
+            )
+        return token_ids, features
 
     def _check_limits(self, params: SamplingParams) -> None:
         c = self.config

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.request_queue import make_waiting_queue
+from cb_serve.multimodal.features import fit_chunk
 from cb_serve.sequence import SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -113,6 +114,11 @@ class Scheduler:
                 continue
             uncomputed = seq.num_uncomputed_tokens
             num_new = min(uncomputed + len(seq.spec_token_ids), budget)
+            if seq.mm_features and num_new < uncomputed:  # a chunk never splits an image's tokens
+                num_new = fit_chunk(seq.mm_features, seq.num_computed_tokens, num_new)
+                if num_new == 0:  # its next image takes more than this step has left
+                    i += 1
+                    continue
             if seq.spec_token_ids:
                 del seq.spec_token_ids[max(0, num_new - uncomputed) :]  # the drafts that fit
             assert num_new > 0, seq
@@ -169,7 +175,9 @@ class Scheduler:
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
-                num_new = budget
+                num_new = fit_chunk(seq.mm_features, num_computed, budget)  # never through an image
+                if num_new == 0:
+                    break
                 self.counters.num_partial_prefills += 1
             if not bm.allocate(seq, num_new, hit):
                 break  # nobody overtakes the head of the queue (either policy, as vLLM)

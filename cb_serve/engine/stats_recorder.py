@@ -18,6 +18,7 @@ from cb_serve.engine.token_updater import TokenUpdater
 from cb_serve.lora.manager import LoRAManager, lora_stats
 from cb_serve.model_executor.jit_compiles import num_triton_compiles
 from cb_serve.model_executor.step_output import StepResult
+from cb_serve.multimodal.encoder_cache import EncoderCache
 from cb_serve.sequence import SchedulerOutput
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
 from cb_serve.stats import EngineStats, StepPhases, StepStats
@@ -50,8 +51,10 @@ class StatsRecorder:
         inspector: Inspector | None,
         cpu_kernels: str,
         weight_bytes: dict[str, int],
+        encoder_cache: EncoderCache | None = None,
     ) -> None:
         self.scheduler, self.outputs, self.structured = scheduler, outputs, structured
+        self.encoder_cache = encoder_cache  # a model that reads images: its encoder outputs
         self.speculator, self.lora, self.inspector, self.cpu_kernels = speculator, lora, inspector, cpu_kernels
         self.weight_bytes = weight_bytes
         self.listeners: tuple[StepListener, ...] = ()
@@ -148,4 +151,13 @@ class StatsRecorder:
             weight_bytes=self.weight_bytes,
             num_triton_compiles=0 if self.cpu_kernels else num_triton_compiles(),
             **lora,
+            **encoder_stats(self.encoder_cache),
         )
+
+
+def encoder_stats(cache: EncoderCache | None) -> dict[str, int]:
+    """The images encoded, those taken from the encoder cache instead, and the embeddings it holds."""
+    if cache is None:
+        return {}
+    return {"num_images_encoded": cache.num_encoded, "encoder_cache_hits": cache.num_hits,
+            "encoder_cache_embeddings": cache.size}  # fmt: skip

@@ -28,7 +28,7 @@ from cb_serve.model_executor.layers.activation_quant import ActivationScheme
 from cb_serve.model_executor.layers.checkpoint import LazyCheckpoint, LazyTensor, safetensors_files
 from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.rope_tables import rope_tables
-from cb_serve.model_executor.models import CausalLM, model_class
+from cb_serve.model_executor.models import MULTIMODAL_MODELS, CausalLM, model_class
 from cb_serve.model_executor.quantization import quantization_config
 from cb_serve.model_executor.quantization.weights import QuantizedState
 
@@ -119,6 +119,10 @@ TEXT_MODEL_OF = frozenset({"qwen3_5", "qwen3_5_moe", "gemma3", "gemma4", "mistra
 # Where their text stack is stored: (its prefix, its LM head). Qwen3.5 and transformers 5's own layout;
 # then the layout Gemma 3 and Mistral 3 were published in (which transformers still saves them in).
 TEXT_LAYOUTS = (("model.language_model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"))
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # a checkpoint's image processor
+# Where they keep their vision towers and projectors (transformers 5's layout, then the published one).
+VISION_LAYOUTS = ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.", "vision_tower.",
+                  "multi_modal_projector.", "visual.")  # fmt: skip
 
 
 @memoized_per_gguf
@@ -140,6 +144,23 @@ def load_config(source: ModelSource, trust_remote_code: bool = False):
             config.quantization_config = quantized
     model_class(config)  # raises for an architecture no model serves
     quantization_config(config)  # raises for a quantization cb-serve cannot load
+    return config
+
+
+def load_multimodal_config(source: ModelSource, trust_remote_code: bool = False):
+    """The whole config of a checkpoint whose images cb-serve reads (``MULTIMODAL_MODELS``), else None."""
+    from transformers import AutoConfig
+
+    if source.gguf_file is not None:
+        return None
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code, **source.hf_kwargs())
+    if config.model_type not in MULTIMODAL_MODELS:
+        return None
+    local = Path(source.path)
+    if local.is_dir() and not any((local / name).exists() for name in PROCESSOR_FILES):
+        logger.warning("%s reads images but has no image processor (%s): serving its text model alone",
+                       source.path, " or ".join(PROCESSOR_FILES))  # fmt: skip
+        return None
     return config
 
 
@@ -180,6 +201,8 @@ def text_model_state(lazy: LazyCheckpoint) -> dict[str, LazyTensor] | None:
             state = {"model." + name[len(prefix) :]: lazy[name] for name in lazy if name.startswith(prefix)}
             if head in lazy:
                 state["lm_head.weight"] = lazy[head]
+            # a vision tower and its projector under their own names, read only by a model with images
+            state.update((name, lazy[name]) for name in lazy if name.startswith(VISION_LAYOUTS))
             return state
     return None
 
@@ -260,6 +283,7 @@ def load_model(
     shard: TensorParallelShard | None = None,
     tp: TensorParallelGroup | None = None,
     activation_quantization: str = "auto",
+    mm_config=None,
 ) -> CausalLM:
     """Loads weights through transformers (safetensors, sharded checkpoints, GGUF with
     dequantization, hub downloads) and copies them into our compact module. Under tensor
@@ -275,7 +299,9 @@ def load_model(
         if activation_quantization != "on" and isinstance(state, QuantizedState):
             state.activations = None  # weights alone: a static scheme's scales are not even read
     cos, sin = model_rope_tables(hf_config, max_model_len)
-    make = functools.partial(model_class(config), hf_config, backend, cos, sin, shard, tp)
+    make = functools.partial(model_class(config, mm_config), hf_config, backend, cos, sin, shard, tp)
+    if mm_config is not None:  # the text model with a vision tower (``MULTIMODAL_MODELS``)
+        make = functools.partial(make, mm_config=mm_config)
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)
     del state

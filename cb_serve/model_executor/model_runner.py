@@ -14,7 +14,7 @@ from cb_serve.attention.base import AttentionMetadata
 from cb_serve.errors import EngineFatalError
 from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.manager import LoRAManager
-from cb_serve.model_executor import prompt_logprobs
+from cb_serve.model_executor import mm_inputs, prompt_logprobs
 from cb_serve.model_executor.batch_tokens import flatten_tokens, sampling_rows
 from cb_serve.model_executor.block_table_rows import BlockTableRows
 from cb_serve.model_executor.cache_tensors import StateCache, kv_cache_tensors
@@ -31,6 +31,7 @@ from cb_serve.model_executor.step_output import (
     StepResult,
     copy_to_host,
 )
+from cb_serve.multimodal.encoder_cache import EncoderCache
 from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.stats import ExpertLoad
 
@@ -44,6 +45,9 @@ class DraftVerifier(Protocol):
     def __call__(
         self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None
     ) -> tuple[list[int], list[dict | None]]: ...
+
+
+ENCODER_CACHE_EMBEDDINGS = 8192  # image embeddings the encoder cache keeps (a Gemma 3 image: 256)
 
 
 @dataclass
@@ -117,6 +121,8 @@ class ModelRunner:
         self.moe_layer_ids = tuple(i for i, _ in moe)
         assert len({m.num_experts for m in self.moe_layers}) <= 1, "MoE layers of different expert counts"
         self.graph_runner: DecodeGraphRunner | None = None
+        # A model that reads images (``embed_images``): their encoder outputs by content hash
+        self.encoder_cache = EncoderCache(ENCODER_CACHE_EMBEDDINGS) if hasattr(model, "embed_images") else None
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
                 self.decode_graph_forward,
@@ -128,7 +134,11 @@ class ModelRunner:
                 layer_groups=self.kv_layout.layer_groups,
             )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, mm_embeds=None
+    ) -> torch.Tensor:
+        if mm_embeds is not None:  # (batch indices, image embeddings) replacing those tokens' embeddings
+            return self.model(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def decode_graph_forward(
@@ -178,6 +188,9 @@ class ModelRunner:
             arrays["prev_token_rows"] = np.asarray(fill_rows, dtype=np.int64)
         plan = prompt_logprobs.plan(seqs, starts, seq_lens, cu_q)
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
+        if self.encoder_cache is not None:  # the image tokens of its prefill chunks
+            bidirectional = getattr(self.model, "bidirectional_images", False)
+            batch.mm = mm_inputs.plan_step(seqs, starts, query_lens, cu_q, bidirectional)
         if plan is not None:
             batch.prompt_rows, batch.prompt_top_k = plan.rows, plan.top_k
         if self.lora is not None:  # each token's adapter slot, grouped
@@ -226,6 +239,7 @@ class ModelRunner:
             layer_groups=self.kv_layout.layer_groups if len(self.kv_layout.groups) > 1 else (),
             state_slots=t.get("state_slots"),
             state_slot_list=batch.arrays["state_slots"].tolist() if "state_slots" in batch.arrays else [],
+            bidirectional_spans=batch.mm.spans if batch.mm is not None else {},
         )
         if self.state_cache is not None:  # sequences starting this step: HF's zero initial state
             self.state_cache.reset(meta.state_slot_list, batch.query_lens, batch.seq_lens)
@@ -340,6 +354,12 @@ class ModelRunner:
         """The forward pass (a decode graph's replay where one fits: its logits and greedy ids come with it),
         kept to the sampling rows and the prompt-logprob rows."""
         graphs, num_rows, sampling = self.graph_runner, inp.input_ids.shape[0], inp.batch.num_sampling
+        if inp.batch.mm is not None:  # image tokens: their embeddings from the encoder (or its cache)
+            assert self.encoder_cache is not None
+            mm = mm_inputs.image_embeddings(inp.batch.mm, self.encoder_cache, self.model.embed_images, self.device)
+            hidden = self.forward(inp.input_ids, inp.positions, inp.meta, mm)
+            prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows[0]]
+            return ForwardOutput(hidden=hidden[inp.logits_indices] if sampling else None, prompt_hidden=prompt)
         if graphs is not None and inp.prompt_rows is None and graphs.can_run(num_rows, inp.meta):
             logits, greedy = graphs.run(inp.input_ids, inp.positions, inp.meta)
             if sampling == num_rows:  # every row samples (a decode step): its rows are the batch's, in order

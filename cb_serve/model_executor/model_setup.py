@@ -67,6 +67,19 @@ def choose_backend(
     return backend, block_size
 
 
+def multimodal_config(config: EngineConfig, source: loader.ModelSource):
+    """The whole config of a checkpoint whose images this engine serves; None where it serves text alone:
+    a text model, ``limit_mm_per_prompt={"image": 0}``, or (not yet with images) tensor parallelism."""
+    if config.image_limit() == 0:
+        return None
+    mm_config = loader.load_multimodal_config(source, config.trust_remote_code)
+    if mm_config is not None and config.tensor_parallel_size > 1:
+        if config.image_limit():
+            raise ValueError("Images are not supported with tensor_parallel_size > 1 yet (limit_mm_per_prompt).")
+        return None
+    return mm_config
+
+
 @dataclass
 class ModelSetup:
     config: EngineConfig
@@ -78,6 +91,7 @@ class ModelSetup:
     backend: AttentionBackend
     block_size: int
     max_model_len: int
+    mm_config: object | None = None  # the whole config of a checkpoint whose images are served (else None)
 
     @classmethod
     def from_config(cls, config: EngineConfig, device: torch.device | None = None) -> ModelSetup:
@@ -90,7 +104,9 @@ class ModelSetup:
         max_positions = getattr(hf_config, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
         max_model_len = config.max_model_len or min(max_positions, MAX_DEFAULT_MODEL_LEN)
         backend, block_size = choose_backend(config, device, dtype, kv_cache_dtype)
-        return cls(config, source, hf_config, device, dtype, kv_cache_dtype, backend, block_size, max_model_len)
+        mm_config = multimodal_config(config, source)
+        return cls(config, source, hf_config, device, dtype, kv_cache_dtype, backend, block_size, max_model_len,
+                   mm_config)  # fmt: skip
 
     @property
     def kv_layout(self) -> KVCacheLayout:
@@ -110,4 +126,5 @@ class ModelSetup:
             shard,
             tp,
             self.config.activation_quantization,
+            self.mm_config,
         )

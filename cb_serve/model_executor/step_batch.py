@@ -26,6 +26,7 @@ class StepBatch:
     arrays: dict[str, np.ndarray]  # INT64_FIELDS and INT32_FIELDS (prev_token_*: only when there are some)
     prompt_rows: np.ndarray | None = None  # prompt logprobs: [2, R] token index, prompt token (``prompt_logprobs``)
     prompt_top_k: int = 0
+    mm: Any = None  # its image tokens (``mm_inputs.MultiModalStep``), where the model reads images
 
     @property
     def num_sampling(self) -> int:

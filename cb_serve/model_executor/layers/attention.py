@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from cb_serve.attention.base import AttentionBackend, AttentionMetadata
+from cb_serve.attention.torch_backend import TorchAttentionBackend
 from cb_serve.distributed.group import TensorParallelGroup
 from cb_serve.distributed.sharding import TensorParallelShard
 from cb_serve.model_executor.layers import fused_triton
@@ -21,6 +22,8 @@ from cb_serve.model_executor.layers.kv_cache_scales import KVCacheScales
 from cb_serve.model_executor.layers.linear import Linear
 from cb_serve.model_executor.layers.norm import RMSNorm
 from cb_serve.model_executor.layers.rotary import Rope
+
+REFERENCE_BACKEND = TorchAttentionBackend()  # for what a layer's backend does not support
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,14 @@ class Attention(nn.Module):
     def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata, extra: dict) -> torch.Tensor:
         """The backend's attention, with an FP8 cache's checkpoint scales folded around it (``kv_cache_scales``)."""
         scales = self.kv_cache_scales if kv_cache.dtype == torch.float8_e4m3fn else None
+        backend = self.backend
+        if meta.bidirectional_spans and not backend.supports_bidirectional_spans:
+            backend = REFERENCE_BACKEND  # a step with image tokens attending both ways
         if scales is None:
-            return self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
+            return backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **extra)
         k, v = scales.scaled_kv(k, v)
         scale = scales.softmax_scale(self.scale)
-        return scales.output(self.backend.forward(q, k, v, kv_cache, meta, scale, self.sliding_window, **extra))
+        return scales.output(backend.forward(q, k, v, kv_cache, meta, scale, self.sliding_window, **extra))
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping, prefix: str) -> None:

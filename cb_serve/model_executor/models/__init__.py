@@ -6,6 +6,7 @@ from __future__ import annotations
 from cb_serve.model_executor.models.base import CausalLM
 from cb_serve.model_executor.models.gemma2 import Gemma2ForCausalLM
 from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
+from cb_serve.model_executor.models.gemma3_mm import Gemma3ForConditionalGeneration
 from cb_serve.model_executor.models.gemma4 import Gemma4ForCausalLM
 from cb_serve.model_executor.models.gpt_oss import GptOssForCausalLM
 from cb_serve.model_executor.models.granite import GraniteForCausalLM
@@ -24,7 +25,7 @@ from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
 from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from cb_serve.model_executor.models.smollm3 import SmolLM3ForCausalLM
 
-__all__ = ["MODELS", "CausalLM", "model_class"]
+__all__ = ["MODELS", "MULTIMODAL_MODELS", "CausalLM", "model_class"]
 
 MODELS: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -53,8 +54,16 @@ MODELS: dict[str, type[CausalLM]] = {
 }
 
 
-def model_class(config) -> type[CausalLM]:
-    """The class serving ``config``; a clear error naming the architecture where none does."""
+# Checkpoints whose images cb-serve reads (the whole checkpoint's model_type): the text model's class
+# with a vision tower, built with the whole config as ``mm_config`` (``loader.load_multimodal_config``).
+MULTIMODAL_MODELS: dict[str, type[CausalLM]] = {"gemma3": Gemma3ForConditionalGeneration}
+
+
+def model_class(config, mm_config=None) -> type[CausalLM]:
+    """The class serving ``config`` (with images: ``mm_config``'s); a clear error naming the architecture
+    where none does."""
+    if mm_config is not None:
+        return MULTIMODAL_MODELS[mm_config.model_type]
     if config.model_type not in MODELS:
         raise ValueError(
             f"Unsupported architecture {config.model_type!r} "

@@ -91,9 +91,17 @@ class CausalLM(nn.Module):
         return {i: self.layers[i].mixer.spec.state_spec() for i in self.model_plan.state_layers}
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        meta: AttentionMetadata,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``mm_embeds``: (batch indices, rows) replacing those tokens' embeddings (images, unscaled)."""
         x, residual = self.embed(input_ids), None
+        if mm_embeds is not None:
+            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
         ropes = [Rope(positions, cos, sin, x.dtype, self.use_cpu_ops) for cos, sin in zip(self.rope_cos, self.rope_sin)]
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             layer_meta = meta if layer.recurrent else meta.for_layer(i)

@@ -1,0 +1,63 @@
+"""Encoder outputs by image (vLLM v1's encoder cache): an image's embeddings are computed once, at the
+first chunk that takes its tokens, and kept under its content hash, so a later chunk, a re-prefill after
+preemption and another request with the same image never encode it again. Least recently used entries
+go first beyond ``capacity`` embeddings (never below the step's own: a step's images are taken before any
+is evicted)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from cb_serve.multimodal.features import MultiModalFeature
+
+
+class EncoderCache:
+    def __init__(self, capacity: int) -> None:
+        assert capacity > 0, capacity
+        self.capacity = capacity  # embeddings (rows of hidden size) kept at most, beyond a step's own
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.size = 0
+        self.num_encoded = 0  # images run through the encoder
+        self.num_hits = 0  # images a step took from the cache
+
+    def get_many(
+        self, features: Sequence[MultiModalFeature], encode: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Each feature's ``[length, hidden]`` embeddings, by identifier; the missing ones encoded in one
+        batch (``encode``: ``[images, ...] -> [images, length, hidden]``) and kept."""
+        out: dict[str, torch.Tensor] = {}
+        missing: dict[str, MultiModalFeature] = {}
+        for f in features:
+            if f.identifier in out or f.identifier in missing:
+                continue
+            if (hit := self.entries.get(f.identifier)) is not None:
+                self.entries.move_to_end(f.identifier)
+                self.num_hits += 1
+                out[f.identifier] = hit
+            else:
+                missing[f.identifier] = f
+        if missing:
+            todo = list(missing.values())
+            for shape in {tuple(f.pixel_values.shape[1:]) for f in todo}:  # one batch per input shape
+                group = [f for f in todo if tuple(f.pixel_values.shape[1:]) == shape]
+                embeds = encode(torch.cat([f.pixel_values for f in group]))
+                for f, e in zip(group, embeds):
+                    assert e.shape[0] == f.length, (e.shape, f.length)
+                    out[f.identifier] = e
+                    self._put(f.identifier, e)
+            self.num_encoded += len(todo)
+        return out
+
+    def _put(self, key: str, value: torch.Tensor) -> None:
+        self.entries[key] = value
+        self.size += value.shape[0]
+        while self.size > self.capacity and len(self.entries) > 1:
+            _, old = self.entries.popitem(last=False)
+            self.size -= old.shape[0]
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.size = 0

@@ -1,0 +1,217 @@
+"""Images in the ragged batch (issue 54): a random-weight tiny Gemma 3 with a SigLIP tower, saved with its
+real processor (``Gemma3Processor`` over the PIL-backed ``Gemma3ImageProcessorPil``), against HF's
+``generate`` on the processor's own inputs, float32.
+
+Under stress settings (4-token blocks, 7-token steps so chunks would end inside the 4-token images, a KV pool
+that preempts) on the torch and C++ attention backends, with one to three images per prompt and an image
+repeated across requests:
+
+- greedy tokens equal HF's, and the first token's log-probabilities within float32 noise (1e-4; without
+  the image tokens' bidirectional attention they are off by 1e-2 to 2e-1, which greedy tokens of a random
+  model hide);
+- each distinct image is encoded once (the engine's counter), every other use a cache hit;
+- a second turn with the same image hits the first turn's cached prefix, through the image; the same text
+  with another image does not hit past the image's first block;
+- hostile inputs are ``InvalidRequestError`` (a 400 in the HTTP API), and the engine serves at once after.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from cb_serve import LLM, SamplingParams
+from cb_serve.errors import InvalidRequestError
+from cb_serve.multimodal.features import MultiModalFeature, block_extra_keys, fit_chunk
+from cb_serve.multimodal.processor import placeholder_runs
+
+pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+SPECIAL = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+IMG = "<start_of_image>"
+ENGINE = dict(block_size=4, max_num_batched_tokens=7, num_gpu_blocks=40, max_model_len=64, max_num_seqs=4)
+MAX_TOKENS = 10
+
+
+def image(seed: int, size=(40, 70)) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def gemma3_vision(tmp_path_factory, tokenizer):
+    """(checkpoint directory, HF processor, HF model): 4 tokens per 56 x 56 image (16 patches pooled 2 x 2)."""
+    import transformers
+    from models import tiny_config
+
+    tmp = tmp_path_factory.mktemp("gemma3-vision")
+    tokenizer.save_pretrained(tmp / "tok")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp / "tok", extra_special_tokens=SPECIAL)
+    tok.add_special_tokens({"additional_special_tokens": list(SPECIAL.values())})
+    boi, soft, eoi = tok.convert_tokens_to_ids(list(SPECIAL.values()))
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4)
+    torch.manual_seed(0)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=56, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=tiny_config("gemma3_text", len(tok)).to_dict(),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=boi,
+        image_token_index=soft,
+        eoi_token_index=eoi,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # non-trivial norms and projection (HF initializes them to no-ops and zeros)
+        for name, p in model.named_parameters():
+            if "norm" in name or "mm_input_projection" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    directory = tmp / "model"
+    processor.save_pretrained(directory)
+    model.save_pretrained(directory)
+    return str(directory), processor, model
+
+
+def hf_reference(processor, model, prompt: str, images: list) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy tokens and its first token's log-probabilities."""
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    with torch.no_grad():
+        first = torch.log_softmax(model(**inputs).logits[0, -1].float(), -1)
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist(), first
+
+
+def requests() -> list[tuple[str, list]]:
+    a, b, c = image(1), image(2, (90, 30)), image(3, (56, 56))
+    return [
+        (f"Describe {IMG} please", [a]),
+        (f"Compare {IMG} with {IMG} now", [b, c]),
+        (f"Three: {IMG}, {IMG} and {IMG}.", [c, a, b]),
+        (f"Again {IMG}", [a]),
+        ("Text alone, no image here at all", []),
+    ]
+
+
+def prompt_of(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_images_give_hf_s_tokens_under_chunking_and_preemption(gemma3_vision, backend):
+    directory, processor, model = gemma3_vision
+    llm = LLM(directory, attention_backend=backend, **ENGINE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    try:
+        outs = llm.generate([prompt_of(*r) for r in requests()], params, use_tqdm=False)
+        for (text, images), out in zip(requests(), outs):
+            ref_tokens, ref_first = hf_reference(processor, model, text, images) if images else (None, None)
+            if images:
+                assert out.outputs[0].token_ids == ref_tokens, text
+                for token, lp in out.outputs[0].logprobs[0].items():
+                    assert abs(lp.logprob - ref_first[token].item()) < 1e-4, (text, token)
+        stats = llm.engine.get_stats()
+        assert stats.num_images_encoded == 3, stats  # a, b, c: each once
+        assert stats.encoder_cache_hits >= 4, stats  # the other uses (and re-prefills after preemption)
+        assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0, stats
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_second_turn_hits_the_cached_prefix_through_its_image(gemma3_vision):
+    directory, processor, model = gemma3_vision
+    llm = LLM(directory, attention_backend="cpu", **{**ENGINE, "num_gpu_blocks": 200, "max_num_batched_tokens": 64})
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    first = f"Turn one: {IMG} describe it in a few words"
+    try:
+        llm.generate([prompt_of(first, [image(1)])], params, use_tqdm=False)
+        hits = llm.engine.get_stats().prefix_cache_hits
+        second = first + " and then once more with feeling"
+        (out,) = llm.generate([prompt_of(second, [image(1)])], params, use_tqdm=False)
+        ids = processor(text=first, images=[image(1)], return_tensors="pt")["input_ids"][0].tolist()
+        image_end = placeholder_runs(ids, model.config.image_token_index)[0]
+        assert llm.engine.get_stats().prefix_cache_hits - hits > sum(image_end), "no hit through the image"
+        assert out.outputs[0].token_ids == hf_reference(processor, model, second, [image(1)])[0]
+        hits = llm.engine.get_stats().prefix_cache_hits
+        llm.generate([prompt_of(second, [image(9)])], params, use_tqdm=False)  # the same text, another image
+        assert llm.engine.get_stats().prefix_cache_hits - hits <= image_end[0], "a hit past another image's start"
+    finally:
+        llm.engine.shutdown()
+
+
+def png(width: int, height: int, body: bytes = b"") -> bytes:
+    """A PNG of that header (and ``body`` as its image data): a pixel bomb needs no pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+
+
+def encoded(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+HOSTILE = {
+    "too many images": (f"{IMG} {IMG} {IMG} {IMG}", [image(1)] * 4, "At most 3 images"),
+    "oversize bytes": (IMG, [b"\x89PNG" + b"\0" * (64 << 10)], "limited to 65536 bytes"),
+    "pixel bomb": (IMG, [png(100_000, 100_000)], "pixels"),
+    "truncated png": (IMG, [encoded(image(1))[:200]], "could not be decoded"),
+    "truncated jpeg": (IMG, [encoded(image(1), "JPEG")[:300]], "could not be decoded"),
+    "not an image": (IMG, [b"GIF89a but not really an image at all"], "could not be decoded"),
+    "wrong mime": (IMG, ["data:text/plain;base64," + base64.b64encode(b"hello").decode()], "not an image type"),
+    "not base64": (IMG, ["data:image/png;base64,@@@not-base64@@@"], "not valid base64"),
+    "http url": (IMG, ["http://169.254.169.254/latest/meta-data"], "Only data: URLs"),
+    "placeholders and images apart": (f"{IMG} and {IMG}", [image(1)], "placeholders"),
+    "not an image object": (IMG, [12345], "An image is"),
+    "video": (IMG, None, "images only"),
+}
+
+
+@pytest.fixture(scope="module")
+def strict_llm(gemma3_vision):
+    llm = LLM(gemma3_vision[0], limit_mm_per_prompt={"image": 3}, max_image_bytes=64 << 10, **ENGINE)
+    yield llm
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_images_are_refused_and_the_engine_serves_after(strict_llm, case):
+    text, images, message = HOSTILE[case]
+    prompt = {"prompt": text, "multi_modal_data": {"video": [image(1)]} if images is None else {"image": images}}
+    with pytest.raises(InvalidRequestError, match=message):
+        strict_llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    (out,) = strict_llm.generate([prompt_of(IMG, [image(1)])], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_a_text_model_refuses_images_and_a_token_prompt_takes_none(tiny_llm, strict_llm):
+    with pytest.raises(InvalidRequestError, match="does not read images"):
+        tiny_llm.generate([prompt_of("hi", [image(1)])], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="text prompt"):
+        prompt = {"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [image(1)]}}
+        strict_llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def feature(offset: int, length: int, tag: str = "a") -> MultiModalFeature:
+    return MultiModalFeature(tag * 64, offset, length, torch.zeros(1))
+
+
+def test_chunks_never_end_inside_an_image_and_blocks_name_their_images():
+    images = [feature(3, 4), feature(10, 2, "b")]
+    assert fit_chunk(images, 0, 5) == 3  # would end inside the first: stops before it
+    assert fit_chunk(images, 0, 7) == 7 and fit_chunk(images, 3, 3) == 0  # whole; or started, not finishable
+    assert fit_chunk(images, 7, 4) == 3 and fit_chunk(images, 0, 100) == 100
+    keys = block_extra_keys(images, 4, 3)
+    assert keys == [bytes.fromhex("a" * 64)] * 2 + [bytes.fromhex("b" * 64)]
+    assert block_extra_keys([feature(2, 8)], 4, 2) == [bytes.fromhex("a" * 64)] * 2  # (the third block: not full)
+    assert placeholder_runs([5, 9, 9, 5, 9], 9) == [(1, 2), (4, 1)]
