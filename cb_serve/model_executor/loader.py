@@ -157,9 +157,13 @@ def load_multimodal_config(source: ModelSource, trust_remote_code: bool = False)
     if config.model_type not in MULTIMODAL_MODELS:
         return None
     local = Path(source.path)
-    if local.is_dir() and not any((local / name).exists() for name in PROCESSOR_FILES):
-        logger.warning("%s reads images but has no image processor (%s): serving its text model alone",
-                       source.path, " or ".join(PROCESSOR_FILES))  # fmt: skip
+    why = None
+    if not local.is_dir() or safetensors_files(source.path) is None:
+        why = "images are read from a local safetensors checkpoint directory (for now)"
+    elif not any((local / name).exists() for name in PROCESSOR_FILES):
+        why = f"it has no image processor ({' or '.join(PROCESSOR_FILES)})"
+    if why is not None:
+        logger.warning("%s reads images, but %s: serving its text model alone", source.path, why)
         return None
     return config
 

@@ -141,6 +141,10 @@ class ModelRunner:
             return self.model(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The vision encoder's embeddings of a batch of images (processed on the host) on this device."""
+        return self.model.embed_images(pixel_values.to(self.device, non_blocking=True))
+
     def decode_graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +360,7 @@ class ModelRunner:
         graphs, num_rows, sampling = self.graph_runner, inp.input_ids.shape[0], inp.batch.num_sampling
         if inp.batch.mm is not None:  # image tokens: their embeddings from the encoder (or its cache)
             assert self.encoder_cache is not None
-            mm = mm_inputs.image_embeddings(inp.batch.mm, self.encoder_cache, self.model.embed_images, self.device)
+            mm = mm_inputs.image_embeddings(inp.batch.mm, self.encoder_cache, self.encode_images, self.device)
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta, mm)
             prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows[0]]
             return ForwardOutput(hidden=hidden[inp.logits_indices] if sampling else None, prompt_hidden=prompt)

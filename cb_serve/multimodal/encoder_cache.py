@@ -13,6 +13,8 @@ import torch
 
 from cb_serve.multimodal.features import MultiModalFeature
 
+ENCODER_BATCH = 8  # images per encoder call: its activations stay bounded whatever a step holds
+
 
 class EncoderCache:
     def __init__(self, capacity: int) -> None:
@@ -41,13 +43,15 @@ class EncoderCache:
                 missing[f.identifier] = f
         if missing:
             todo = list(missing.values())
-            for shape in {tuple(f.pixel_values.shape[1:]) for f in todo}:  # one batch per input shape
+            for shape in {tuple(f.pixel_values.shape[1:]) for f in todo}:  # batches of one input shape
                 group = [f for f in todo if tuple(f.pixel_values.shape[1:]) == shape]
-                embeds = encode(torch.cat([f.pixel_values for f in group]))
-                for f, e in zip(group, embeds):
-                    assert e.shape[0] == f.length, (e.shape, f.length)
-                    out[f.identifier] = e
-                    self._put(f.identifier, e)
+                for i in range(0, len(group), ENCODER_BATCH):
+                    batch = group[i : i + ENCODER_BATCH]
+                    embeds = encode(torch.cat([f.pixel_values for f in batch]))
+                    for f, e in zip(batch, embeds):
+                        assert e.shape[0] == f.length, (e.shape, f.length)
+                        out[f.identifier] = e = e.clone()  # (a view would keep its whole batch alive)
+                        self._put(f.identifier, e)
             self.num_encoded += len(todo)
         return out
 

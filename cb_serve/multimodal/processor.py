@@ -41,6 +41,21 @@ class MultiModalProcessor:
         self.placeholder = getattr(self.hf, "image_token", None) or "<image>"  # what a prompt writes per image
         self.model_type = mm_config.model_type
         self.lock = threading.Lock()
+        self._check_against(mm_config)
+
+    def _check_against(self, mm_config) -> None:
+        """Raises ``ValueError`` where the processor makes other inputs than the model reads (tokens per
+        image, image size; Gemma 3's pan-and-scan crops, which add images): one blank image, processed."""
+        from PIL import Image
+
+        size = mm_config.vision_config.image_size
+        _, (feature,) = self.process(self.placeholder, [Image.new("RGB", (size, size))])
+        expected = (getattr(mm_config, "mm_tokens_per_image", feature.length), (1, 3, size, size))
+        if (feature.length, tuple(feature.pixel_values.shape)) != expected:
+            raise ValueError(
+                f"The checkpoint's processor makes {feature.length} tokens and pixels of shape "
+                f"{tuple(feature.pixel_values.shape)} per image; its model reads {expected[0]} and {expected[1]}."
+            )
 
     def process(self, text: str, images: list) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
         if not images:

@@ -56,6 +56,7 @@ class DraftModel:
             tensor_parallel_size=1,  # the driver alone drafts
             block_size=target.block_size,
             max_model_len=target.max_model_len,
+            limit_mm_per_prompt={"image": 0},  # a draft reads token ids alone (its vision tower is not loaded)
         )
         setup = ModelSetup.from_config(draft_config, target.device)
         if setup.hf_config.vocab_size != target.hf_config.vocab_size:

@@ -215,3 +215,20 @@ def test_chunks_never_end_inside_an_image_and_blocks_name_their_images():
     assert keys == [bytes.fromhex("a" * 64)] * 2 + [bytes.fromhex("b" * 64)]
     assert block_extra_keys([feature(2, 8)], 4, 2) == [bytes.fromhex("a" * 64)] * 2  # (the third block: not full)
     assert placeholder_runs([5, 9, 9, 5, 9], 9) == [(1, 2), (4, 1)]
+
+
+def test_a_processor_that_makes_other_inputs_than_the_model_reads_is_refused_at_start(gemma3_vision, tmp_path):
+    import shutil
+
+    import transformers
+
+    directory, processor, _ = gemma3_vision
+    other = tmp_path / "other"
+    shutil.copytree(directory, other)
+    transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
+        tokenizer=processor.tokenizer,
+        image_seq_length=4,
+    ).save_pretrained(other)
+    with pytest.raises(ValueError, match=r"pixels of shape \(1, 3, 28, 28\).*reads 4 and \(1, 3, 56, 56\)"):
+        LLM(str(other), **ENGINE)
