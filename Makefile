@@ -39,10 +39,12 @@ test-deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium \
 	  || echo "note: could not install chromium; tests/serve/test_inspect_serve.py will skip its browser test"; }
 
-# Two workers (pytest-xdist): the modules that start Ray clusters run on one, one at a time, while
-# the other computes the rest; a module's tests stay together (tests/conftest.py's scheduler).
+# Three workers (pytest-xdist) on the CI's two cores: the modules that start Ray clusters are two groups,
+# each one worker's first work (one cluster at a time per group), which mostly wait on Ray and HTTP, while
+# the third computes the rest and the first two join it when done; a module's tests stay together
+# (tests/conftest.py's scheduler).
 test: install test-deps
-	$(PY) -m pytest -q --durations=10 -n 2 --dist loadscope
+	$(PY) -m pytest -q --durations=10 -n 3 --dist loadscope
 	$(MAKE) --no-print-directory test-dispatch
 	$(MAKE) --no-print-directory test-floor
 

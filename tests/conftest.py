@@ -97,7 +97,7 @@ def smol_hf():
     return AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
 
 
-# The Serve modules run in two groups, at once, one per worker (each group's modules one after another): the
+# The Serve modules run in two groups, at once, each on a worker of its own (its modules one after another): the
 # ones that start `serve run` / `cb-serve serve` on deploy/config.yaml's port 8000 or a `ray start` cluster, and
 # the rest (each its own in-process cluster on a port of its own). None runs `ray stop` (it would stop the other
 # group's cluster): each kills its own processes (``serving.kill_session``). The faults module balances them.
@@ -115,7 +115,7 @@ def serve_group(nodeid: str) -> str | None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``make test`` runs two pytest-xdist workers with ``--dist loadscope``, scheduled here: each
+    """``make test`` runs three pytest-xdist workers with ``--dist loadscope``, scheduled here: each
     module's tests stay on one worker (its fixtures, an engine or a Serve cluster, are made once), and
     the modules that start Ray clusters (``tests/serve/``) are two units (``SERVE_RUN_GROUP``), the
     first work each worker takes: they mostly wait on Ray and HTTP, and the rest fills the cores

@@ -498,13 +498,17 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert s["num_running"] == 0 and s["kv_blocks_used"] == 0, s
 
 
-RAY_SERVE_LOGS = Path("/tmp/ray/session_latest/logs/serve")
+RAY_SESSIONS = Path("/tmp/ray")
 
 
 def log_lines_naming(request_id: str, deployment: str) -> list[str]:
+    """The Serve replica log lines naming ``request_id``, in the newest Ray sessions' logs (not only
+    ``session_latest``: another test's cluster may have started after this module's)."""
+    sessions = sorted(RAY_SESSIONS.glob("session_2*"), key=lambda p: p.stat().st_mtime)[-4:]
     return [
         line
-        for path in RAY_SERVE_LOGS.glob(f"replica_*{deployment}*.log")
+        for session in sessions
+        for path in (session / "logs" / "serve").glob(f"replica_*{deployment}*.log")
         for line in path.read_text(errors="replace").splitlines()
         if request_id in line
     ]
