@@ -39,12 +39,12 @@ test-deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium \
 	  || echo "note: could not install chromium; tests/serve/test_inspect_serve.py will skip its browser test"; }
 
-# Three workers (pytest-xdist) on the CI's two cores: the modules that start Ray clusters are two groups,
-# each one worker's first work (one cluster at a time per group), which mostly wait on Ray and HTTP, while
-# the third computes the rest and the first two join it when done; a module's tests stay together
-# (tests/conftest.py's scheduler).
+# Two workers (pytest-xdist): the modules that start Ray clusters are two groups, each one worker's first
+# work (one cluster at a time per group), which mostly wait on Ray and HTTP; the other modules fill the cores
+# around them; a module's tests stay together (tests/conftest.py's scheduler). (Three workers: no faster on
+# two cores, and the Serve tests' clusters slower.)
 test: install test-deps
-	$(PY) -m pytest -q --durations=10 -n 3 --dist loadscope
+	$(PY) -m pytest -q --durations=10 -n 2 --dist loadscope
 	$(MAKE) --no-print-directory test-dispatch
 	$(MAKE) --no-print-directory test-floor
 

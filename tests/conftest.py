@@ -115,7 +115,7 @@ def serve_group(nodeid: str) -> str | None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``make test`` runs three pytest-xdist workers with ``--dist loadscope``, scheduled here: each
+    """``make test`` runs two pytest-xdist workers with ``--dist loadscope``, scheduled here: each
     module's tests stay on one worker (its fixtures, an engine or a Serve cluster, are made once), and
     the modules that start Ray clusters (``tests/serve/``) are two units (``SERVE_RUN_GROUP``), the
     first work each worker takes: they mostly wait on Ray and HTTP, and the rest fills the cores
