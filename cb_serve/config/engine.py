@@ -199,45 +199,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model == "default":
             self.model = None
-        positive = {
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "block_size": self.block_size,
-            "num_gpu_blocks": self.num_gpu_blocks,
-            "kv_cache_memory": self.kv_cache_memory,
-            "max_model_len": self.max_model_len,
-            "max_waiting_requests": self.max_waiting_requests,
-            "num_threads": self.num_threads,
-            "max_stop_strings": self.max_stop_strings,
-            "max_stop_string_len": self.max_stop_string_len,
-            "max_stop_token_ids": self.max_stop_token_ids,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "max_image_bytes": self.max_image_bytes,
-            "max_image_pixels": self.max_image_pixels,
-        }
-        for name, value in positive.items():
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        self._check_counts()
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}.")
-        if isinstance(self.speculative_config, str):  # from the command line
-            self.speculative_config = json.loads(self.speculative_config)
-        if self.speculative_config is not None:
-            if not isinstance(self.speculative_config, dict):
-                raise ValueError(f"speculative_config must be a mapping, got {self.speculative_config!r}.")
-            SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad option
+        self._parse_mappings()
         if self.enable_lora:
             LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # raises on a bad option
             if self.tensor_parallel_size > 1:
                 raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet.")
-        if isinstance(self.limit_mm_per_prompt, str):  # from the command line
-            self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
-        if self.limit_mm_per_prompt is not None:
-            limits = self.limit_mm_per_prompt
-            if not isinstance(limits, dict) or set(limits) - {"image"}:
-                raise ValueError(f'limit_mm_per_prompt takes {{"image": N}}, got {limits!r}.')
-            if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in limits.values()):
-                raise ValueError(f"limit_mm_per_prompt's counts are non-negative integers, got {limits!r}.")
         if self.fault_injection:
             FaultInjector(self.fault_injection)  # raises on a malformed spec
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -261,6 +230,45 @@ class EngineConfig:
             raise ValueError(f"Unknown tool_call_parser {self.tool_call_parser!r} (one of {TOOL_CALL_PARSERS}).")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
+
+    def _parse_mappings(self) -> None:
+        """``speculative_config`` and ``limit_mm_per_prompt`` (JSON on the command line), checked."""
+        if isinstance(self.speculative_config, str):  # from the command line
+            self.speculative_config = json.loads(self.speculative_config)
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, dict):
+                raise ValueError(f"speculative_config must be a mapping, got {self.speculative_config!r}.")
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises on a bad option
+        if isinstance(self.limit_mm_per_prompt, str):  # from the command line
+            self.limit_mm_per_prompt = json.loads(self.limit_mm_per_prompt)
+        if self.limit_mm_per_prompt is not None:
+            limits = self.limit_mm_per_prompt
+            if not isinstance(limits, dict) or set(limits) - {"image"}:
+                raise ValueError(f'limit_mm_per_prompt takes {{"image": N}}, got {limits!r}.')
+            if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in limits.values()):
+                raise ValueError(f"limit_mm_per_prompt's counts are non-negative integers, got {limits!r}.")
+
+    def _check_counts(self) -> None:
+        """The counts and sizes that must be positive integers where set."""
+        positive = {
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "kv_cache_memory": self.kv_cache_memory,
+            "max_model_len": self.max_model_len,
+            "max_waiting_requests": self.max_waiting_requests,
+            "num_threads": self.num_threads,
+            "max_stop_strings": self.max_stop_strings,
+            "max_stop_string_len": self.max_stop_string_len,
+            "max_stop_token_ids": self.max_stop_token_ids,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "max_image_bytes": self.max_image_bytes,
+            "max_image_pixels": self.max_image_pixels,
+        }
+        for name, value in positive.items():
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
     def image_limit(self) -> int | None:
         """The images one prompt may carry as configured (None: the default where the model reads images)."""

@@ -46,9 +46,14 @@ def plan_step(
 
 
 def image_embeddings(
-    step: MultiModalStep, cache: EncoderCache, encode, device: torch.device
+    step: MultiModalStep, cache: EncoderCache, model, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch indices, their embeddings ``[n, hidden]``) of the step's image tokens."""
+    """(batch indices, their embeddings ``[n, hidden]``) of the step's image tokens; the images the cache
+    lacks through ``model.embed_images`` (their pixels, processed on the host, moved to ``device``)."""
+
+    def encode(pixel_values: torch.Tensor) -> torch.Tensor:
+        return model.embed_images(pixel_values.to(device, non_blocking=True))
+
     embeds = cache.get_many([f for f, *_ in step.pieces], encode)
     rows = torch.cat([embeds[f.identifier][lo:hi] for f, lo, hi, _ in step.pieces])
     return torch.from_numpy(step.token_indices()).to(device), rows

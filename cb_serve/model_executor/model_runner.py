@@ -47,9 +47,6 @@ class DraftVerifier(Protocol):
     ) -> tuple[list[int], list[dict | None]]: ...
 
 
-ENCODER_CACHE_EMBEDDINGS = 8192  # image embeddings the encoder cache keeps (a Gemma 3 image: 256)
-
-
 @dataclass
 class ModelInput:
     """One step's batch on the device: ``input_ids`` / ``positions`` are ``[T]``."""
@@ -122,7 +119,7 @@ class ModelRunner:
         assert len({m.num_experts for m in self.moe_layers}) <= 1, "MoE layers of different expert counts"
         self.graph_runner: DecodeGraphRunner | None = None
         # A model that reads images (``embed_images``): their encoder outputs by content hash
-        self.encoder_cache = EncoderCache(ENCODER_CACHE_EMBEDDINGS) if hasattr(model, "embed_images") else None
+        self.encoder_cache = EncoderCache() if hasattr(model, "embed_images") else None
         if cuda_graph_sizes:
             self.graph_runner = DecodeGraphRunner(
                 self.decode_graph_forward,
@@ -134,16 +131,10 @@ class ModelRunner:
                 layer_groups=self.kv_layout.layer_groups,
             )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, mm_embeds=None
-    ) -> torch.Tensor:
-        if mm_embeds is not None:  # (batch indices, image embeddings) replacing those tokens' embeddings
-            return self.model(input_ids, positions, self.kv_caches, meta, mm_embeds=mm_embeds)
-        return self.model(input_ids, positions, self.kv_caches, meta)
-
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """The vision encoder's embeddings of a batch of images (processed on the host) on this device."""
-        return self.model.embed_images(pixel_values.to(self.device, non_blocking=True))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, mm=None):
+        """``mm``: (batch indices, image embeddings) replacing those tokens' (a model with ``embed_images``)."""
+        extra = {} if mm is None else {"mm_embeds": mm}  # (a family's own forward may take none)
+        return self.model(input_ids, positions, self.kv_caches, meta, **extra)
 
     def decode_graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -358,19 +349,17 @@ class ModelRunner:
         """The forward pass (a decode graph's replay where one fits: its logits and greedy ids come with it),
         kept to the sampling rows and the prompt-logprob rows."""
         graphs, num_rows, sampling = self.graph_runner, inp.input_ids.shape[0], inp.batch.num_sampling
-        if inp.batch.mm is not None:  # image tokens: their embeddings from the encoder (or its cache)
+        mm = None  # image tokens: their embeddings from the encoder (or its cache), never in a decode graph
+        if inp.batch.mm is not None:
             assert self.encoder_cache is not None
-            mm = mm_inputs.image_embeddings(inp.batch.mm, self.encoder_cache, self.encode_images, self.device)
-            hidden = self.forward(inp.input_ids, inp.positions, inp.meta, mm)
-            prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows[0]]
-            return ForwardOutput(hidden=hidden[inp.logits_indices] if sampling else None, prompt_hidden=prompt)
-        if graphs is not None and inp.prompt_rows is None and graphs.can_run(num_rows, inp.meta):
+            mm = mm_inputs.image_embeddings(inp.batch.mm, self.encoder_cache, self.model, self.device)
+        elif graphs is not None and inp.prompt_rows is None and graphs.can_run(num_rows, inp.meta):
             logits, greedy = graphs.run(inp.input_ids, inp.positions, inp.meta)
             if sampling == num_rows:  # every row samples (a decode step): its rows are the batch's, in order
                 return ForwardOutput(logits=logits, greedy=greedy)
             rows = inp.logits_indices  # but a prompt's one-token chunk, which does not sample yet
             return ForwardOutput(logits=logits[rows], greedy=greedy[rows]) if sampling else ForwardOutput()
-        hidden = self.forward(inp.input_ids, inp.positions, inp.meta)
+        hidden = self.forward(inp.input_ids, inp.positions, inp.meta, mm)
         prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows[0]]
         return ForwardOutput(hidden=hidden[inp.logits_indices] if sampling else None, prompt_hidden=prompt)
 

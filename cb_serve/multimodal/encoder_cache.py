@@ -14,10 +14,11 @@ import torch
 from cb_serve.multimodal.features import MultiModalFeature
 
 ENCODER_BATCH = 8  # images per encoder call: its activations stay bounded whatever a step holds
+CAPACITY = 8192  # embeddings kept by default (a Gemma 3 image: 256)
 
 
 class EncoderCache:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int = CAPACITY) -> None:
         assert capacity > 0, capacity
         self.capacity = capacity  # embeddings (rows of hidden size) kept at most, beyond a step's own
         self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
