@@ -2,9 +2,10 @@
 
 The public API: what ``cb_serve.serve`` and users import (``from cb_serve import ...``)."""
 
-from cb_serve.chat_template import PromptEncoder
+from cb_serve.chat_template import PromptEncoder, split_images
 from cb_serve.config import EngineConfig
 from cb_serve.engine.async_llm import AsyncLLM
+from cb_serve.engine.processor import image_prompts_for
 from cb_serve.errors import (
     EngineDeadError,
     EngineError,
@@ -20,6 +21,7 @@ from cb_serve.errors import (
 from cb_serve.inputs import PromptType, TextPrompt, TokensPrompt
 from cb_serve.llm import LLM
 from cb_serve.lora_request import LoRARequest
+from cb_serve.multimodal import MultiModalFeature
 from cb_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from cb_serve.prefix_hash import PrefixDigest, prefix_block_hashes
 from cb_serve.reasoning import HarmonySplitter, ReasoningParser, ReasoningSplitter, reasoning_parser
@@ -46,6 +48,9 @@ __all__ = [
     "AsyncLLM",
     "EngineConfig",
     "PromptEncoder",
+    "split_images",
+    "image_prompts_for",
+    "MultiModalFeature",
     "PrefixDigest",
     "prefix_block_hashes",
     "SamplingParams",

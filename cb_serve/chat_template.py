@@ -1,12 +1,19 @@
 """Chat templating: a conversation (messages, tools, the request's template options) to the prompt's token
 ids, exactly as ``LLM.chat`` and the HTTP front end render it (``apply_chat_template``), and the front
 end's tokenizer (``PromptEncoder``: loads only the tokenizer, tokenizes once, sends ids to the engine).
+
+Chat messages carry images as content parts (``split_images``): OpenAI's ``image_url`` (``{"url": ...}`` or
+the URL itself), the Responses API's ``input_image`` and, offline, vLLM's ``image_pil`` and ``image`` parts
+holding a PIL image or bytes. Each becomes ``{"type": "image"}``, the part multimodal chat templates render as
+the model's placeholder (Gemma 3: ``<start_of_image>``), and the images come back in message order, for the
+model's processor (``multimodal.image_prompts``).
 Every option a client sends is checked here (``InvalidRequestError``, naming the field)."""
 
 from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cb_serve.config import EngineConfig
@@ -25,6 +32,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         *("raise_exception", "strftime_now"),
     }
 )
+IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil", "image")  # content parts that carry an image
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's; the first two turn thinking off
 MAX_KWARGS_DEPTH = 16
 
@@ -57,6 +65,41 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
         if not _json_like(value):
             raise InvalidRequestError(f"chat_template_kwargs[{key!r}] must be a JSON value.", param)
     return dict(kwargs)
+
+
+def image_of(part: Mapping[str, Any]) -> Any:
+    """The image a content part carries (a URL string, bytes or a PIL image); None for other parts."""
+    kind = part.get("type")
+    if kind not in IMAGE_PART_TYPES:
+        return None
+    value = part.get("image_url") if kind in ("image_url", "input_image") else part.get(kind, part.get("url"))
+    if isinstance(value, Mapping):
+        value = value.get("url")
+    if value is None:
+        raise InvalidRequestError(f"A content part of type {kind!r} carries no image.", "messages")
+    return value
+
+
+def split_images(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(messages for the chat template, with each image part ``{"type": "image"}``; the images, in order)."""
+    rendered: list[dict[str, Any]] = []
+    images: list[Any] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list) or not any(isinstance(p, Mapping) and image_of(p) is not None
+                                                    for p in content):  # fmt: skip
+            rendered.append(dict(message))
+            continue
+        parts = []
+        for part in content:
+            image = image_of(part) if isinstance(part, Mapping) else None
+            if image is not None:
+                images.append(image)
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        rendered.append({**message, "content": parts})
+    return rendered, images
 
 
 def _template_text(tokenizer, chat_template: str | None) -> str:
@@ -128,14 +171,17 @@ def apply_chat_template(
     chat_template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
     reasoning_effort: str | None = None,
-) -> list[int]:
+    tokenize: bool = True,
+) -> Any:
     """Token ids of a conversation rendered with the model's chat template (or the request's
     ``chat_template``: whether a client may send one is the caller's call). With ``tools``, or
     tool calls and results in the history, a template that does not render tools gets the
     conversation in the built-in tool format (``tool_format.render_builtin``).
     ``chat_template_kwargs`` go to the template (``check_template_kwargs``), with what
     ``reasoning_effort`` maps to (``thinking_kwargs``); ``continue_final_message`` leaves the last
-    (assistant) message open for the model to go on, instead of a generation prompt (as vLLM)."""
+    (assistant) message open for the model to go on, instead of a generation prompt (as vLLM).
+    ``tokenize=False``: the rendered text instead (a conversation with images, which the model's processor
+    tokenizes with them: ``multimodal.image_prompts``)."""
     if not messages:
         raise InvalidRequestError("messages is empty.", "messages")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -155,12 +201,14 @@ def apply_chat_template(
             messages = render_builtin(messages, tools)
     try:
         ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
+            messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
         )
     except Exception as e:  # template errors (bad roles, order) are the caller's input
         if chat_template is not None and type(e).__name__ == "TemplateSyntaxError":
             raise InvalidRequestError(f"chat_template is not a valid Jinja template: {e}", "chat_template") from e
         raise InvalidRequestError(f"The chat template rejected the messages: {e}", "messages") from e
+    if not tokenize:
+        return ids
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -198,7 +246,8 @@ class PromptEncoder:
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **options: Any
-    ) -> list[int]:
-        """``apply_chat_template`` with this tokenizer; ``options``: its keyword-only arguments."""
+    ) -> Any:
+        """``apply_chat_template`` with this tokenizer (token ids; the text with ``tokenize=False``);
+        ``options``: its keyword-only arguments."""
         with self._lock:
             return apply_chat_template(self.tokenizer, messages, add_generation_prompt, tools, **options)

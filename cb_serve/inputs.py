@@ -23,7 +23,9 @@ class TokensPrompt(TypedDict):
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 # Keys of vLLM's prompt dicts for features this engine does not have: refused, never ignored.
 UNSUPPORTED_KEYS = ("mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds", "cache_salt")
-KNOWN_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", *UNSUPPORTED_KEYS)
+# ``multi_modal_features``: images a front end already ran through the model's processor (the HTTP router's
+# ``MultiModalFeature``s), beside the token ids they expanded; checked against those ids.
+KNOWN_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_features", *UNSUPPORTED_KEYS)
 
 
 def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
@@ -68,6 +70,15 @@ def multi_modal_data(prompt: Any) -> Any:
     if "prompt" not in prompt or "prompt_token_ids" in prompt:
         raise InvalidRequestError('A prompt with images is a text prompt ("prompt" with its placeholders).', "prompt")
     return data["image"]
+
+
+def multi_modal_features(prompt: Any) -> Any:
+    """A token prompt's processed images (``multi_modal_features``), else None."""
+    if not isinstance(prompt, Mapping) or prompt.get("multi_modal_features") is None:
+        return None
+    if "prompt_token_ids" not in prompt or prompt.get("multi_modal_data") is not None:
+        raise InvalidRequestError("multi_modal_features go with the prompt_token_ids they expanded.", "prompt")
+    return prompt["multi_modal_features"]
 
 
 def is_single_prompt(prompts: Any) -> bool:

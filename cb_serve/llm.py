@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cb_serve.chat_template import apply_chat_template
+from cb_serve.chat_template import apply_chat_template, split_images
 from cb_serve.config import EngineConfig
 from cb_serve.engine.gc_heap import frozen_heap
 from cb_serve.engine.llm_engine import LLMEngine
@@ -17,7 +17,7 @@ from cb_serve.lora_request import LoRARequest
 from cb_serve.outputs import RequestOutput
 from cb_serve.sampling_params import RequestOutputKind, SamplingParams
 
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
@@ -93,7 +93,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template (or ``chat_template``, with ``chat_template_kwargs``) to
         each conversation (with ``tools``: OpenAI tool objects, rendered by the template or the built-in
-        tool prompt), then generates, as vLLM's ``LLM.chat``."""
+        tool prompt), then generates, as vLLM's ``LLM.chat``. Content parts may carry images where the model
+        reads them: OpenAI's ``image_url`` (a data URL), or vLLM's ``image_pil`` (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = dict(
             chat_template=chat_template,
@@ -109,10 +110,17 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         **options: Any,
-    ) -> list[int]:
-        """``options``: ``chat_template``, ``chat_template_kwargs``, ``continue_final_message``,
-        ``reasoning_effort`` (``chat_template.apply_chat_template``)."""
-        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, tools, **options)
+    ) -> PromptType:
+        """The conversation's prompt: its token ids, or with images, a ``TokensPrompt`` with their processed
+        ``multi_modal_features``. ``options``: ``chat_template``, ``chat_template_kwargs``,
+        ``continue_final_message``, ``reasoning_effort`` (``chat_template.apply_chat_template``)."""
+        messages, images = split_images(messages)
+        tokenizer = self.engine.tokenizer
+        if not images:
+            return apply_chat_template(tokenizer, messages, add_generation_prompt, tools, **options)
+        text = apply_chat_template(tokenizer, messages, add_generation_prompt, tools, tokenize=False, **options)
+        ids, features = self.engine.processor.image_prompts("messages").process_chat(text, images)
+        return {"prompt_token_ids": ids, "prompt": text, "multi_modal_features": features}
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -47,13 +47,30 @@ def num_hit_blocks(num_tokens: int, block_size: int) -> int:
     return max(0, (num_tokens - 1) // block_size)
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes | None = None) -> list[bytes]:
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_size: int, salt: bytes | None = None, images: Sequence[Any] = ()
+) -> list[bytes]:
     """The chained hashes of the blocks of ``token_ids`` that a prefix hit can cover (``salt``:
-    the first block's parent, a LoRA adapter's ``cache_salt``)."""
+    the first block's parent, a LoRA adapter's ``cache_salt``; ``images``: the prompt's
+    ``MultiModalFeature``s, whose identifiers join the keys of the blocks they touch)."""
+    num_blocks = num_hit_blocks(len(token_ids), block_size)
+    extras = block_extra_keys(images, block_size, num_blocks) if images else [b""] * num_blocks
     hashes: list[bytes] = []
-    for i in range(num_hit_blocks(len(token_ids), block_size)):
-        hashes.append(chain_hash(hashes[-1] if hashes else salt, token_ids[i * block_size : (i + 1) * block_size]))
+    for i in range(num_blocks):
+        tokens = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(chain_hash(hashes[-1] if hashes else salt, tokens, extras[i]))
     return hashes
+
+
+def block_extra_keys(features: Sequence[Any], block_size: int, num_blocks: int) -> list[bytes]:
+    """Per full block, the identifiers of the images whose placeholders it holds (b"" for none): a part of
+    its prefix-cache hash, as placeholder token ids are the same for every image."""
+    keys = [b""] * num_blocks
+    for f in features:
+        first, last = f.offset // block_size, (f.end - 1) // block_size
+        for b in range(first, min(last, num_blocks - 1) + 1):
+            keys[b] += bytes.fromhex(f.identifier)
+    return keys
 
 
 def probe_words(hashes: bytes) -> np.ndarray:

@@ -35,6 +35,17 @@ def _arg(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
 
 
+def _domains(value: Any) -> list[str]:
+    """``allowed_media_domains`` as lower-case domain names (comma-separated on the command line, or a list)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
+        raise ValueError(f"allowed_media_domains takes domain names, got {value!r}.")
+    domains = [d.strip().lower().rstrip(".") for d in items if d.strip()]
+    if bad := [d for d in domains if any(c in d for c in "/:@ ")]:
+        raise ValueError(f"allowed_media_domains takes bare domain names (no scheme, port or path), got {bad[0]!r}.")
+    return domains
+
+
 @dataclass
 class EngineConfig:
     """Everything an engine needs besides the requests. Names follow vLLM's engine args."""
@@ -182,6 +193,12 @@ class EngineConfig:
     )
     max_image_bytes: int = _arg(20 << 20, "Largest encoded image a request may send, in bytes.")
     max_image_pixels: int = _arg(36_000_000, "Most pixels (width x height) of one image, checked before decoding.")
+    allowed_media_domains: list | None = _arg(
+        None,
+        "Domains (and their subdomains) the server may fetch http(s) image URLs from, comma-separated on the "
+        "command line; unset: image URLs are refused (data: URLs and inline images only). A host that resolves to "
+        "a loopback, private or link-local address is refused whatever the list says.",
+    )
     max_stop_token_ids: int = _arg(256, "Most stop_token_ids one request may carry.")
     fault_injection: str | None = _arg(
         None,
@@ -232,7 +249,8 @@ class EngineConfig:
             raise ValueError(f"Unknown attention_backend {self.attention_backend!r}.")
 
     def _parse_mappings(self) -> None:
-        """``speculative_config`` and ``limit_mm_per_prompt`` (JSON on the command line), checked."""
+        """``speculative_config`` and ``limit_mm_per_prompt`` (JSON on the command line) and
+        ``allowed_media_domains`` (comma-separated), checked."""
         if isinstance(self.speculative_config, str):  # from the command line
             self.speculative_config = json.loads(self.speculative_config)
         if self.speculative_config is not None:
@@ -247,6 +265,8 @@ class EngineConfig:
                 raise ValueError(f'limit_mm_per_prompt takes {{"image": N}}, got {limits!r}.')
             if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in limits.values()):
                 raise ValueError(f"limit_mm_per_prompt's counts are non-negative integers, got {limits!r}.")
+        if self.allowed_media_domains is not None:
+            self.allowed_media_domains = _domains(self.allowed_media_domains) or None
 
     def _check_counts(self) -> None:
         """The counts and sizes that must be positive integers where set."""

@@ -9,8 +9,7 @@ from collections.abc import Sequence as Seq
 
 from cb_serve.engine.state_slots import StateSlots
 from cb_serve.kv_cache_interface import NULL_BLOCK
-from cb_serve.multimodal.features import block_extra_keys
-from cb_serve.prefix_hash import CountingBloom, PrefixDigest, PrefixHit, chain_hash, num_hit_blocks
+from cb_serve.prefix_hash import CountingBloom, PrefixDigest, PrefixHit, block_extra_keys, chain_hash, num_hit_blocks
 from cb_serve.sequence import Sequence
 
 

@@ -9,10 +9,12 @@ from typing import Any
 
 from cb_serve.config import EngineConfig
 from cb_serve.errors import InvalidRequestError
-from cb_serve.inputs import PromptType, multi_modal_data, parse_prompt
+from cb_serve.inputs import PromptType, multi_modal_data, multi_modal_features, parse_prompt
 from cb_serve.lora_request import LoRARequest
 from cb_serve.multimodal.features import MultiModalFeature
-from cb_serve.multimodal.image_inputs import ImageLimits, load_images
+from cb_serve.multimodal.image_inputs import ImageLimits
+from cb_serve.multimodal.image_prompts import ImagePrompts
+from cb_serve.multimodal.processor import MultiModalProcessor
 from cb_serve.sampling_params import SamplingParams, tokenize_bad_words
 from cb_serve.structured_outputs_params import ConstraintLimits
 
@@ -51,9 +53,9 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.config = config
-        self.mm_processor = mm_processor  # ``multimodal.processor.MultiModalProcessor`` where images are served
-        limit = config.image_limit()
-        self.image_limits = ImageLimits(8 if limit is None else limit, config.max_image_bytes, config.max_image_pixels)
+        # Where images are served (``mm_processor``: the model's ``multimodal.processor.MultiModalProcessor``)
+        self.images = None if mm_processor is None else ImagePrompts(
+            mm_processor, ImageLimits.of(config), config.max_num_batched_tokens)  # fmt: skip
 
     def with_tokenizer(self, tokenizer) -> InputProcessor:
         """The same checks with another tokenizer instance (tokenizers are not thread-safe)."""
@@ -67,8 +69,10 @@ class InputProcessor:
         text, token_ids = parse_prompt(prompt)
         features: tuple[MultiModalFeature, ...] = ()
         if (images := multi_modal_data(prompt)) is not None:
-            token_ids, features = self._process_images(text, images)
-        elif token_ids is None:
+            token_ids, features = self.image_prompts().process(text, images)
+        elif (processed := multi_modal_features(prompt)) is not None:
+            features = self.image_prompts("multi_modal_features").check(token_ids, processed)
+        if token_ids is None:
             token_ids = encode_text(self.tokenizer, text)
         else:
             bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)]
@@ -103,22 +107,13 @@ class InputProcessor:
         params = replace(params, eos_token_ids=self.eos_token_ids, top_k=top_k, bad_words_token_ids=bad_words)
         return ProcessedRequest(text, token_ids, params, max_tokens, mm_features=features)
 
-    def _process_images(self, text: str, images) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
-        """The prompt's token ids with its image placeholders expanded, and its images' features."""
-        if self.mm_processor is None:
+    def image_prompts(self, param: str = "multi_modal_data") -> ImagePrompts:
+        """The model's image path; an ``InvalidRequestError`` where it reads none."""
+        if self.images is None:
             raise InvalidRequestError(
-                "This model does not read images (a text model, or limit_mm_per_prompt sets images to 0).",
-                "multi_modal_data",
+                "This model does not read images (a text model, or limit_mm_per_prompt sets images to 0).", param
             )
-        token_ids, features = self.mm_processor.process(text, load_images(images, self.image_limits))
-        budget = self.config.max_num_batched_tokens
-        if too_long := [f.length for f in features if f.length > budget]:
-            raise InvalidRequestError(
-                f"An image takes {too_long[0]} tokens, more than one step's max_num_batched_tokens ({budget}): "
-                f"an image's tokens are computed in one step.",
-                "multi_modal_data",
-            )
-        return token_ids, features
+        return self.images
 
     def _check_limits(self, params: SamplingParams) -> None:
         c = self.config
@@ -144,6 +139,19 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"{name} token ids {bad[:8]} are out of vocabulary (valid: 0..{self.vocab_size - 1}).", name
                 )
+
+
+def image_prompts_for(config: EngineConfig) -> ImagePrompts | None:
+    """The image path of the model ``config`` names, for a front end that processes images before an engine
+    takes them (the HTTP router: ``multi_modal_features``); None where the engine serves text alone."""
+    from cb_serve.model_executor import loader, model_setup
+
+    source = loader.resolve_model_source(config.model)
+    mm_config = model_setup.multimodal_config(config, source)
+    if mm_config is None:
+        return None
+    processor = MultiModalProcessor(source.path, mm_config, config.trust_remote_code)
+    return ImagePrompts(processor, ImageLimits.of(config), config.max_num_batched_tokens)
 
 
 def encode_text(tokenizer, prompt: str) -> list[int]:

@@ -54,14 +54,3 @@ def fit_chunk(features: Sequence[MultiModalFeature], num_computed: int, num_new:
         if f.offset < end < f.end:
             return max(0, f.offset - num_computed)
     return num_new
-
-
-def block_extra_keys(features: Sequence[MultiModalFeature], block_size: int, num_blocks: int) -> list[bytes]:
-    """Per full block, the identifiers of the images whose placeholders it holds (b"" for none): a part of
-    its prefix-cache hash, as placeholder token ids are the same for every image."""
-    keys = [b""] * num_blocks
-    for f in features:
-        first, last = f.offset // block_size, (f.end - 1) // block_size
-        for b in range(first, min(last, num_blocks - 1) + 1):
-            keys[b] += bytes.fromhex(f.identifier)
-    return keys

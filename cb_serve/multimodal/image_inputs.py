@@ -1,5 +1,6 @@
 """Client images, checked before anything decodes them in full: a PIL image (the offline API, vLLM's
-``multi_modal_data``), raw bytes, or a ``data:`` URL (the HTTP APIs). Every refusal is an
+``multi_modal_data``), raw bytes, a ``data:`` URL (the HTTP APIs), or an http(s) URL where the operator
+allows its domain (``media_fetch``). Every refusal is an
 ``InvalidRequestError`` naming the limit: oversize bytes, more pixels than allowed (read from the header,
 before the pixels are: decompression bombs), a format that is not an image one, truncated or corrupt data."""
 
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cb_serve.errors import InvalidRequestError
+from cb_serve.multimodal.media_fetch import fetch_image
 
+DEFAULT_MAX_IMAGES = 8  # per prompt, where limit_mm_per_prompt does not say
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what PIL decodes without plugins, as image/<format>
 DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
 
@@ -21,11 +24,19 @@ DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[
 @dataclass(frozen=True)
 class ImageLimits:
     """What one prompt's images may be (engine arguments ``limit_mm_per_prompt``, ``max_image_bytes``,
-    ``max_image_pixels``)."""
+    ``max_image_pixels``, ``allowed_media_domains``)."""
 
-    max_images: int = 8
+    max_images: int = DEFAULT_MAX_IMAGES
     max_bytes: int = 20 << 20  # encoded
     max_pixels: int = 36_000_000  # width * height (a 6000 x 6000 photo)
+    allowed_domains: tuple[str, ...] = ()  # http(s) URLs from these (media_fetch.py); none: data URLs only
+
+    @staticmethod
+    def of(config) -> ImageLimits:
+        """The limits an ``EngineConfig`` sets."""
+        limit = config.image_limit()
+        return ImageLimits(DEFAULT_MAX_IMAGES if limit is None else limit, config.max_image_bytes,
+                           config.max_image_pixels, tuple(config.allowed_media_domains or ()))  # fmt: skip
 
     def __post_init__(self) -> None:
         assert self.max_images >= 0 and self.max_bytes > 0 and self.max_pixels > 0, self
@@ -49,7 +60,9 @@ def load_image(source: Any, limits: ImageLimits, param: str = "multi_modal_data"
     if isinstance(source, Image.Image):
         check_pixels(source.size, limits, param)
         return source.convert("RGB")
-    if isinstance(source, str):
+    if isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
+        source = fetch_image(source, limits.allowed_domains, limits.max_bytes, param)
+    elif isinstance(source, str):
         source = decode_data_url(source, limits, param)
     if not isinstance(source, (bytes, bytearray, memoryview)):
         raise InvalidRequestError(f"An image is a PIL image, bytes or a data: URL, got {type(source).__name__}.", param)
@@ -78,11 +91,12 @@ def check_pixels(size: tuple[int, int], limits: ImageLimits, param: str) -> None
 
 
 def decode_data_url(url: str, limits: ImageLimits, param: str) -> bytes:
-    """The bytes of a base64 ``data:image/...`` URL; any other URL is refused (remote images are off)."""
+    """The bytes of a base64 ``data:image/...`` URL; any other scheme is refused."""
     match = DATA_URL.match(url)
     if match is None:
         scheme = url.split(":", 1)[0][:16] if ":" in url else "(none)"
-        raise InvalidRequestError(f"Only data: URLs of images are accepted, got the scheme {scheme!r}.", param)
+        raise InvalidRequestError(f"An image URL is a data: URL (or http(s) where the server allows its domain), "
+                                  f"got the scheme {scheme!r}.", param)  # fmt: skip
     mime = (match["mime"] or "").lower()
     if not mime.startswith("image/") or mime[len("image/") :].upper().replace("JPG", "JPEG") not in FORMATS:
         raise InvalidRequestError(f"The data URL's type {mime or '(none)'!r} is not an image type this server reads "

@@ -51,13 +51,17 @@ class MultiModalProcessor:
         size = mm_config.vision_config.image_size
         _, (feature,) = self.process(self.placeholder, [Image.new("RGB", (size, size))])
         expected = (getattr(mm_config, "mm_tokens_per_image", feature.length), (1, 3, size, size))
+        self.pixel_shape, self.pixel_dtype = expected[1], feature.pixel_values.dtype  # every image's, checked
         if (feature.length, tuple(feature.pixel_values.shape)) != expected:
             raise ValueError(
                 f"The checkpoint's processor makes {feature.length} tokens and pixels of shape "
                 f"{tuple(feature.pixel_values.shape)} per image; its model reads {expected[0]} and {expected[1]}."
             )
 
-    def process(self, text: str, images: list) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+    def process(
+        self, text: str, images: list, add_special_tokens: bool = True
+    ) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+        """``add_special_tokens``: False for a rendered chat, whose template wrote its own BOS."""
         if not images:
             raise InvalidRequestError("multi_modal_data has no image.", "multi_modal_data")
         if (n := text.count(self.placeholder)) != len(images):
@@ -66,7 +70,7 @@ class MultiModalProcessor:
             )
         try:
             with self.lock:
-                out = self.hf(text=text, images=images, return_tensors="pt")
+                out = self.hf(text=text, images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
         except (ValueError, TypeError, OSError) as e:  # e.g. placeholders and images that do not pair up
             raise InvalidRequestError(f"The prompt and its images could not be processed: {e}", "prompt") from e
         token_ids = out["input_ids"][0].tolist()
@@ -77,8 +81,9 @@ class MultiModalProcessor:
                 f"The prompt has {len(runs)} image placeholders ({self.placeholder}) for {len(images)} images.",
                 "prompt",
             )
+        images = [pixels[i : i + 1].clone() for i in range(len(runs))]  # each its own tensor, [1, 3, H, W]
         features = tuple(
-            MultiModalFeature(content_hash(pixels[i], self.model_type), offset, length, pixels[i : i + 1].clone())
-            for i, (offset, length) in enumerate(runs)
+            MultiModalFeature(content_hash(px, self.model_type), offset, length, px)
+            for px, (offset, length) in zip(images, runs)
         )
         return token_ids, features

@@ -18,7 +18,7 @@ enforced: thinking tokens count towards ``max_tokens``, as in Anthropic's API.
 (``cache_read_input_tokens``).
 
 Refused with a 400 naming the part (``unsupported()``, raised by ``to_chat`` too): content blocks
-other than text, tool_use, tool_result and thinking (images, documents, ...), server tools,
+other than text, image, tool_use, tool_result and thinking (documents, ...), server tools,
 ``input_examples``, ``container``, ``mcp_servers`` and ``diagnostics``. Accepted and ignored:
 ``cache_control`` (prefix caching is automatic), ``service_tier``, ``speed``, ``inference_geo``,
 ``thinking.display``.
@@ -37,6 +37,7 @@ from cb_serve.serve.anthropic_protocol import (
     ClientTool,
     ConversationRequest,
     CountTokensRequest,
+    ImageBlock,
     Message,
     MessagesRequest,
     RedactedThinkingBlock,
@@ -85,25 +86,35 @@ def _misplaced(where: str, kind: str, role: str) -> InvalidRequestError:
 
 
 def _user_turn(i: int, message: Message) -> list[dict[str, Any]]:
-    """A user turn: runs of text blocks as user messages, tool results as tool messages, in order."""
+    """A user turn: runs of text and image blocks as user messages (images as ``image_url`` parts), tool
+    results as tool messages, in order."""
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     out: list[dict[str, Any]] = []
-    text: list[str] = []
+    run: list[TextBlock | ImageBlock] = []
     for j, block in enumerate(message.content):
-        if isinstance(block, TextBlock):
-            text.append(block.text)
+        if isinstance(block, (TextBlock, ImageBlock)):
+            run.append(block)
         elif isinstance(block, ToolResultBlock):
-            if text:
-                out.append({"role": "user", "content": JOIN.join(text)})
-                text = []
+            if run:
+                out.append(_user_message(run))
+                run = []
             result = ("Error: " if block.is_error else "") + _joined(block.content)
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
         else:
             raise _misplaced(f"messages.{i}.content.{j}", block.type, "user")
-    if text or not out:
-        out.append({"role": "user", "content": JOIN.join(text)})
+    if run or not out:
+        out.append(_user_message(run))
     return out
+
+
+def _user_message(run: list[TextBlock | ImageBlock]) -> dict[str, Any]:
+    """Text blocks joined; with images, OpenAI content parts in the blocks' order."""
+    if not any(isinstance(b, ImageBlock) for b in run):
+        return {"role": "user", "content": JOIN.join(b.text for b in run)}
+    parts = [{"type": "text", "text": b.text} if isinstance(b, TextBlock)
+             else {"type": "image_url", "image_url": {"url": b.url()}} for b in run]  # fmt: skip
+    return {"role": "user", "content": parts}
 
 
 def _assistant_turn(i: int, message: Message) -> dict[str, Any]:

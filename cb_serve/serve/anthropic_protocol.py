@@ -3,8 +3,8 @@ and ``message_count_tokens_params`` spell them.
 
 Top-level fields are strict (exact JSON types, unknown fields a 400 naming them). Content blocks
 ignore fields they do not use (``cache_control``, ``citations``, ``caller``: a client may send a
-response's blocks back whole). Blocks and tools this server cannot serve (images, documents,
-server tools) validate as ``OtherBlock`` / ``ServerTool`` so that ``unsupported()`` can name
+response's blocks back whole). Blocks and tools this server cannot serve (documents, images in tool
+results, server tools) validate as ``OtherBlock`` / ``ServerTool`` so that ``unsupported()`` can name
 where they are, rather than failing as an unknown shape.
 """
 
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from cb_serve.serve.request_parts import NO_MEDIA_INPUT
 
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # what chat's FunctionDefinition takes
-KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-BLOCKS_SERVED = f"content blocks other than text, tool_use, tool_result ({NO_MEDIA_INPUT})"
+KNOWN_BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+BLOCKS_SERVED = f"content blocks other than text, image, tool_use, tool_result ({NO_MEDIA_INPUT})"
 
 
 class Strict(BaseModel):
@@ -34,6 +34,29 @@ class TextBlock(Block):
     text: str
 
 
+class Base64Source(Block):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLSource(Block):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(Block):
+    """An image in a user turn: base64 data, or a URL (fetched only where the server allows its domain)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def url(self) -> str:
+        """As an OpenAI ``image_url``: a data URL for base64 data."""
+        source = self.source
+        return source.url if isinstance(source, URLSource) else f"data:{source.media_type};base64,{source.data}"
+
+
 class ToolUseBlock(Block):
     type: Literal["tool_use"]
     id: str
@@ -42,7 +65,7 @@ class ToolUseBlock(Block):
 
 
 class OtherBlock(BaseModel):
-    """Any other block (image, document, search_result, server tool blocks): refused by name."""
+    """Any other block (document, search_result, server tool blocks; an image in a tool result): refused by name."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -56,9 +79,14 @@ def _tag(value: Any) -> str | None:
     return kind if kind in KNOWN_BLOCKS else "other"
 
 
+def _result_tag(value: Any) -> str | None:
+    kind = _tag(value)
+    return kind if kind in (None, "text") else "other"  # tool results carry text alone
+
+
 ResultPart = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_tag),
+    Discriminator(_result_tag),
 ]
 
 
@@ -82,6 +110,7 @@ class RedactedThinkingBlock(Block):
 
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[ThinkingBlock, Tag("thinking")]

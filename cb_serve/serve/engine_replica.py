@@ -87,7 +87,7 @@ class EngineReplica:
         num_output_tokens = 0  # the engine's outputs are deltas
         try:
             outputs = self.engine.generate(
-                request.prompt_token_ids, request.params, request_id, request.lora_request, priority=request.priority
+                request.engine_prompt(), request.params, request_id, request.lora_request, priority=request.priority
             )
             async for out in outputs:
                 num_output_tokens += sum(len(c.token_ids) for c in out.outputs)

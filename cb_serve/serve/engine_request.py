@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cb_serve import LoRARequest, SamplingParams
+from cb_serve import LoRARequest, MultiModalFeature, SamplingParams
 
 
 @dataclass
@@ -33,6 +33,14 @@ class EngineRequest:
     return_timeline: bool = False  # the final chunk carries the request's timeline
     lora_request: LoRARequest | None = None  # the adapter named by the ``model`` field (None: the base model)
     priority: int = 0  # the engine's scheduling_policy "priority" orders by it (lower first)
+    # The prompt's images as the router processed them (their placeholders already expanded in the ids)
+    mm_features: tuple[MultiModalFeature, ...] = ()
+
+    def engine_prompt(self) -> list[int] | dict[str, Any]:
+        """What ``AsyncLLM.generate`` takes: the token ids, with their images where there are some."""
+        if not self.mm_features:
+            return self.prompt_token_ids
+        return {"prompt_token_ids": self.prompt_token_ids, "multi_modal_features": self.mm_features}
 
     def __post_init__(self) -> None:
         assert len(self.block_hashes) % 32 == 0 and (self.block_size > 0 or not self.block_hashes)

@@ -41,8 +41,8 @@ async def count_tokens(request: Request, pipeline: RequestPipeline = Depends(pip
     api = pipeline.messages_api
     try:
         body, req, _ = await _chat_of(pipeline, request, api.count_request_model, api.count_to_chat)
-        token_ids, _ = await pipeline.render_chat(req)
-        return JSONResponse({"input_tokens": len(token_ids)})
+        chat = await pipeline.render_chat(req)
+        return JSONResponse({"input_tokens": len(chat.token_ids)})
     except APIError as e:
         return _error(api, e)
 
@@ -65,8 +65,9 @@ async def _frontend(pipeline: RequestPipeline, request: Request, api: ChatFronte
     try:
         body, req, lora = await _chat_of(pipeline, request, api.request_model, api.to_chat)
         request_id = request_id_of(request, prefix)
-        token_ids, messages = await pipeline.render_chat(req)
-        run = await pipeline.start(request, request_id, req, lora, [token_ids], chat=True, messages=messages)
+        chat = await pipeline.render_chat(req)
+        run = await pipeline.start(request, request_id, req, lora, [chat.token_ids], True, chat.features,
+                                   messages=chat.messages)  # fmt: skip
     except APIError as e:
         return _error(api, e)
     ctx = ResponseContext(run.meta.id, run.meta.created, run.meta.model)

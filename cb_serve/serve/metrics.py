@@ -105,6 +105,13 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "lora_adapters_loaded": ("gauge", "LoRA: adapters held in slots or host memory."),
     "lora_loads": ("counter", "LoRA: adapters copied into a slot."),
     "lora_evictions": ("counter", "LoRA: adapters displaced from a slot by another."),
+    "images_encoded": ("counter", "Images run through the vision encoder (models that read images)."),
+    "encoder_cache_hits": (
+        "counter",
+        "Images whose encoder outputs a step took from the encoder cache (a repeated image, a later chunk, a "
+        "re-prefill after preemption) instead of encoding them again.",
+    ),
+    "encoder_cache_embeddings": ("gauge", "Encoder outputs the encoder cache holds, in embeddings (image tokens)."),
     "cpu_kernels_info": ("gauge", "The CPU GEMM kernels this replica runs (label kernels, value 1; CPU engines)."),
     "triton_compiles": (
         "counter",
@@ -171,6 +178,8 @@ _COUNTER_FIELDS = {
     "lora_loads": "lora_loads",
     "lora_evictions": "lora_evictions",
     "triton_compiles": "num_triton_compiles",
+    "images_encoded": "num_images_encoded",
+    "encoder_cache_hits": "encoder_cache_hits",
 }
 
 
@@ -345,6 +354,7 @@ class EngineMetrics:
         m["lora_slots_used"].set(s.lora_slots_used)
         m["lora_slots_total"].set(s.max_loras)
         m["lora_adapters_loaded"].set(s.lora_adapters_loaded)
+        m["encoder_cache_embeddings"].set(s.encoder_cache_embeddings)
         if s.cpu_kernels:
             m["cpu_kernels_info"].set(1, tags={"kernels": s.cpu_kernels})
         for fmt, nbytes in s.weight_bytes.items():

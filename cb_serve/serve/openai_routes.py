@@ -56,8 +56,9 @@ async def completions(request: Request, pipeline: RequestPipeline = Depends(pipe
 async def chat_completions(request: Request, pipeline: RequestPipeline = Depends(pipeline_of)):
     req, lora = await pipeline.parse(request, ChatCompletionRequest)  # the API key first
     request_id = request_id_of(request, "chatcmpl")
-    token_ids, messages = await pipeline.render_chat(req)
-    run = await pipeline.start(request, request_id, req, lora, [token_ids], chat=True, messages=messages)
+    chat = await pipeline.render_chat(req)
+    run = await pipeline.start(request, request_id, req, lora, [chat.token_ids], True, chat.features,
+                               messages=chat.messages)  # fmt: skip
     return await respond(run, req, pipeline.reasoning(run, req))
 
 

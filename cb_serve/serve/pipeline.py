@@ -35,11 +35,14 @@ from cb_serve import (
     HarmonyToolParser,
     InvalidRequestError,
     LoRARequest,
+    MultiModalFeature,
     PromptEncoder,
     ReasoningParser,
     StructuredOutputsParams,
     ToolCallParser,
+    image_prompts_for,
     prefix_block_hashes,
+    split_images,
     tool_call_parser_for_template,
 )
 from cb_serve import reasoning_parser as make_reasoning_parser
@@ -91,6 +94,16 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 @dataclass
+class ChatPrompt:
+    """A conversation rendered for the engine: its token ids, the messages the template took (images as
+    ``{"type": "image"}`` parts) and its images, processed (``MultiModalFeature``s, in prompt order)."""
+
+    token_ids: list[int]
+    messages: list[dict[str, Any]]
+    features: tuple[MultiModalFeature, ...] = ()
+
+
+@dataclass
 class Run:
     """One HTTP request's engine requests (one per prompt), started, and what its bodies share."""
 
@@ -129,6 +142,9 @@ class RequestPipeline:
         self._reasoning_parser: ReasoningParser | None = None
         self._tool_parser_name: str | None = None
         self._chat_template = ""  # the model's chat template's text (its variants joined), read with the format
+        self._images: Any = None  # the model's ``ImagePrompts`` (its processor), loaded at the first image
+        self._images_loaded = False
+        self._images_lock = asyncio.Lock()
 
     # -- validate --------------------------------------------------------------------------------------
 
@@ -193,23 +209,37 @@ class RequestPipeline:
     async def decode(self, token_ids: list[int]) -> str:
         return await self.encode(self.encoder.decode, token_ids)
 
-    async def render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], list[dict[str, Any]]]:
-        """The conversation's token ids (the chat template, with the request's options) and messages."""
+    async def render_chat(self, req: ChatCompletionRequest) -> ChatPrompt:
+        """The conversation's token ids (the chat template, with the request's options), the messages, and
+        its images run through the model's processor here, off the engine replicas."""
         if req.chat_template is not None and not self.settings.trust_request_chat_template:
             raise APIError(400, "This server does not accept a chat_template in requests (trust_request_chat_template "
                            "is off).", "unsupported", "chat_template")  # fmt: skip
-        messages = [m.to_template() for m in req.messages]
-        encode = functools.partial(
-            self.encoder.encode_chat,
-            messages,
-            req.add_generation_prompt,
-            req.prompt_tools(),
+        messages, images = split_images([m.to_template() for m in req.messages])
+        options = dict(
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
             continue_final_message=req.continue_final_message,
             reasoning_effort=req.reasoning_effort,
         )
-        return await self.encode(encode), messages
+        render = functools.partial(self.encoder.encode_chat, messages, req.add_generation_prompt, req.prompt_tools())
+        if not images:
+            return ChatPrompt(await self.encode(functools.partial(render, **options)), messages)
+        prompts = await self.image_prompts()
+        text = await self.encode(functools.partial(render, tokenize=False, **options))
+        token_ids, features = await self.encode(prompts.process_chat, text, images)
+        return ChatPrompt(token_ids, messages, features)
+
+    async def image_prompts(self) -> Any:
+        """The model's image path (its processor, loaded once, off the event loop); a 400 for a text model."""
+        async with self._images_lock:
+            if not self._images_loaded:
+                self._images = await asyncio.to_thread(image_prompts_for, self.engine_config)
+                self._images_loaded = True
+        if self._images is None:
+            raise APIError(400, "This model does not read images (a text model, or limit_mm_per_prompt sets images "
+                           "to 0): send text content only.", param="messages")  # fmt: skip
+        return self._images
 
     # -- dispatch --------------------------------------------------------------------------------------
 
@@ -221,9 +251,11 @@ class RequestPipeline:
         lora: LoRARequest | None,
         prompts: list[list[int]],
         chat: bool,
+        features: tuple[MultiModalFeature, ...] = (),
         **text: Any,
     ) -> Run:
-        """Starts one engine request per prompt (``request_id``, or ``request_id-i`` for several)."""
+        """Starts one engine request per prompt (``request_id``, or ``request_id-i`` for several);
+        ``features``: the images of a single (chat) prompt."""
         # Behind Ray Serve's proxy the response gets x-request-id from it (adding ours would repeat it).
         headers = {} if REQUEST_ID_HEADER in request.headers else {REQUEST_ID_HEADER: request_id}
         cap = self.settings.max_tokens_cap
@@ -238,9 +270,15 @@ class RequestPipeline:
         if harmony or (parser is not None and parser.func.keeps_special_tokens):  # markers are special tokens
             params.skip_special_tokens = False
         info = await self.info()
+        assert not features or len(prompts) == 1, "images go with one prompt"
+        if features and req.truncate_prompt_tokens is not None:
+            raise APIError(400, "truncate_prompt_tokens is not supported with images (it would cut an image's "
+                           "tokens).", "unsupported", "truncate_prompt_tokens")  # fmt: skip
         prompts = [truncate(p, req.truncate_prompt_tokens, info["max_model_len"]) for p in prompts]
         payloads = [
-            self._payload(request, f"{request_id}-{i}" if len(prompts) > 1 else request_id, req, lora, p, params, chat)
+            self._payload(
+                request, f"{request_id}-{i}" if len(prompts) > 1 else request_id, req, lora, p, params, chat, features
+            )  # fmt: skip
             for i, p in enumerate(prompts)
         ]
         for payload in payloads:
@@ -253,13 +291,16 @@ class RequestPipeline:
         await self._note_replica(started[0], request_id, headers, lora)
         return Run(started, meta, headers, req.n, prompts)
 
-    def _payload(self, request: Request, request_id: str, req: Any, lora, token_ids: list[int], params, chat: bool):
+    def _payload(
+        self, request: Request, request_id: str, req: Any, lora, token_ids: list[int], params, chat: bool, features
+    ):
         info = self._engine_info or {}
         block_size = info["block_size"] if info.get("enable_prefix_caching") else 0
         # At most a context's worth: a longer prompt is refused by the engine, and this runs on the event loop.
         hashed = token_ids[: info["max_model_len"]]
         salt = lora.cache_salt if lora is not None else None  # the engine keys an adapter's KV apart
-        hashes = b"".join(prefix_block_hashes(hashed, block_size, salt)) if block_size else b""
+        # a block's images are part of its key, as in the engine's block manager
+        hashes = b"".join(prefix_block_hashes(hashed, block_size, salt, features)) if block_size else b""
         session = request.headers.get(SESSION_HEADER) or req.user
         kind = ChatEngineRequest if chat else EngineRequest
         return kind(
@@ -272,6 +313,7 @@ class RequestPipeline:
             return_timeline=req.return_timeline,
             lora_request=lora,
             priority=req.priority,
+            mm_features=features,
         )
 
     async def _note_replica(self, started: Started, request_id: str, headers: dict[str, str], lora) -> None:

@@ -44,9 +44,10 @@ class StructuredOutputs(Strict):
         )
 
 
-# Why image, audio and file inputs are refused (a 400 naming the part): no vision or audio encoder is
-# served; a multimodal checkpoint (Gemma 3 / 4, Mistral 3, Qwen3.5) runs as its text model.
-NO_MEDIA_INPUT = "no image, audio or file input: multimodal models are served as their text model"
+# Why audio and file inputs are refused (a 400 naming the part): no audio encoder is served. Images are
+# served where the model reads them (``image_url`` parts; a text model answers them with a 400).
+NO_MEDIA_INPUT = "no audio or file input; images only where the model reads them"
+IMAGE_PART = "image_url"
 
 
 def media_parts_refused(kinds: list[str]) -> str | None:
@@ -55,17 +56,35 @@ def media_parts_refused(kinds: list[str]) -> str | None:
     return f"content parts of type {', '.join(kinds)} ({NO_MEDIA_INPUT})" if kinds else None
 
 
+class ImageURL(BaseModel):
+    """OpenAI's ``image_url`` object: a ``data:`` URL, or http(s) where the server allows its domain."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # the processor's own resolution applies
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None  # ``type: image_url`` (vLLM also takes the URL itself)
 
     @model_validator(mode="after")
-    def _text_parts_have_text(self) -> ContentPart:
+    def _parts_have_payloads(self) -> ContentPart:
         if self.type == "text" and self.text is None:
             raise ValueError("a text content part needs text")
+        if self.type == IMAGE_PART and self.image_url is None:
+            raise ValueError("an image_url content part needs image_url")
         return self
+
+    def to_template(self) -> dict[str, Any]:
+        if self.type == IMAGE_PART:
+            url = self.image_url.url if isinstance(self.image_url, ImageURL) else self.image_url
+            return {"type": IMAGE_PART, IMAGE_PART: {"url": url}}
+        return {"type": "text", "text": self.text or ""}
 
 
 class FunctionDefinition(Strict):
@@ -151,11 +170,17 @@ class ChatMessage(BaseModel):
         if self.role == "function" or self.function_call:
             return "function calling (the deprecated form: use tools)"
         if isinstance(self.content, list):
-            return media_parts_refused([p.type for p in self.content if p.type != "text"])
+            return media_parts_refused([p.type for p in self.content if p.type not in ("text", IMAGE_PART)])
         return None
 
     def to_template(self) -> dict[str, Any]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or [])
+        """The message as chat templates take it: text parts joined, unless it has images (``image_url``
+        parts, which ``multimodal.image_prompts.split_images`` takes out)."""
+        parts = self.content if isinstance(self.content, list) else []
+        if any(p.type == IMAGE_PART for p in parts):
+            content: Any = [p.to_template() for p in parts if p.type in ("text", IMAGE_PART)]
+        else:
+            content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in parts)
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:  # arguments as objects: what chat templates render
             message["tool_calls"] = [c.to_template() for c in self.tool_calls]

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 
 from cb_serve import ParsedToolCall
 from cb_serve.serve.request_parts import JsonObjectText, media_parts_refused
@@ -52,6 +52,23 @@ class RefusalPart(Item):
     refusal: str
 
 
+class ImagePart(Item):
+    """``input_image``: a data URL (or an http(s) URL where the server allows its domain); no Files API."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _url(self) -> ImagePart:
+        if self.file_id is not None:
+            raise ValueError("input_image by file_id is not supported (no Files API): send image_url")
+        if self.image_url is None:
+            raise ValueError("input_image needs image_url")
+        return self
+
+
 class Other(Item):
     """An item, part, tool or tool choice of another type: refused by name in ``unsupported()``."""
 
@@ -73,8 +90,11 @@ def tagger(known: tuple[str, ...], default: str | None = None) -> Callable[[Any]
 
 
 Part = Annotated[
-    Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")] | Annotated[Other, Tag("other")],
-    Discriminator(tagger((*TEXT_PARTS, "refusal"))),
+    Annotated[TextPart, Tag("text")]
+    | Annotated[RefusalPart, Tag("refusal")]
+    | Annotated[ImagePart, Tag("input_image")]
+    | Annotated[Other, Tag("other")],
+    Discriminator(tagger((*TEXT_PARTS, "refusal", "input_image"))),
 ]
 
 
@@ -82,7 +102,16 @@ def text_of(content: str | list[Any]) -> str:
     """A content's text (its parts joined; a refusal counts as text)."""
     if isinstance(content, str):
         return content
-    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content if not isinstance(p, Other))
+    return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content
+                   if isinstance(p, (TextPart, RefusalPart)))  # fmt: skip
+
+
+def content_of(content: str | list[Any]) -> str | list[dict[str, Any]]:
+    """A message's content for the chat request: its text, or with images, chat content parts in order."""
+    if isinstance(content, str) or not any(isinstance(p, ImagePart) for p in content):
+        return text_of(content)
+    return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, ImagePart)
+            else {"type": "text", "text": text_of([p])} for p in content if not isinstance(p, Other)]  # fmt: skip
 
 
 def parts_unsupported(content: str | list[Any]) -> str | None:
@@ -138,7 +167,7 @@ def input_messages(items: str | list[Any] | None) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": text_of(item.content)})
+            messages.append({"role": item.role, "content": content_of(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = chat_call(item.call_id, item.name, item.arguments)
             if messages and messages[-1]["role"] == "assistant":

@@ -13,7 +13,7 @@ in memory, LRU, at most ``max_stored`` responses and ``max_stored_bytes`` bytes;
 evicted id is a 404); the previous ``instructions`` are not carried over, as OpenAI documents.
 
 Refused (a 400 naming the parameter): built-in tools (web_search, file_search, mcp, ...) and their
-tool choices, non-text content (images, files, audio), item types other than messages, function
+tool choices, files and audio (images: ``input_image`` with an ``image_url``), item types other than messages, function
 calls and their outputs, and reasoning, ``truncation: "auto"``, ``background``, ``conversation``,
 ``prompt``, ``context_management``, and logprobs (``top_logprobs`` > 0,
 ``include: ["message.output_text.logprobs"]``): the chat path's deltas carry no logprobs.

@@ -46,7 +46,7 @@ async def tokenize(request: Request, pipeline: RequestPipeline = Depends(pipelin
         if req.add_special_tokens:
             raise APIError(400, "add_special_tokens with messages is not supported: the chat template "
                            "places the special tokens.", "unsupported", "add_special_tokens")  # fmt: skip
-        token_ids, _ = await pipeline.render_chat(req)
+        token_ids = (await pipeline.render_chat(req)).token_ids
     else:
         body = pipeline.parse_body(data, TokenizeCompletionRequest)
         await pipeline.authorize(request, body.model)

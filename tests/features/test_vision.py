@@ -18,65 +18,29 @@ repeated across requests:
 from __future__ import annotations
 
 import base64
-import io
 import struct
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
 from cb_serve import LLM, SamplingParams
 from cb_serve.errors import InvalidRequestError
-from cb_serve.multimodal.features import MultiModalFeature, block_extra_keys, fit_chunk
+from cb_serve.multimodal.features import MultiModalFeature, fit_chunk
 from cb_serve.multimodal.processor import placeholder_runs
+from cb_serve.prefix_hash import block_extra_keys, num_hit_blocks, prefix_block_hashes
 
 pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
+from vision_models import IMG, data_url, encoded, hf_chat_greedy, image, make_gemma3_vision  # noqa: E402
 
-SPECIAL = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
-IMG = "<start_of_image>"
 ENGINE = dict(block_size=4, max_num_batched_tokens=7, num_gpu_blocks=40, max_model_len=64, max_num_seqs=4)
 MAX_TOKENS = 10
 
 
-def image(seed: int, size=(40, 70)) -> Image.Image:
-    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
-
-
 @pytest.fixture(scope="module")
 def gemma3_vision(tmp_path_factory, tokenizer):
-    """(checkpoint directory, HF processor, HF model): 4 tokens per 56 x 56 image (16 patches pooled 2 x 2)."""
-    import transformers
-    from models import tiny_config
-
-    tmp = tmp_path_factory.mktemp("gemma3-vision")
-    tokenizer.save_pretrained(tmp / "tok")
-    tok = transformers.AutoTokenizer.from_pretrained(tmp / "tok", extra_special_tokens=SPECIAL)
-    tok.add_special_tokens({"additional_special_tokens": list(SPECIAL.values())})
-    boi, soft, eoi = tok.convert_tokens_to_ids(list(SPECIAL.values()))
-    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
-    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4)
-    torch.manual_seed(0)
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=56, patch_size=14)  # fmt: skip
-    config = transformers.Gemma3Config(
-        text_config=tiny_config("gemma3_text", len(tok)).to_dict(),
-        vision_config=vision,
-        mm_tokens_per_image=4,
-        boi_token_index=boi,
-        image_token_index=soft,
-        eoi_token_index=eoi,
-    )
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # non-trivial norms and projection (HF initializes them to no-ops and zeros)
-        for name, p in model.named_parameters():
-            if "norm" in name or "mm_input_projection" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    directory = tmp / "model"
-    processor.save_pretrained(directory)
-    model.save_pretrained(directory)
-    return str(directory), processor, model
+    """(checkpoint directory, HF processor, HF model): ``vision_models.make_gemma3_vision``."""
+    return make_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision"), tokenizer)
 
 
 def hf_reference(processor, model, prompt: str, images: list) -> tuple[list[int], torch.Tensor]:
@@ -155,12 +119,6 @@ def png(width: int, height: int, body: bytes = b"") -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
-def encoded(img: Image.Image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, fmt)
-    return buf.getvalue()
-
-
 HOSTILE = {
     "too many images": (f"{IMG} {IMG} {IMG} {IMG}", [image(1)] * 4, "At most 3 images"),
     "oversize bytes": (IMG, [b"\x89PNG" + b"\0" * (64 << 10)], "limited to 65536 bytes"),
@@ -170,7 +128,8 @@ HOSTILE = {
     "not an image": (IMG, [b"GIF89a but not really an image at all"], "could not be decoded"),
     "wrong mime": (IMG, ["data:text/plain;base64," + base64.b64encode(b"hello").decode()], "not an image type"),
     "not base64": (IMG, ["data:image/png;base64,@@@not-base64@@@"], "not valid base64"),
-    "http url": (IMG, ["http://169.254.169.254/latest/meta-data"], "Only data: URLs"),
+    "http url": (IMG, ["http://169.254.169.254/latest/meta-data"], "allowed_media_domains is not set"),
+    "ftp url": (IMG, ["ftp://example.com/a.png"], "got the scheme 'ftp'"),
     "placeholders and images apart": (f"{IMG} and {IMG}", [image(1)], "placeholders"),
     "not an image object": (IMG, [12345], "An image is"),
     "video": (IMG, None, "images only"),
@@ -232,3 +191,121 @@ def test_a_processor_that_makes_other_inputs_than_the_model_reads_is_refused_at_
     ).save_pretrained(other)
     with pytest.raises(ValueError, match=r"pixels of shape \(1, 3, 28, 28\).*reads 4 and \(1, 3, 56, 56\)"):
         LLM(str(other), **ENGINE)
+
+
+def chat_pair(parts: list) -> tuple[list[dict], list[dict]]:
+    """(our messages, HF's): parts are text strings or (PIL image, how we send it)."""
+    ours, hf = [], []
+    for part in parts:
+        if isinstance(part, str):
+            ours.append({"type": "text", "text": part})
+            hf.append({"type": "text", "text": part})
+            continue
+        img, form = part
+        ours.append({"type": "image_url", "image_url": {"url": data_url(img)}} if form == "url"
+                    else {"type": "image_pil", "image_pil": img})  # fmt: skip
+        hf.append({"type": "image", "image": img})
+    return [{"role": "user", "content": ours}], [{"role": "user", "content": hf}]
+
+
+def test_chat_with_images_gives_hf_s_prompt_and_tokens(gemma3_vision, strict_llm):
+    """``LLM.chat`` with an ``image_url`` data URL and a PIL image: the prompt is HF's processor's own
+    ``apply_chat_template`` (one BOS, the template's: the processor adds none to a rendered chat), and the
+    greedy tokens HF's."""
+    _, processor, model = gemma3_vision
+    ours, hf = chat_pair(["Look at ", (image(1), "url"), " and ", (image(2, (90, 30)), "pil"), " now"])
+    prompt, ref = hf_chat_greedy(processor, model, hf, MAX_TOKENS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    (out,) = strict_llm.chat(ours, params, use_tqdm=False)
+    assert out.prompt_token_ids == prompt
+    bos = processor.tokenizer.bos_token_id
+    assert processor.tokenizer("x")["input_ids"][0] == bos and prompt.count(bos) == 1  # (the tokenizer adds one)
+    assert out.outputs[0].token_ids == ref
+
+
+def test_processed_features_are_checked_against_their_prompt(gemma3_vision, strict_llm):
+    """``multi_modal_features`` (what the HTTP router sends an engine replica): taken as they are when
+    they match the ids; a moved run, a wrong name or wrong pixels are refused."""
+    import dataclasses
+
+    ours, _ = chat_pair(["Look at ", (image(1), "pil")])
+    good = strict_llm.apply_chat_template(ours)
+    ids, (f,) = good["prompt_token_ids"], good["multi_modal_features"]
+    params = SamplingParams(max_tokens=2)
+    assert len(strict_llm.generate([good], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+    bad = {
+        "do not match": [dataclasses.replace(f, offset=f.offset + 1)],
+        "not its pixels' hash": [dataclasses.replace(f, identifier="0" * 64)],
+        "pixels are": [dataclasses.replace(f, pixel_values=f.pixel_values[..., :28, :28])],
+        "MultiModalFeature objects": ["an image"],
+    }
+    for message, features in bad.items():
+        with pytest.raises(InvalidRequestError, match=message):
+            strict_llm.generate([{"prompt_token_ids": ids, "multi_modal_features": features}], params, use_tqdm=False)
+
+
+def test_image_urls_are_fetched_only_from_allowed_public_hosts(monkeypatch):
+    """http(s) image URLs: off by default; on, only from the allowed domains, never from a host that
+    resolves to an internal address; a fetch follows no redirect and reads at most ``max_bytes``."""
+    import http.server
+    import threading
+
+    from cb_serve.multimodal import media_fetch
+    from cb_serve.multimodal.image_inputs import ImageLimits, load_image
+
+    refused = {
+        "http://example.com/a.png": ((), "allowed_media_domains is not set"),
+        "https://evil.org/a.png": (("example.com",), "not in allowed_media_domains"),
+        "http://localhost:9/a.png": (("localhost",), "internal address"),
+        "http://127.0.0.1/a.png": (("127.0.0.1",), "internal address"),
+        "http://169.254.169.254/latest": (("169.254.169.254",), "internal address"),
+        "http://[::1]/a.png": (("::1",), "malformed|internal address|bare domain"),
+        "http://user:pw@example.com/a.png": (("example.com",), "credentials"),
+    }
+    for url, (domains, message) in refused.items():
+        with pytest.raises((InvalidRequestError, ValueError), match=message):
+            load_image(url, ImageLimits(allowed_domains=domains))
+    body = encoded(image(4))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            status = {"/a.png": 200, "/moved": 302}.get(self.path, 404)
+            self.send_response(status)
+            if status == 302:
+                self.send_header("Location", "http://169.254.169.254/")
+            self.send_header("Content-Length", str(len(body) if status == 200 else 0))
+            self.end_headers()
+            if status == 200:
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(media_fetch, "_public", lambda address: True)  # loopback stands in for a public host
+    base = f"http://localhost:{server.server_address[1]}"
+    limits = ImageLimits(allowed_domains=("localhost",))
+    try:
+        assert load_image(f"{base}/a.png", limits).size == image(4).size
+        for path, message in {"/moved": "HTTP 302", "/gone": "HTTP 404"}.items():
+            with pytest.raises(InvalidRequestError, match=message):
+                load_image(base + path, limits)
+        with pytest.raises(InvalidRequestError, match="limited to 100 bytes"):
+            load_image(f"{base}/a.png", ImageLimits(max_bytes=100, allowed_domains=("localhost",)))
+    finally:
+        server.shutdown()
+
+
+def test_the_router_s_block_hashes_name_the_engine_s_cached_blocks(gemma3_vision, strict_llm):
+    """The HTTP router hashes a prompt's blocks with their images (``prefix_block_hashes`` with
+    the prompt's images), as the engine's block manager keys them: all of a finished chat's full blocks are
+    found in the engine's digest; hashed as text alone, none from the image's first block on."""
+    ours, _ = chat_pair(["Describe ", (image(6), "pil"), " in a few words, please, for the record"])
+    prompt = strict_llm.apply_chat_template(ours)
+    ids, features = prompt["prompt_token_ids"], prompt["multi_modal_features"]
+    strict_llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    bs, n = ENGINE["block_size"], num_hit_blocks(len(ids), ENGINE["block_size"])
+    digest = strict_llm.engine.cache_digest()
+    assert digest.hit_blocks(b"".join(prefix_block_hashes(ids, bs, None, features))) == n
+    assert digest.hit_blocks(b"".join(prefix_block_hashes(ids, bs))) == features[0].offset // bs

@@ -38,6 +38,7 @@ EPHEMERAL = {"type": "ephemeral"}
 OBJECT = {"type": "object"}
 NAMED = {"name": "get_weather"}
 IMAGE = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+DOCUMENT = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "a"}}
 
 
 def text_block(text: str) -> dict[str, Any]:
@@ -139,7 +140,7 @@ def test_sampling_and_options() -> None:
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"messages": [{"role": "user", "content": [text_block("x"), IMAGE]}]}, "messages.0.content.1"),
+        ({"messages": [{"role": "user", "content": [text_block("x"), DOCUMENT]}]}, "messages.0.content.1"),
         ({"messages": [{"role": "user", "content": [result_block("t", [IMAGE])]}]}, "messages.0.content.0.content.0"),
         ({"messages": [USER], "tools": [WEATHER, {"type": "web_search_20250305", "name": "web_search"}]}, "tools.1"),
         ({"messages": [USER], "container": "c-1"}, "container"),
@@ -380,7 +381,7 @@ def test_client_stream_count_and_errors() -> None:
             model="served-model", messages=[USER], system="Be brief.", tools=[WEATHER]
         )
         with pytest.raises(anthropic.BadRequestError) as refused:
-            await api.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [IMAGE]}])
+            await api.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [DOCUMENT]}])
         failing = client(make_app([], APIError(503, "The engine replica failed.", "service_unavailable")))
         with pytest.raises(anthropic.APIStatusError) as failed:
             async with failing.messages.stream(model="served-model", max_tokens=16, messages=[USER]) as s:
@@ -394,19 +395,21 @@ def test_client_stream_count_and_errors() -> None:
     assert failed.body["error"] == {"type": "overloaded_error", "message": "The engine replica failed."}
 
 
-def test_image_inputs_are_refused_naming_the_missing_vision_support() -> None:
-    """A multimodal checkpoint runs as its text model: an image part is a 400 that says so, in the
-    chat API's messages and in Anthropic's blocks."""
+def test_image_blocks_become_the_chat_api_s_image_parts() -> None:
+    """Anthropic's image blocks (base64 or URL) become ``image_url`` parts in the blocks' order, beside the
+    text; the chat request validates them (a text model refuses them later, at the router: a 400); an image
+    in a tool result or an assistant turn is refused by name."""
     from cb_serve.serve.protocol import ChatCompletionRequest
-    from cb_serve.serve.request_parts import NO_MEDIA_INPUT
 
-    image_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
-    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": [image_part]}]})
-    assert chat.unsupported() == [("messages.0", f"content parts of type image_url ({NO_MEDIA_INPUT})")]
-    body = FRONTEND.request_model.model_validate({"model": "m", "max_tokens": 8, "messages": [USER_IMAGE]})
-    with pytest.raises(InvalidRequestError) as refused:
-        FRONTEND.to_chat(body)
-    assert NO_MEDIA_INPUT in str(refused.value)
-
-
-USER_IMAGE = {"role": "user", "content": [IMAGE]}
+    b64 = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    chat = to_chat(messages=[{"role": "user", "content": [text_block("Look"), b64, IMAGE]}])
+    assert chat["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "Look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    ]}]  # fmt: skip
+    assert ChatCompletionRequest.model_validate(chat).unsupported() == []
+    for messages in ([{"role": "user", "content": [result_block("t", [IMAGE])]}],
+                     [USER, {"role": "assistant", "content": [IMAGE]}]):  # fmt: skip
+        with pytest.raises(InvalidRequestError):
+            to_chat(messages=messages)

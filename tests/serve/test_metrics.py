@@ -46,7 +46,11 @@ SERVE_SERIES = (
 GPU_SERIES = ("ray_node_gpus_utilization", "ray_node_gram_used", "ray_node_gram_available")
 # Engine metrics nothing feeds yet: Ray exports a counter only after its first (positive) increment.
 # Metrics no workload here can feed (name: why).
-UNFED_METRICS: dict[str, str] = {"triton_compiles": "a CPU engine runs no Triton kernel"}
+UNFED_METRICS: dict[str, str] = {
+    "triton_compiles": "a CPU engine runs no Triton kernel",
+    "images_encoded": "this test's model reads no images (tests/serve/test_vision_serve.py counts them)",
+    "encoder_cache_hits": "this test's model reads no images",
+}
 # Forces chunked prefill (budget < prompt), preemption (few blocks) and prefix-cache hits.
 ENGINE_ARGS = dict(
     block_size=16,

@@ -142,7 +142,7 @@ def test_to_chat_messages_tools_and_options() -> None:
     [
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
         ({"truncation": "auto"}, "truncation"),
         ({"background": True}, "background"),

@@ -1,0 +1,90 @@
+"""A random-weight tiny Gemma 3 with a SigLIP tower, saved with its real processor (``Gemma3Processor`` over
+the PIL-backed ``Gemma3ImageProcessorPil``) and a Gemma-style chat template that renders image parts: the
+model of the vision tests, offline (``tests/features/test_vision.py``) and over HTTP
+(``tests/serve/test_vision_serve.py``). Its tokenizer adds a BOS, as Gemma's does, so a chat whose template
+writes the BOS must not get a second one."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIAL = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+IMG = "<start_of_image>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def image(seed: int, size=(40, 70)):
+    from PIL import Image
+
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (*size, 3), dtype=np.uint8))
+
+
+def encoded(img, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_url(img, fmt: str = "PNG") -> str:
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(encoded(img, fmt)).decode()
+
+
+def make_gemma3_vision(tmp: Path, tokenizer):
+    """(checkpoint directory, HF processor, HF model): 4 tokens per 56 x 56 image (16 patches pooled 2 x 2)."""
+    import transformers
+    from models import tiny_config
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer.save_pretrained(tmp / "tok")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp / "tok", extra_special_tokens=SPECIAL)
+    tok.add_special_tokens({"additional_special_tokens": list(SPECIAL.values())})
+    bos = (tok.bos_token, tok.bos_token_id)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos])
+    tok.chat_template = CHAT_TEMPLATE
+    boi, soft, eoi = tok.convert_tokens_to_ids(list(SPECIAL.values()))
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor, tokenizer=tok, image_seq_length=4, chat_template=CHAT_TEMPLATE
+    )
+    torch.manual_seed(0)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=56, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=tiny_config("gemma3_text", len(tok)).to_dict(),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=boi,
+        image_token_index=soft,
+        eoi_token_index=eoi,
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # non-trivial norms and projection (HF initializes them to no-ops and zeros)
+        for name, p in model.named_parameters():
+            if "norm" in name or "mm_input_projection" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    directory = tmp / "model"
+    processor.save_pretrained(directory)
+    model.save_pretrained(directory)
+    return str(directory), processor, model
+
+
+def hf_chat_greedy(processor, model, messages: list[dict], max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(the prompt's ids, HF's greedy tokens) of a conversation HF's processor renders (images as
+    ``{"type": "image", "image": PIL}`` parts)."""
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt) :].tolist()
