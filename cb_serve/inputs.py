@@ -81,6 +81,13 @@ def multi_modal_features(prompt: Any) -> Any:
     return prompt["multi_modal_features"]
 
 
+def carries_images(prompt: Any) -> bool:
+    """Whether a prompt dict brings images (raw or processed): its processing decodes or hashes them."""
+    return isinstance(prompt, Mapping) and any(
+        prompt.get(key) is not None for key in ("multi_modal_data", "multi_modal_features")
+    )
+
+
 def is_single_prompt(prompts: Any) -> bool:
     """True for one prompt, False for a sequence of prompts (vLLM's rule: a list of ints is one
     prompt's token ids; an empty list is no prompts)."""

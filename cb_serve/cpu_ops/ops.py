@@ -45,11 +45,13 @@ def paged_prefill_attention(
     sliding_window: int | None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    reach: torch.Tensor | None = None,
 ) -> bool:
     """Causal attention of sequences ``first_seq..`` (query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``,
     the last of the ``seq_lens[i]`` keys in the cache) into ``out``; False, with ``out`` untouched,
     where the kernel does not apply (not float32 queries and cache, head_dim not 64, 128 or 256, no
-    AVX-512)."""
+    AVX-512). ``reach`` (int32 ``[T]``): each query row's last visible key position, beyond its own
+    where its image's later tokens are (``bidirectional_reach``)."""
     return torch.ops.cb_serve.paged_prefill_attention(
         out,
         q,
@@ -63,6 +65,7 @@ def paged_prefill_attention(
         sliding_window or 0,
         softcap or 0.0,
         sinks,
+        reach,
     )
 
 

@@ -42,7 +42,7 @@ from cb_serve.errors import (
     EngineShutdownError,
     RequestFailedError,
 )
-from cb_serve.inputs import PromptType
+from cb_serve.inputs import PromptType, carries_images
 from cb_serve.lora_request import LoRARequest
 from cb_serve.model_executor.device_context import concrete_device
 from cb_serve.outputs import RequestOutput
@@ -114,7 +114,10 @@ class AsyncLLM(EngineLoop):
         under ``scheduling_policy="priority"``, lower values are scheduled first."""
         with self._inbox.lock:
             self._inbox.check_open()
-        processed = self.processor.process(prompt, params)
+        if carries_images(prompt):  # decoding and hashing images: off the event loop
+            processed = await asyncio.to_thread(self.processor.process, prompt, params)
+        else:
+            processed = self.processor.process(prompt, params)
         processed.priority = self._engine.checked_priority(priority)
         if lora_request is not None:
             processed.lora_weights = await asyncio.to_thread(self._engine.read_lora, lora_request)

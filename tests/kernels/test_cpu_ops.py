@@ -127,6 +127,29 @@ def test_softcap_and_sinks_match_reference(
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_prefill_kernel_with_images_attending_both_ways(head_dim, sliding_window):
+    """Gemma 3's image tokens see their whole image (``bidirectional_spans``): the prefill kernel (its
+    ``reach`` per row) equals the reference's mask, for images at a chunk's start, middle and end, across
+    16-row tiles, beside rows without images."""
+    gen = torch.Generator().manual_seed(head_dim + (sliding_window or 0))
+    block_size, num_blocks, heads, kv_heads = 16, 80, 4, 1
+    query_lens, seq_lens = [1, 1, 40, 33, 20], [70, 9, 40, 60, 20]
+    meta = ragged_batch(query_lens, seq_lens, block_size, num_blocks, gen)
+    meta.bidirectional_spans = {2: [(0, 5), (14, 35)], 3: [(50, 60)]}  # row 4: none
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    k, v = torch.randn(2, tokens, kv_heads, head_dim, generator=gen)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    outs = [backend.forward(q, k, v, cache.clone(), meta, head_dim**-0.5, sliding_window)
+            for backend in (TorchAttentionBackend(), CpuAttentionBackend())]  # fmt: skip
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    meta.bidirectional_spans = {}
+    causal = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, head_dim**-0.5, sliding_window)
+    assert not torch.allclose(causal[2:], outs[0][2:], atol=1e-3), "the spans changed nothing"
+
+
 @pytest.mark.parametrize(
     "dtype,cache_dtype,head_dim,applies",
     [

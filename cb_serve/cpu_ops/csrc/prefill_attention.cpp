@@ -5,7 +5,9 @@
 // queries are transposed so that one vector holds a key's scores against all 16 queries: the softmax
 // runs with the queries as lanes, with no horizontal reductions. Items run longest first under OpenMP's dynamic schedule.
 // Optional: scores soft-capped (cap * tanh(s / cap)) per tile, and a per-head sink logit that starts each
-// row's online softmax (max = sink, sum = 1) as a column with no value.
+// row's online softmax (max = sink, sum = 1) as a column with no value; and per query row the last key it
+// sees (`reach`, its own position where causal): an image's tokens see its later tokens too (Gemma 3), and
+// spans are contiguous, so "causal or in my image" is "key <= reach" (the window still counts from the row).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -37,6 +39,7 @@ struct PrefillProblem {
   int64_t sliding_window;  // <= 0: none
   float softcap;           // <= 0: none
   const float* sinks;      // [num_heads] logits, or nullptr
+  const int32_t* reach;    // [T]: each query row's last visible key position, or nullptr (causal)
 };
 
 template <int NV>
@@ -79,7 +82,8 @@ void prefill_item(const PrefillProblem& p, const float* k_cache, const float* v_
         l = _mm512_set1_ps(1.f);
       }
       const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first_pos + r0)), lane);
-      const int64_t last_pos = first_pos + r0 + rows - 1;
+      const __m512i reach = p.reach == nullptr ? pos : _mm512_mask_loadu_epi32(pos, real_rows, p.reach + q_start + r0);
+      const int64_t last_pos = _mm512_mask_reduce_max_epi32(real_rows, reach);
       const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, first_pos + r0 - p.sliding_window + 1) : 0;
       for (int64_t k0 = lo / kTile * kTile; k0 <= last_pos; k0 += kTile) {
         __m512 scores[kTile];  // scores[j]: key k0 + j against the 16 rows
@@ -101,7 +105,7 @@ void prefill_item(const PrefillProblem& p, const float* k_cache, const float* v_
 #pragma GCC unroll 16
         for (int64_t j = 0; j < kTile; ++j) {
           const __m512i key = _mm512_set1_epi32(static_cast<int>(k0 + j));
-          valid[j] = _mm512_mask_cmple_epi32_mask(real_rows, key, pos);
+          valid[j] = _mm512_mask_cmple_epi32_mask(real_rows, key, reach);
           if (p.sliding_window > 0)
             valid[j] &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32(static_cast<int>(p.sliding_window))));
           tile_max = _mm512_mask_max_ps(tile_max, valid[j], tile_max, scores[j]);
@@ -186,11 +190,11 @@ void run_prefill(const PrefillProblem& p, const float* k_cache, const float* v_c
 // [num_blocks, block_size, KVH, D] float32 with contiguous blocks; sequences first_seq..B-1
 // of cu_seqlens_q (int32 [B + 1]), seq_lens (int32 [B], keys per sequence, the new ones last) and
 // block_table (int32 [B, max_blocks]) are computed; other rows of out are left alone. softcap <= 0: none;
-// sinks: float32 [H] or none.
+// sinks: float32 [H] or none; reach: int32 [T] (each query row's last visible key position) or none (causal).
 bool paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_table,
                              int64_t first_seq, double scale, int64_t sliding_window, double softcap,
-                             const std::optional<at::Tensor>& sinks) {
+                             const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& reach) {
 #if defined(__AVX512F__)
   const int64_t head_dim = q.size(2);
   // A narrower (bf16/fp16) cache stays with the PyTorch path, which attends over the new tokens'
@@ -214,11 +218,14 @@ bool paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
               "one row per sequence");
   TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1)),
               "sinks: contiguous float32 [H]");
+  TORCH_CHECK(!reach || (reach->scalar_type() == at::kInt && reach->is_contiguous() && reach->numel() == q.size(0)),
+              "reach: contiguous int32 [T]");
   const PrefillProblem problem{out.data_ptr<float>(), q.data_ptr<float>(), cu_seqlens_q.data_ptr<int32_t>(),
                                seq_lens.data_ptr<int32_t>(), block_table.data_ptr<int32_t>(), q.size(1),
                                k_cache.size(2), k_cache.size(1), q.stride(0), q.stride(1), k_cache.stride(0),
                                block_table.stride(0), static_cast<float>(scale), sliding_window,
-                               static_cast<float>(softcap), sinks ? sinks->data_ptr<float>() : nullptr};
+                               static_cast<float>(softcap), sinks ? sinks->data_ptr<float>() : nullptr,
+                               reach ? reach->data_ptr<int32_t>() : nullptr};
   const float* k = k_cache.data_ptr<float>();
   const float* v = v_cache.data_ptr<float>();
   if (head_dim == 64) {
@@ -240,7 +247,7 @@ TORCH_LIBRARY_FRAGMENT(cb_serve, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
       "Tensor seq_lens, Tensor block_table, int first_seq, float scale, int sliding_window, float softcap, "
-      "Tensor? sinks) -> bool");
+      "Tensor? sinks, Tensor? reach=None) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(cb_serve, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
