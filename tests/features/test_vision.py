@@ -309,3 +309,42 @@ def test_the_router_s_block_hashes_name_the_engine_s_cached_blocks(gemma3_vision
     digest = strict_llm.engine.cache_digest()
     assert digest.hit_blocks(b"".join(prefix_block_hashes(ids, bs, None, features))) == n
     assert digest.hit_blocks(b"".join(prefix_block_hashes(ids, bs))) == features[0].offset // bs
+
+
+def test_qwen3_vl_vision_tower_equals_hf_s():
+    """Qwen3-VL's tower (``models/qwen3_vl_vision.py``) on two images of different grids in one call: the
+    merged tokens and each DeepStack level equal HF's ``Qwen3VLVisionModel`` in float32 (each image attends
+    within itself; positions resampled to each grid)."""
+    import transformers
+
+    from cb_serve.model_executor.models.qwen3_vl_vision import Qwen3VLVisionTower
+
+    config = transformers.Qwen3VLVisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                                              out_hidden_size=48, num_position_embeddings=16,
+                                              deepstack_visual_indexes=[0, 2])  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Qwen3VLForConditionalGeneration._from_config(
+        transformers.Qwen3VLConfig(
+            vision_config=config.to_dict(),
+            text_config={
+                "hidden_size": 48,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 24,
+                "vocab_size": 64,
+                "intermediate_size": 64,
+            },
+        )  # fmt: skip
+    ).model.visual.eval()
+    ours = Qwen3VLVisionTower(hf.config)
+    ours.load_hf_weights(hf.state_dict(), "")
+    grids = [(1, 4, 6), (1, 2, 2), (1, 6, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 4 * 4)
+    with torch.no_grad():
+        ref = hf(pixels, grid_thw=torch.tensor(grids))
+        tokens, deepstack = ours(pixels, grids)
+    torch.testing.assert_close(tokens, ref.pooler_output, atol=1e-5, rtol=1e-5)
+    assert len(deepstack) == len(ref.deepstack_features) == 2
+    for a, b in zip(deepstack, ref.deepstack_features):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
