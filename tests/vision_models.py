@@ -88,3 +88,72 @@ def hf_chat_greedy(processor, model, messages: list[dict], max_new_tokens: int) 
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
     return prompt, out[0, len(prompt) :].tolist()
+
+
+QWEN_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% elif p['type'] == 'text' %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen3-VL's M-RoPE as its configs have it, at a tiny head (8 frequencies: 4 by T, 2 by H, 2 by W)
+MROPE = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+
+
+def make_qwen3_vl(tmp: Path, tokenizer):
+    """(checkpoint directory, image processor, tokenizer, HF model): a tiny random Qwen3-VL with two DeepStack
+    levels, its images 4-pixel patches merged 2 x 2 (``Qwen2VLImageProcessorPil``, up to 32 x 32 pixels: at most
+    16 tokens an image), saved with the image processor and tokenizer (``Qwen3VLProcessor`` itself needs a video
+    processor, which needs torchvision)."""
+    import transformers
+    from models import tiny_config
+
+    tokenizer.save_pretrained(tmp / "tok")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp / "tok")
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL})
+    tok.chat_template = QWEN_TEMPLATE
+    start, end, pad, video = tok.convert_tokens_to_ids(QWEN_SPECIAL)
+    images = transformers.Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )  # fmt: skip
+    windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+    text = {k: v for k, v in tiny_config("qwen3", len(tok)).to_dict().items() if k not in windows}
+    text |= {"model_type": "qwen3_vl_text", "rope_parameters": MROPE}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
+    tokens = dict(image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # non-trivial norms, and mergers whose outputs move the text model (not 0.02-scaled)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "merger" in name and name.endswith("weight"):
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    directory = tmp / "model"
+    model.save_pretrained(directory)
+    images.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory), images, tok, model
+
+
+def qwen3_vl_greedy(images_processor, tok, model, text: str, images: list, max_new_tokens: int) -> list[int]:
+    """HF's greedy tokens for a prompt with ``<|image_pad|>`` placeholders, expanded by ``Qwen3VLProcessor``'s
+    rule (``t * h * w / merge^2`` pads per image), with the model's M-RoPE inputs."""
+    out = images_processor(images=images, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    pieces = text.split("<|image_pad|>")
+    expanded = pieces[0] + "".join("<|image_pad|>" * (int(g.prod()) // 4) + p for g, p in zip(grids, pieces[1:]))
+    ids = tok(expanded, return_tensors="pt")["input_ids"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=out["pixel_values"], image_grid_thw=grids,
+            mm_token_type_ids=(ids == pad).int(), max_new_tokens=max_new_tokens, do_sample=False,
+        )  # fmt: skip
+    return gen[0, ids.shape[1] :].tolist()

@@ -34,7 +34,7 @@ from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.model_executor.warm_up import warm_up
 from cb_serve.model_executor.weight_bytes import describe as describe_weight_bytes
 from cb_serve.model_executor.weight_bytes import weight_bytes_by_format
-from cb_serve.multimodal.processor import MultiModalProcessor
+from cb_serve.multimodal.processor import make_processor
 from cb_serve.reasoning import HarmonyReasoningEnd, reasoning_parser
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
@@ -135,7 +135,7 @@ def build(config: EngineConfig) -> EngineParts:
     eos = eos_token_ids(setup.hf_config, tokenizer)
     mm = None
     if setup.mm_config is not None:  # the checkpoint's images are served: its HF processor expands them
-        mm = MultiModalProcessor(setup.source.path, setup.mm_config, config.trust_remote_code)
+        mm = make_processor(setup.source.path, setup.mm_config, config.trust_remote_code)
     processor = InputProcessor(tokenizer, setup.max_model_len, vocab_size, eos, config, mm)
     choice = kernel_choice() if setup.device.type == "cpu" else None
     faults = FaultInjector.from_config(config.fault_injection)

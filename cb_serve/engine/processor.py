@@ -14,7 +14,7 @@ from cb_serve.lora_request import LoRARequest
 from cb_serve.multimodal.features import MultiModalFeature
 from cb_serve.multimodal.image_inputs import ImageLimits
 from cb_serve.multimodal.image_prompts import ImagePrompts
-from cb_serve.multimodal.processor import MultiModalProcessor
+from cb_serve.multimodal.processor import make_processor
 from cb_serve.sampling_params import SamplingParams, tokenize_bad_words
 from cb_serve.structured_outputs_params import ConstraintLimits
 
@@ -150,7 +150,7 @@ def image_prompts_for(config: EngineConfig) -> ImagePrompts | None:
     mm_config = model_setup.multimodal_config(config, source)
     if mm_config is None:
         return None
-    processor = MultiModalProcessor(source.path, mm_config, config.trust_remote_code)
+    processor = make_processor(source.path, mm_config, config.trust_remote_code)
     return ImagePrompts(processor, ImageLimits.of(config), config.max_num_batched_tokens)
 
 

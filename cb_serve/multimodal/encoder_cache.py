@@ -27,10 +27,12 @@ class EncoderCache:
         self.num_hits = 0  # images a step took from the cache
 
     def get_many(
-        self, features: Sequence[MultiModalFeature], encode: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        features: Sequence[MultiModalFeature],
+        encode: Callable[[list[MultiModalFeature]], Sequence[torch.Tensor]],
     ) -> dict[str, torch.Tensor]:
-        """Each feature's ``[length, hidden]`` embeddings, by identifier; the missing ones encoded in one
-        batch (``encode``: ``[images, ...] -> [images, length, hidden]``) and kept."""
+        """Each feature's ``[length, width]`` embeddings, by identifier; the missing ones encoded in batches
+        of one input shape (``encode``: images -> their embeddings, in order) and kept."""
         out: dict[str, torch.Tensor] = {}
         missing: dict[str, MultiModalFeature] = {}
         for f in features:
@@ -48,7 +50,7 @@ class EncoderCache:
                 group = [f for f in todo if tuple(f.pixel_values.shape[1:]) == shape]
                 for i in range(0, len(group), ENCODER_BATCH):
                     batch = group[i : i + ENCODER_BATCH]
-                    embeds = encode(torch.cat([f.pixel_values for f in batch]))
+                    embeds = encode(batch)
                     for f, e in zip(batch, embeds):
                         assert e.shape[0] == f.length, (e.shape, f.length)
                         out[f.identifier] = e = e.clone()  # (a view would keep its whole batch alive)

@@ -24,6 +24,7 @@ class MultiModalFeature:
     length: int  # placeholder positions (= the encoder's embeddings for the image)
     pixel_values: torch.Tensor = field(repr=False)  # the image processor's output for this image
     modality: str = "image"
+    grid: tuple[int, int, int] | None = None  # its patch grid (t, h, w) where images have any size (Qwen3-VL)
 
     def __post_init__(self) -> None:
         assert self.offset >= 0 and self.length > 0, (self.offset, self.length)

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cb_serve.errors import InvalidRequestError
-from cb_serve.multimodal.features import MultiModalFeature, content_hash
+from cb_serve.multimodal.features import MultiModalFeature
 from cb_serve.multimodal.image_inputs import ImageLimits, load_images
-from cb_serve.multimodal.processor import MultiModalProcessor, placeholder_runs
+from cb_serve.multimodal.processor import MultiModalProcessor, feature_hash, placeholder_runs
 
 PARAM = "messages"
 
@@ -64,11 +64,9 @@ class ImagePrompts:
         if runs != [(f.offset, f.length) for f in features]:
             raise InvalidRequestError("multi_modal_features do not match the prompt's image placeholders.", param)
         for f in features:
-            got = (f.pixel_values.dtype, tuple(f.pixel_values.shape))
-            expected = (self.processor.pixel_dtype, self.processor.pixel_shape)
-            if got != expected:
-                raise InvalidRequestError(f"An image's pixels are {got}, not {expected}.", param)
-            if content_hash(f.pixel_values, self.processor.model_type) != f.identifier:
+            if (why := self.processor.check_feature(f)) is not None:
+                raise InvalidRequestError(why, param)
+            if feature_hash(f.pixel_values, f.grid, self.processor.model_type) != f.identifier:
                 raise InvalidRequestError("An image's identifier is not its pixels' hash.", param)
         self._check_lengths(features, param)
         return features

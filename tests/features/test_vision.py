@@ -348,3 +348,39 @@ def test_qwen3_vl_vision_tower_equals_hf_s():
     assert len(deepstack) == len(ref.deepstack_features) == 2
     for a, b in zip(deepstack, ref.deepstack_features):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+QWEN_ENGINE = dict(block_size=4, max_num_batched_tokens=24, num_gpu_blocks=48, max_model_len=96, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory, tokenizer):
+    from vision_models import make_qwen3_vl
+
+    return make_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"), tokenizer)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_qwen3_vl_images_give_hf_s_tokens_under_chunking_and_preemption(qwen3_vl, backend):
+    """Qwen3-VL with one to three images of different grids a prompt: M-RoPE's three positions on the image
+    tokens and the text after them shifted, DeepStack into the first two layers; chunked (24-token steps),
+    preempted (a small KV pool), an image repeated across requests (encoded once)."""
+    from vision_models import QWEN_IMG, qwen3_vl_greedy
+
+    directory, images_processor, tok, model = qwen3_vl
+    a, b, c = image(1), image(2, (90, 30)), image(3, (20, 20))
+    cases = [(f"Describe {QWEN_IMG} please", [a]), (f"Compare {QWEN_IMG} with {QWEN_IMG} now", [b, c]),
+             (f"{QWEN_IMG}{QWEN_IMG}, {QWEN_IMG}.", [c, a, b]), (f"Again {QWEN_IMG} and more", [a])]  # fmt: skip
+    llm = LLM(directory, attention_backend=backend, **QWEN_ENGINE)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    try:
+        outs = llm.generate([prompt_of(t, i) for t, i in cases], params, use_tqdm=False)
+        for (text, imgs), out in zip(cases, outs):
+            assert out.outputs[0].token_ids == qwen3_vl_greedy(images_processor, tok, model, text, imgs, MAX_TOKENS), (
+                text
+            )
+        stats = llm.engine.get_stats()
+        assert stats.num_images_encoded == 3, stats
+        assert stats.num_partial_prefills > 0, stats
+    finally:
+        llm.engine.shutdown()

@@ -23,6 +23,7 @@ from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
 from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+from cb_serve.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from cb_serve.model_executor.models.smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["MODELS", "MULTIMODAL_MODELS", "CausalLM", "model_class"]
@@ -56,7 +57,10 @@ MODELS: dict[str, type[CausalLM]] = {
 
 # Checkpoints whose images cb-serve reads (the whole checkpoint's model_type): the text model's class
 # with a vision tower, built with the whole config as ``mm_config`` (``loader.load_multimodal_config``).
-MULTIMODAL_MODELS: dict[str, type[CausalLM]] = {"gemma3": Gemma3ForConditionalGeneration}
+MULTIMODAL_MODELS: dict[str, type[CausalLM]] = {
+    "gemma3": Gemma3ForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
+}
 
 
 def model_class(config, mm_config=None) -> type[CausalLM]:

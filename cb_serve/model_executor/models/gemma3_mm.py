@@ -7,7 +7,7 @@ An image's tokens attend to each other both ways during prefill (``bidirectional
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from cb_serve.model_executor.layers.checkpoint import copy_parts
 from cb_serve.model_executor.layers.norm import GemmaRMSNorm
 from cb_serve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from cb_serve.model_executor.models.siglip import SiglipVisionTower
+from cb_serve.multimodal.features import MultiModalFeature
 
 # Where checkpoints keep the tower and the projector: as transformers 5 loads and saves them, as published.
 TOWER_PREFIXES = (
@@ -66,8 +67,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.vision_tower = SiglipVisionTower(mm.vision_config)
         self.multi_modal_projector = Gemma3MultiModalProjector(mm)
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[images, 3, H, W]`` -> ``[images, mm_tokens_per_image, hidden]``, in the model's dtype."""
+    def embed_images(self, features: Sequence[MultiModalFeature], device: torch.device) -> torch.Tensor:
+        """Images of ``[1, 3, H, W]`` pixels -> ``[images, mm_tokens_per_image, hidden]``, in the model's dtype."""
+        pixel_values = torch.cat([f.pixel_values for f in features]).to(device, non_blocking=True)
         return self.multi_modal_projector(self.vision_tower(pixel_values))
 
     @torch.no_grad()

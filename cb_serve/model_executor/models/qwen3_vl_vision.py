@@ -132,12 +132,8 @@ class Qwen3VLVisionTower(nn.Module):
             {"proj": nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel)}
         )
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
-        head_dim = config.hidden_size // config.num_heads
-        theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-        spatial = head_dim // 2
-        self.register_buffer(
-            "inv_freq", 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)), persistent=False
-        )
+        self.head_dim = config.hidden_size // config.num_heads
+        self.theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         self.blocks = nn.ModuleList(Qwen3VLVisionBlock(config) for _ in range(config.depth))
         self.merger = Qwen3VLPatchMerger(config, postshuffle=False)
         self.deepstack_indexes = list(config.deepstack_visual_indexes)
@@ -146,9 +142,12 @@ class Qwen3VLVisionTower(nn.Module):
         )
 
     def rotary(self, grids: Sequence[Grid]) -> tuple[torch.Tensor, torch.Tensor]:
+        spatial = self.head_dim // 2  # (made here: the loader allocates buffers uninitialized)
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
         rows, cols = merge_block_coords(grids, self.merge)
-        positions = torch.stack([rows, cols], dim=-1).to(self.inv_freq.device)
-        freqs = positions[..., None].float() * self.inv_freq  # [patches, 2, head_dim / 4]
+        positions = torch.stack([rows, cols], dim=-1)
+        device = self.pos_embed.weight.device
+        freqs = (positions[..., None].float() * inv_freq).to(device)  # [patches, 2, head_dim / 4]
         cos, sin = freqs.cos(), freqs.sin()
         cos, sin = (torch.cat([t[:, 0], t[:, 1]], dim=-1) for t in (cos, sin))
         return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
