@@ -103,11 +103,12 @@ QWEN_TEMPLATE = (
 MROPE = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
 
 
-def make_qwen3_vl(tmp: Path, tokenizer):
+def make_qwen3_vl(tmp: Path, tokenizer, family: str = "qwen3_vl"):
     """(checkpoint directory, image processor, tokenizer, HF model): a tiny random Qwen3-VL with two DeepStack
-    levels, its images 4-pixel patches merged 2 x 2 (``Qwen2VLImageProcessorPil``, up to 32 x 32 pixels: at most
-    16 tokens an image), saved with the image processor and tokenizer (``Qwen3VLProcessor`` itself needs a video
-    processor, which needs torchvision)."""
+    levels (or ``family="qwen3_5"``: Qwen3.5, its hybrid text model, no DeepStack), its images 4-pixel patches
+    merged 2 x 2 (``Qwen2VLImageProcessorPil``, up to 32 x 32 pixels: at most 16 tokens an image), saved with the
+    image processor and tokenizer (``Qwen3VLProcessor`` itself needs a video processor, which needs
+    torchvision)."""
     import transformers
     from models import tiny_config
 
@@ -120,15 +121,23 @@ def make_qwen3_vl(tmp: Path, tokenizer):
         patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
         image_mean=[0.5] * 3, image_std=[0.5] * 3,
     )  # fmt: skip
-    windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-    text = {k: v for k, v in tiny_config("qwen3", len(tok)).to_dict().items() if k not in windows}
-    text |= {"model_type": "qwen3_vl_text", "rope_parameters": MROPE}
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64,
-                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # fmt: skip
+                  num_position_embeddings=16)  # fmt: skip
     tokens = dict(image_token_id=pad, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
-    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+    if family == "qwen3_5":  # rotary over half of each 16-wide head: 4 frequencies, 2 by T, 1 by H, 1 by W
+        text = tiny_config("qwen3_5_text", len(tok)).to_dict()
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens)
+        make = transformers.Qwen3_5ForConditionalGeneration
+    else:
+        windows = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+        text = {k: v for k, v in tiny_config("qwen3", len(tok)).to_dict().items() if k not in windows}
+        text |= {"model_type": "qwen3_vl_text", "rope_parameters": MROPE}
+        vision["deepstack_visual_indexes"] = [0, 1]
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        make = transformers.Qwen3VLForConditionalGeneration
     torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    model = make(config).eval()
     with torch.no_grad():  # non-trivial norms, and mergers whose outputs move the text model (not 0.02-scaled)
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -23,7 +23,11 @@ from cb_serve.model_executor.models.phi3 import Phi3ForCausalLM
 from cb_serve.model_executor.models.qwen2 import Qwen2ForCausalLM
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
 from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
-from cb_serve.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from cb_serve.model_executor.models.qwen3_vl import (
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 from cb_serve.model_executor.models.smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["MODELS", "MULTIMODAL_MODELS", "CausalLM", "model_class"]
@@ -60,6 +64,8 @@ MODELS: dict[str, type[CausalLM]] = {
 MULTIMODAL_MODELS: dict[str, type[CausalLM]] = {
     "gemma3": Gemma3ForConditionalGeneration,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
+    "qwen3_5": Qwen3_5ForConditionalGeneration,
+    "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
 }
 
 

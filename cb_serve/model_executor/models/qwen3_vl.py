@@ -1,15 +1,18 @@
-"""Qwen3-VL with images (``Qwen3VLForConditionalGeneration``): Qwen3's text stack (``qwen3.py``), the vision
-tower (``qwen3_vl_vision.py``) and the two things images change in the text model (``Qwen3VLTextModel``):
+"""Qwen3-VL and Qwen3.5 with images (``Qwen3VLForConditionalGeneration``, ``Qwen3_5ForConditionalGeneration``):
+the text stack (Qwen3's ``qwen3.py``; Qwen3.5's hybrid ``qwen3_next.py``), the vision tower
+(``qwen3_vl_vision.py``; Qwen3.5's is the same without DeepStack) and the two things images change in the text
+model (``MRopeImages``):
 
 - **M-RoPE**: an image token turns its pairs by three positions, interleaved by ``mrope_section`` (frequency
   ``j`` of a head's half by H where ``j % 3 == 1`` and ``j < 3 * section[1]``, by W where ``j % 3 == 2`` and
   ``j < 3 * section[2]``, by T otherwise); a text token's three are equal, the default RoPE at its position
   (shifted past earlier images by ``mm_inputs.mrope_positions``);
-- **DeepStack**: the tower's features of early vision blocks are added to the image tokens' hidden states after
-  text layers ``0 .. levels - 1``.
+- **DeepStack** (Qwen3-VL): the tower's features of early vision blocks are added to the image tokens' hidden
+  states after text layers ``0 .. levels - 1``.
 
 An image's encoder output is ``[tokens, hidden * (1 + levels)]``: the merged tokens, then each DeepStack level.
-Image tokens attend causally. Follows ``transformers.models.qwen3_vl.modeling_qwen3_vl``."""
+Image tokens attend causally. Follows ``transformers.models.qwen3_vl.modeling_qwen3_vl`` and
+``transformers.models.qwen3_5.modeling_qwen3_5``."""
 
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from cb_serve.model_executor.layers.rotary import Rope
+from cb_serve.model_executor.models.base import CausalLM
 from cb_serve.model_executor.models.gemma3_mm import find_prefix
 from cb_serve.model_executor.models.qwen3 import Qwen3ForCausalLM
+from cb_serve.model_executor.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from cb_serve.model_executor.models.qwen3_vl_vision import Qwen3VLVisionTower
 from cb_serve.multimodal.features import MultiModalFeature
 
@@ -34,9 +39,11 @@ def mrope_axes(rotary_dim: int, section: Sequence[int]) -> torch.Tensor:
     return torch.tensor(axes * 2)
 
 
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    """The text model plus ``embed_images``; ``config`` is the text config, ``mm_config`` the checkpoint's
-    whole one (``loader.load_multimodal_config``)."""
+class MRopeImages(CausalLM):
+    """A text model plus ``embed_images``, M-RoPE and DeepStack; ``config`` is the text config, ``mm_config``
+    the checkpoint's whole one (``loader.load_multimodal_config``). Mixed in before the text model's class."""
+
+    default_mrope_section = (24, 20, 20)  # HF's, where the config names none
 
     def __init__(self, config, *args, mm_config, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
@@ -44,8 +51,9 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         self.image_token_id = mm_config.image_token_id
         self.spatial_merge_size = vision.spatial_merge_size  # (the model runner's M-RoPE positions)
         self.visual = Qwen3VLVisionTower(vision)
-        self.levels = len(vision.deepstack_visual_indexes)
-        self.mrope_section = list((getattr(config, "rope_parameters", None) or {}).get("mrope_section") or [24, 20, 20])
+        self.levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        section = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+        self.mrope_section = list(section or self.default_mrope_section)
 
     def embed_images(self, features: Sequence[MultiModalFeature], device: torch.device) -> list[torch.Tensor]:
         """Each image's ``[tokens, hidden * (1 + levels)]``, in the model's dtype."""
@@ -65,7 +73,8 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         ropes = [self._rope(positions, cos, sin, index, mrope, x.dtype) for cos, sin in tables]
         residual = None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, ropes[layer.rope_table], cache, meta.for_layer(i))
+            layer_meta = meta if layer.recurrent else meta.for_layer(i)
+            x, residual = layer(x, residual, ropes[layer.rope_table], cache, layer_meta)
             if i < self.levels:  # HF: hidden[images] += the level's features, after the layer
                 x = (residual + x).index_add(0, index, deepstack[:, i].to(x.dtype))
                 residual = torch.zeros_like(x)
@@ -86,3 +95,15 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def load_hf_state_dict(self, state: Mapping) -> None:
         super().load_hf_state_dict(state)
         self.visual.load_hf_weights(state, find_prefix(state, TOWER_PREFIXES, "patch_embed.proj.weight"))
+
+
+class Qwen3VLForConditionalGeneration(MRopeImages, Qwen3ForCausalLM):
+    pass
+
+
+class Qwen3_5ForConditionalGeneration(MRopeImages, Qwen3_5ForCausalLM):
+    default_mrope_section = (11, 11, 10)
+
+
+class Qwen3_5MoeForConditionalGeneration(MRopeImages, Qwen3_5MoeForCausalLM):
+    default_mrope_section = (11, 11, 10)

@@ -136,7 +136,7 @@ class Qwen3VLVisionTower(nn.Module):
         self.theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         self.blocks = nn.ModuleList(Qwen3VLVisionBlock(config) for _ in range(config.depth))
         self.merger = Qwen3VLPatchMerger(config, postshuffle=False)
-        self.deepstack_indexes = list(config.deepstack_visual_indexes)
+        self.deepstack_indexes = list(getattr(config, "deepstack_visual_indexes", None) or ())  # (none: Qwen3.5)
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3VLPatchMerger(config, postshuffle=True) for _ in self.deepstack_indexes
         )
