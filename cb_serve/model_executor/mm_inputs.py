@@ -51,6 +51,18 @@ def plan_step(
     return step if step.pieces else None
 
 
+def plan_images(
+    model, seqs: Seq[Sequence], starts: Seq[int], query_lens: Seq[int], cu_q: np.ndarray, positions: np.ndarray
+) -> MultiModalStep | None:
+    """The step's image pieces (``plan_step``, with Gemma 3's spans where ``model.bidirectional_images``), and
+    for an M-RoPE model (``model.spatial_merge_size``) ``positions`` moved past the images (``mrope_positions``)."""
+    step = plan_step(seqs, starts, query_lens, cu_q, getattr(model, "bidirectional_images", False))
+    merge = getattr(model, "spatial_merge_size", None)
+    if merge is not None and any(s.mm_features for s in seqs):
+        mrope_positions(seqs, starts, query_lens, cu_q, positions, merge, step)
+    return step
+
+
 def _merged_shape(f: MultiModalFeature, merge: int) -> tuple[int, int]:
     assert f.grid is not None and f.grid[0] == 1, f
     return f.grid[1] // merge, f.grid[2] // merge

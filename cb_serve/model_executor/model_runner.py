@@ -183,12 +183,8 @@ class ModelRunner:
             arrays["prev_token_rows"] = np.asarray(fill_rows, dtype=np.int64)
         plan = prompt_logprobs.plan(seqs, starts, seq_lens, cu_q)
         batch = StepBatch(num_decodes, query_lens, seq_lens, arrays)
-        if self.encoder_cache is not None:  # the image tokens of its prefill chunks
-            bidirectional = getattr(self.model, "bidirectional_images", False)
-            batch.mm = mm_inputs.plan_step(seqs, starts, query_lens, cu_q, bidirectional)
-            merge = getattr(self.model, "spatial_merge_size", None)  # M-RoPE: positions past images move
-            if merge is not None and any(s.mm_features for s in seqs):  # (the slots above kept the indices)
-                mm_inputs.mrope_positions(seqs, starts, query_lens, cu_q, positions, merge, batch.mm)
+        if self.encoder_cache is not None:  # the image tokens of its prefill chunks (the slots above: by index)
+            batch.mm = mm_inputs.plan_images(self.model, seqs, starts, query_lens, cu_q, positions)
         if plan is not None:
             batch.prompt_rows, batch.prompt_top_k = plan.rows, plan.top_k
         if self.lora is not None:  # each token's adapter slot, grouped

@@ -113,7 +113,7 @@ class AutoProcessorImages(MultiModalProcessor):
         self.image_token_id = mm_config.image_token_index
         self.placeholder = getattr(self.hf, "image_token", None) or "<image>"
         size = mm_config.vision_config.image_size
-        self.pixel_shape, self.pixel_dtype = (1, 3, size, size), torch.float32
+        self.pixel_shape = (1, 3, size, size)
         feature = self._blank((size, size))  # tokens per image, size; Gemma 3's pan-and-scan crops add images
         expected = (getattr(mm_config, "mm_tokens_per_image", feature.length), self.pixel_shape)
         self.pixel_dtype = feature.pixel_values.dtype
@@ -156,7 +156,6 @@ class GridImages(MultiModalProcessor):
         if processor != model:
             raise ValueError(f"The checkpoint's image processor makes patches (size, merge, temporal) {processor}; "
                              f"its model reads {model}.")  # fmt: skip
-        self.pixel_dtype = torch.float32
         self.pixel_dtype = self._blank((64, 64)).pixel_values.dtype
 
     def _run(self, text: str, images: list, add_special_tokens: bool) -> Processed:
