@@ -7,6 +7,11 @@ them across processes (each Ray Serve replica and router, each test worker): und
 ``$CB_SERVE_CACHE_DIR`` (default ``~/.cache/cb_serve/gguf``; empty: off), keyed by the file's path,
 size and modification time. An entry is written whole (a temporary directory renamed into place,
 so concurrent writers are safe) and one that fails to load is parsed again and replaced.
+
+The cache is bounded: each write evicts the least recently used entries (a read marks its entry used)
+until the whole takes at most ``$CB_SERVE_CACHE_MAX_GB`` (default 8), never the entry just written.
+Keys follow a file's path and time, so a file assembled anew (a fresh virtual environment) adds an
+entry each time; unbounded, those filled CI's disk.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 CACHE_ENV = "CB_SERVE_CACHE_DIR"
+MAX_ENV = "CB_SERVE_CACHE_MAX_GB"
+DEFAULT_MAX_GB = 8.0
 COMPLETE = "cb_serve_complete"  # written last: the entry is whole
 T = TypeVar("T")
 
@@ -53,7 +60,9 @@ def cached(
         return parse()
     if (directory / COMPLETE).is_file():
         try:
-            return reload(str(directory))
+            value = reload(str(directory))
+            mark_used(directory.parent)
+            return value
         except Exception as e:  # noqa: BLE001 - a bad entry: parse again and replace it
             logger.warning("the cached %s at %s did not load (%s); parsing the GGUF file again", kind, directory, e)
             shutil.rmtree(directory, ignore_errors=True)
@@ -67,6 +76,64 @@ def cached(
             scratch.rename(directory)
         except OSError:  # another process wrote it first
             shutil.rmtree(scratch, ignore_errors=True)
+        mark_used(directory.parent)
+        prune(keep=directory.parent)
     except OSError as e:  # a read-only or full disk: serve without the cache
         logger.warning("could not cache the %s parsed from the GGUF file under %s: %s", kind, directory.parent, e)
     return value
+
+
+def max_bytes() -> int:
+    value = os.environ.get(MAX_ENV, "")
+    gigabytes = float(value) if value else DEFAULT_MAX_GB
+    assert gigabytes >= 0, f"{MAX_ENV} must be >= 0, got {value!r}"
+    return int(gigabytes * 2**30)
+
+
+def mark_used(path: Path) -> None:
+    """Record a use of an entry (a directory or a file under the root) for ``prune``'s order."""
+    try:
+        os.utime(path)
+    except OSError:  # evicted meanwhile, or a read-only cache
+        pass
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def prune(keep: Path | None = None, limit: int | None = None) -> list[Path]:
+    """Evict the least recently used entries until the cache takes at most ``limit`` bytes
+    (``max_bytes()``); ``keep`` (the entry just written) stays. Returns the evicted paths."""
+    root = cache_root()
+    limit = max_bytes() if limit is None else limit
+    if root is None or not root.is_dir():
+        return []
+    entries: list[tuple[float, int, Path]] = []
+    for path in root.iterdir():
+        children = path.iterdir() if path.is_dir() and path.name == "quant-groups" else [path]
+        for entry in children:
+            if entry.name.startswith("."):  # a writer's scratch
+                continue
+            try:
+                entries.append((entry.stat().st_mtime, _size(entry), entry))
+            except OSError:  # another process evicted it
+                continue
+    total = sum(size for _, size, _ in entries)
+    evicted = []
+    for _, size, entry in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        if keep is not None and entry == keep:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        total -= size
+        evicted.append(entry)
+    if evicted:
+        logger.info("evicted %d entries from the GGUF cache at %s (over %.1f GB)", len(evicted), root, limit / 2**30)
+    return evicted

@@ -76,6 +76,7 @@ def find_quant_groups(weight: torch.Tensor) -> exact_quant.QuantGroups | None:
     if path.is_file():
         try:
             parts = load_file(str(path))
+            gguf_cache.mark_used(path)
             return exact_quant.QuantGroups(parts["q"], parts["d"], parts.get("m")) if parts else None
         except Exception as e:  # noqa: BLE001 - a damaged entry: recompute and replace it
             logger.warning("the cached quantization groups at %s did not load (%s)", path, e)

@@ -333,3 +333,37 @@ def test_a_gguf_files_config_and_tokenizer_are_cached_on_disk_as_parsed(tmp_path
     (entry / "config.json").write_text("{not json")
     assert load()[0].num_hidden_layers == parsed_config.num_hidden_layers  # parsed again, and cached again
     assert (entry / gguf_cache.COMPLETE).is_file() and (entry / "config.json").read_text().startswith("{\n")
+
+
+def test_the_gguf_cache_is_bounded_and_evicts_the_least_recently_used_entries(tmp_path, monkeypatch):
+    """Each write evicts the least recently used entries (a read marks one used) down to
+    ``$CB_SERVE_CACHE_MAX_GB``, never the entry just written: keys follow a file's path and time, so a file
+    assembled anew each run would otherwise grow the cache without end."""
+    import os
+
+    from cb_serve.model_executor import gguf_cache
+
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(gguf_cache.MAX_ENV, str(2500 / 2**30))  # room for two 1000-byte entries
+
+    def save(value: bytes, directory: str) -> None:
+        (tmp_path / "writes").open("a").write("w")
+        open(os.path.join(directory, "blob"), "wb").write(value)
+
+    def get(name: str) -> bytes:
+        stamp = (name, 1000, 0)
+        return gguf_cache.cached(stamp, "config", lambda: b"x" * 1000, save, lambda d: open(f"{d}/blob", "rb").read())
+
+    def present(name: str) -> bool:
+        return (gguf_cache.entry_dir((name, 1000, 0), "config") / gguf_cache.COMPLETE).is_file()
+
+    for t, name in enumerate(["a", "b"]):
+        get(name)
+        os.utime(gguf_cache.entry_dir((name, 1000, 0), "config").parent, (t, t))  # a, then b: a is older
+    get("a")  # a read: now b is the least recently used
+    get("c")  # over the bound: b goes
+    assert (present("a"), present("b"), present("c")) == (True, False, True)
+    assert (tmp_path / "writes").read_text() == "www"  # the read of a was a hit
+    monkeypatch.setenv(gguf_cache.MAX_ENV, "0")
+    get("d")  # a bound below one entry keeps the one just written
+    assert [present(n) for n in "acd"] == [False, False, True]
