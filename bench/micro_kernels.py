@@ -8,11 +8,14 @@
   attention  ``cpu_ops.paged_decode_attention`` over 30 layers' KV caches: ``--seqs`` sequences with
              contexts uniform in [40, 700), blocks shuffled through the cache; ``--hot`` makes every
              sequence read the same 4 blocks (KV hot in cache: the arithmetic floor).
+  head       ``cpu_ops.int8_tile_max`` (the greedy head's first pass without AMX) over Gemma 3's LM head
+             (262144 x 640, 8-bit groups), per row count, against the AVX512-VNNI instruction peak.
 
 Run from the repository root on an otherwise idle machine:
     .venv/bin/python bench/micro_kernels.py gemm --weights exact --rows 4 8 34 64
     .venv/bin/python bench/micro_kernels.py gemm --weights amx --rows 16 34 64
     .venv/bin/python bench/micro_kernels.py attention --seqs 34
+    .venv/bin/python bench/micro_kernels.py head --rows 8 33 64
 """
 
 from __future__ import annotations
@@ -133,6 +136,23 @@ def bench_attention(args: argparse.Namespace) -> None:
     )
 
 
+def bench_head(args: argparse.Namespace) -> None:
+    if not cpu_ops.int8_tile_max_available():
+        raise SystemExit("int8_tile_max needs AVX512-VNNI")
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden = 262144, 640
+    tiles, groups = vocab // 32, hidden // 32
+    packed = torch.randint(-127, 128, (tiles, groups, exact_quant.Q8_GROUP_BYTES), dtype=torch.int8, generator=g)
+    scales = torch.rand(tiles, groups, 32, generator=g) * 0.01 + 0.001  # finite scales: no NaN arithmetic
+    packed[:, :, :128] = scales.view(torch.int8).view(tiles, groups, 128)
+    for rows in args.rows:
+        xu = torch.randint(0, 256, (rows, groups, 32), dtype=torch.uint8, generator=g).view(torch.int32)
+        xs = torch.rand(rows, groups, generator=g) * 0.01
+        seconds = median_seconds(functools.partial(cpu_ops.int8_tile_max, xu, xs, packed, vocab))
+        instructions = tiles * groups * (rows + 1) * 16  # vpdpbusd: 16 per row and group, 16 for the offsets
+        print(f"rows={rows:3d}  {seconds * 1e3:6.1f} ms  {instructions / seconds / 1e9:5.2f} G vpdpbusd/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -142,11 +162,13 @@ def main() -> None:
     attention = sub.add_parser("attention")
     attention.add_argument("--seqs", type=int, default=34)
     attention.add_argument("--hot", action="store_true")
+    head = sub.add_parser("head")
+    head.add_argument("--rows", type=int, nargs="+", default=[8, 16, 33, 64])
     args = parser.parse_args()
     torch.set_num_threads(2)
     if not cpu_ops.available():
         raise SystemExit(f"the C++ kernels did not build: {cpu_ops.BUILD_ERROR}")
-    (bench_gemm if args.kernel == "gemm" else bench_attention)(args)
+    {"gemm": bench_gemm, "attention": bench_attention, "head": bench_head}[args.kernel](args)
 
 
 if __name__ == "__main__":
