@@ -72,6 +72,18 @@ class SpecDecodingStats:
 
 
 @dataclass
+class MultiModalStats:
+    """One step's images (a model that reads them): those it ran through the vision encoder and the host wall
+    seconds of those calls (on a GPU, their launches), those it took from the encoder cache
+    (``EncoderCache.take_stats``); and the image count of each request added since the previous step."""
+
+    num_images_encoded: int = 0
+    encoder_s: float = 0.0
+    num_encoder_cache_hits: int = 0
+    request_images: tuple[int, ...] = ()
+
+
+@dataclass
 class LoRAStats:
     """The adapters (``LoRAManager.stats``): in device slots now, of ``max_loras``; cumulative slot
     loads (an adapter copied into a slot) and evictions (one displaced by another); held in host memory."""
@@ -128,6 +140,7 @@ class StepStats:
     structured_output: StructuredOutputStats = field(default_factory=StructuredOutputStats)
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     expert_load: ExpertLoad | None = None  # a mixture-of-experts model's routing (None: a dense model)
+    multimodal: MultiModalStats = field(default_factory=MultiModalStats)
     # The capabilities' fields, as flat names too (what the metrics, inspector and dashboard read).
     num_constrained_seqs = _Nested("structured_output")
     grammar_fill_s = _Nested("structured_output")
@@ -139,6 +152,9 @@ class StepStats:
     num_draft_tokens = _Nested("spec_decoding")
     num_accepted_tokens = _Nested("spec_decoding")
     num_accepted_tokens_per_pos = _Nested("spec_decoding")
+    num_images_encoded = _Nested("multimodal")
+    encoder_s = _Nested("multimodal")
+    request_images = _Nested("multimodal")
 
     @property
     def budget_fill(self) -> float:

@@ -101,6 +101,7 @@ class EngineCore:
         has checked ``check_capacity`` (before it took in the request's adapter)."""
         s = self.scheduler
         self.requests[state.request_id] = state
+        self.stats.note_added(state)
         if state.params.needs_host_each_step:
             self.sync_request_ids.add(state.request_id)
         constraint = state.params.structured_outputs

@@ -41,6 +41,8 @@ class ScheduledSeq:
     forced: int = 0  # of the tokens, those a grammar forced (jump-forward) after the previous step's sample
     drafted: int = 0  # of the tokens, drafts verified in this step (speculative decoding)
     accepted: int = 0  # of those drafts, the ones the target accepted
+    image_tokens: int = 0  # of the tokens, image placeholders (taking an image's embeddings)
+    images: int = 0  # the images those belong to
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +59,8 @@ class ScheduledSeq:
             "forced": self.forced,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "image_tokens": self.image_tokens,
+            "images": self.images,
         }
 
 
@@ -77,6 +81,8 @@ class StepRecord:
     num_waiting: int
     grammar_fill_s: float = 0.0  # the bitmask filler's seconds for the constrained rows (0: none)
     grammar_wait_s: float = 0.0  # sampling's wait for those bitmasks after the forward
+    images_encoded: int = 0  # images run through the vision encoder for the step
+    encoder_s: float = 0.0  # the encoder's host wall seconds
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -98,6 +104,8 @@ class StepRecord:
             "waiting": self.num_waiting,
             "grammar_fill_s": self.grammar_fill_s,
             "grammar_wait_s": self.grammar_wait_s,
+            "images_encoded": self.images_encoded,
+            "encoder_s": self.encoder_s,
         }
 
 
@@ -135,6 +143,13 @@ class RequestTimeline:
             "events": list(self.events),
             "decode": {str(i): _decode_summary(d) for i, d in sorted(self.decodes.items())},
         }
+
+
+def _image_share(seq: Sequence, start: int, num_tokens: int) -> dict[str, int]:
+    """The image placeholders among a chunk's tokens ``start : start + num_tokens``, and their images."""
+    spans = [(max(start, f.offset), min(start + num_tokens, f.end)) for f in seq.mm_features]
+    spans = [(lo, hi) for lo, hi in spans if lo < hi]
+    return {"image_tokens": sum(hi - lo for lo, hi in spans), "images": len(spans)}
 
 
 def _decode_summary(d: list[float]) -> dict[str, Any]:
@@ -175,10 +190,11 @@ class Inspector:
         num_running: int,
         num_waiting: int,
         grammar_s: tuple[float, float] = (0.0, 0.0),
+        encoder: tuple[int, float] = (0, 0.0),
     ) -> None:
         """After a successful step: ``before[i]`` is (computed tokens, tokens) of ``sched.seqs[i]``
-        when it was scheduled; ``grammar_s`` the step's bitmask (fill, wait) seconds. Sequences
-        that finished in the step are already marked finished."""
+        when it was scheduled; ``grammar_s`` the step's bitmask (fill, wait) seconds; ``encoder`` its images
+        encoded and the encoder's seconds. Sequences that finished in the step are already marked finished."""
         t0, t1 = self.wall(start), self.wall(start + duration_s)
         first_admitted = len(sched.seqs) - sched.num_admitted
         scheduled: list[ScheduledSeq] = []
@@ -194,7 +210,11 @@ class Inspector:
             chunk = 0 if is_decode else 1 if i >= first_admitted else self._next_chunk(tl, seq.index)
             forced = n - 1 if grammar and n > 1 and computed >= seq.num_prompt_tokens else 0  # a sample + forced tokens
             record = ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk, grammar, forced)
-            scheduled.append(replace(record, drafted=drafted, accepted=accepted) if drafted else record)
+            if drafted:
+                record = replace(record, drafted=drafted, accepted=accepted)
+            if seq.mm_features and not is_decode:
+                record = replace(record, **_image_share(seq, computed, n))
+            scheduled.append(record)
             if i >= first_admitted:
                 admitted.append((seq.request_id, seq.index))
             if seq.is_finished:
@@ -223,6 +243,7 @@ class Inspector:
                 num_running,
                 num_waiting,
                 *grammar_s,
+                *encoder,
             )  # fmt: skip
         )
 

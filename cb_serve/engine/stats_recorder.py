@@ -21,7 +21,7 @@ from cb_serve.model_executor.step_output import StepResult
 from cb_serve.multimodal.encoder_cache import EncoderCache
 from cb_serve.sequence import SchedulerOutput
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
-from cb_serve.stats import EngineStats, StepPhases, StepStats
+from cb_serve.stats import EngineStats, MultiModalStats, StepPhases, StepStats
 from cb_serve.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class StatsRecorder:
         self.weight_bytes = weight_bytes
         self.listeners: tuple[StepListener, ...] = ()
         self.ended_since_step: list[str] = []
+        self.request_images: list[int] = []  # a model that reads images: each request added since the last step
         self.num_steps = self.num_failed_steps = self.num_failed_requests = self.max_batch_seqs = 0
         self.step_seconds = self.scheduling_seconds = 0.0
 
@@ -70,6 +71,20 @@ class StatsRecorder:
             if n - len(seq.spec_token_ids) == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         )
         return StepInProgress(start, time.monotonic(), num_decode_tokens, before)
+
+    def note_added(self, state: CoreRequest) -> None:
+        """Counts a new request's images (a model that reads them) for the next step's ``request_images``."""
+        if self.encoder_cache is not None:
+            self.request_images.append(len(state.seqs[0].mm_features))
+
+    def take_multimodal(self) -> MultiModalStats:
+        """The encoder's work since the previous step (under async scheduling, the step launched meanwhile
+        too), and the images of each request added since."""
+        if self.encoder_cache is None:
+            return MultiModalStats()
+        stats = self.encoder_cache.take_stats()
+        stats.request_images, self.request_images = tuple(self.request_images), []
+        return stats
 
     def note_ended(self, state: CoreRequest) -> None:
         """Names a request that ended with no finished output passed to the step listeners in
@@ -99,6 +114,7 @@ class StatsRecorder:
             structured_output=self.structured.take_stats(),
             spec_decoding=self.speculator.take_stats(),
             expert_load=result.expert_load,
+            multimodal=self.take_multimodal(),
         )
         self.ended_since_step.clear()
         self.max_batch_seqs = max(self.max_batch_seqs, stats.num_seqs)
@@ -109,7 +125,8 @@ class StatsRecorder:
                 logger.exception("step listener %r failed", listener)
         if self.inspector is not None:
             s, grammar_s = self.scheduler, (stats.grammar_fill_s, stats.grammar_wait_s)
-            args = (sched, step.before, len(s.running), len(s.waiting), grammar_s)
+            encoder = (stats.num_images_encoded, stats.encoder_s)
+            args = (sched, step.before, len(s.running), len(s.waiting), grammar_s, encoder)
             self.inspector.on_step(self.num_steps, step.start, phases.total_s, *args)
             self.inspector.experts.add(self.num_steps, result.expert_load)  # a mixture of experts' routing
 

@@ -38,6 +38,9 @@ def trace_events(
             "constrained": sum(s.constrained for s in r.seqs),
             "grammar_fill_s": r.grammar_fill_s,
             "grammar_wait_s": r.grammar_wait_s,
+            "image_tokens": sum(s.image_tokens for s in r.seqs),
+            "images_encoded": r.images_encoded,
+            "encoder_s": r.encoder_s,
         }
         ts = _us(r.start)
         events.append(

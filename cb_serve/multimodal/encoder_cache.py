@@ -6,12 +6,14 @@ is evicted)."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
 from cb_serve.multimodal.features import MultiModalFeature
+from cb_serve.stats import MultiModalStats
 
 ENCODER_BATCH = 8  # images per encoder call: its activations stay bounded whatever a step holds
 CAPACITY = 8192  # embeddings kept by default (a Gemma 3 image: 256)
@@ -25,6 +27,7 @@ class EncoderCache:
         self.size = 0
         self.num_encoded = 0  # images run through the encoder
         self.num_hits = 0  # images a step took from the cache
+        self.step = MultiModalStats()  # since the last take_stats()
 
     def get_many(
         self,
@@ -41,6 +44,7 @@ class EncoderCache:
             if (hit := self.entries.get(f.identifier)) is not None:
                 self.entries.move_to_end(f.identifier)
                 self.num_hits += 1
+                self.step.num_encoder_cache_hits += 1
                 out[f.identifier] = hit
             else:
                 missing[f.identifier] = f
@@ -50,13 +54,21 @@ class EncoderCache:
                 group = [f for f in todo if tuple(f.pixel_values.shape[1:]) == shape]
                 for i in range(0, len(group), ENCODER_BATCH):
                     batch = group[i : i + ENCODER_BATCH]
+                    start = time.perf_counter()
                     embeds = encode(batch)
+                    self.step.encoder_s += time.perf_counter() - start
                     for f, e in zip(batch, embeds):
                         assert e.shape[0] == f.length, (e.shape, f.length)
                         out[f.identifier] = e = e.clone()  # (a view would keep its whole batch alive)
                         self._put(f.identifier, e)
             self.num_encoded += len(todo)
+            self.step.num_images_encoded += len(todo)
         return out
+
+    def take_stats(self) -> MultiModalStats:
+        """The images encoded and taken from the cache since the previous call, and the encoder's seconds."""
+        stats, self.step = self.step, MultiModalStats()
+        return stats
 
     def _put(self, key: str, value: torch.Tensor) -> None:
         self.entries[key] = value

@@ -11,6 +11,9 @@ LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.1
 LATENCY_BUCKETS += [1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0]
 FILL_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 SEQS_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+# Images per request, counts: Ray takes only positive bounds, so each ends halfway to the next count (le="0.5":
+# requests without images) and Ray's midpoint sums come out whole.
+IMAGES_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5, 24.5, 32.5, 64.5]
 # Seconds: a grammar compile, from a cached-tokenizer regex to a schema near the compile timeout.
 COMPILE_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 # Seconds: one step's bitmask fill (or the wait for it), from a few rows of a regex to a large batch.
@@ -85,6 +88,11 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
         "re-prefill after preemption) instead of encoding them again.",
     ),
     "encoder_cache_embeddings": ("gauge", "Encoder outputs the encoder cache holds, in embeddings (image tokens)."),
+    "encoder_seconds": (
+        "histogram",
+        "Per step that ran the vision encoder: the host wall seconds of its encoder calls (on a GPU, their launches).",
+    ),
+    "request_images": ("histogram", "Images per request, at its arrival in the engine (models that read images)."),
     "cpu_kernels_info": ("gauge", "The CPU GEMM kernels this replica runs (label kernels, value 1; CPU engines)."),
     "triton_compiles": (
         "counter",
@@ -136,6 +144,8 @@ BUCKETS: dict[str, list[float]] = {
     "grammar_bitmask_fill_seconds": MASK_BUCKETS,
     "grammar_bitmask_wait_seconds": MASK_BUCKETS,
     "moe_expert_imbalance": IMBALANCE_BUCKETS,
+    "encoder_seconds": LATENCY_BUCKETS,
+    "request_images": IMAGES_BUCKETS,
 }
 # vLLM's label for the served model, and ours from before it (the same value): dashboards and
 # alerts written for vLLM's series filter on model_name.

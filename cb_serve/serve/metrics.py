@@ -125,6 +125,10 @@ class EngineMetrics:
         m["batch_num_seqs"].observe(step.num_seqs)
         self._record_grammar(step)
         self._record_spec_decode(step)
+        if step.num_images_encoded:
+            m["encoder_seconds"].observe(step.encoder_s)
+        for images in step.request_images:
+            m["request_images"].observe(images)
         if (load := step.expert_load) is not None:  # a mixture of experts: summed, recorded once per flush
             m["moe_expert_imbalance"].observe(load.imbalance)
             tokens = load.counts.sum(axis=0)

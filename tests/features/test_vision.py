@@ -72,6 +72,8 @@ def test_images_give_hf_s_tokens_under_chunking_and_preemption(gemma3_vision, ba
     directory, processor, model = gemma3_vision
     llm = LLM(directory, attention_backend=backend, **ENGINE)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    steps = []
+    llm.engine.add_step_listener(lambda stats, outputs: steps.append(stats))
     try:
         outs = llm.generate([prompt_of(*r) for r in requests()], params, use_tqdm=False)
         for (text, images), out in zip(requests(), outs):
@@ -84,6 +86,17 @@ def test_images_give_hf_s_tokens_under_chunking_and_preemption(gemma3_vision, ba
         assert stats.num_images_encoded == 3, stats  # a, b, c: each once
         assert stats.encoder_cache_hits >= 4, stats  # the other uses (and re-prefills after preemption)
         assert stats.num_preemptions > 0 and stats.num_partial_prefills > 0, stats
+        # Issue 54's step metrics: the encoder's steps and seconds, the images of each request at arrival;
+        # the inspector's image segments: every image token of every prompt chunk, re-prefills included.
+        assert sum(s.num_images_encoded for s in steps) == 3
+        assert all(s.encoder_s > 0 for s in steps if s.num_images_encoded)
+        assert sorted(n for s in steps for n in s.request_images) == [0, 1, 1, 2, 3]
+        recorded = llm.engine.inspect("steps", limit=1000)
+        segments = [q for step in recorded for q in step["seqs"] if q["image_tokens"]]
+        assert all(q["kind"] == "prefill" and 0 < q["image_tokens"] <= q["tokens"] for q in segments)
+        assert sum(step["images_encoded"] for step in recorded) == 3
+        image_tokens = sum(len(images) for _, images in requests()) * 4  # the tiny tower: 4 tokens an image
+        assert sum(q["image_tokens"] for q in segments) >= image_tokens, segments  # more: re-prefills
     finally:
         llm.engine.shutdown()
 

@@ -50,6 +50,8 @@ UNFED_METRICS: dict[str, str] = {
     "triton_compiles": "a CPU engine runs no Triton kernel",
     "images_encoded": "this test's model reads no images (tests/serve/test_vision_serve.py counts them)",
     "encoder_cache_hits": "this test's model reads no images",
+    "encoder_seconds": "this test's model reads no images",
+    "request_images": "this test's model reads no images",
 }
 # Forces chunked prefill (budget < prompt), preemption (few blocks) and prefix-cache hits.
 ENGINE_ARGS = dict(
@@ -239,6 +241,26 @@ def test_speculative_decoding_counters_follow_the_steps():
     assert [sum(m["spec_decode_" + name].all()) for name in names] == [3, 11, 5]
     per_pos = m["spec_decode_num_accepted_tokens_per_pos"].values.items()
     assert {dict(tags)["position"]: sum(v) for tags, v in per_pos} == {"0": 3, "1": 1, "2": 1}
+
+
+def test_image_steps_record_the_encoder_s_seconds_and_each_request_s_images():
+    """A model that reads images: one encoder-seconds observation per step that encoded, and one
+    images-per-request observation per request added (0 for a text request)."""
+    from cb_serve.serve.metrics import EngineMetrics
+    from cb_serve.stats import MultiModalStats, StepStats
+
+    class Engine:
+        def add_step_listener(self, listener) -> None: ...
+
+        def add_output_listener(self, listener) -> None: ...
+
+    metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
+    metrics._stop.set()  # no flusher: the steps are recorded by hand below
+    base = dict(num_decode_tokens=0, num_prefill_tokens=8, num_scheduled_tokens=8, token_budget=64, num_preempted=0)
+    for mm in [MultiModalStats(2, 0.25, 1, (2, 0)), MultiModalStats(), MultiModalStats(0, 0.0, 3, (1,))]:
+        metrics._record_step(StepStats(num_seqs=2, duration_s=0.5, multimodal=mm, **base))
+    assert metrics.m["encoder_seconds"].all() == [0.25]  # the step that ran the encoder only
+    assert metrics.m["request_images"].all() == [2, 0, 1]
 
 
 def test_expert_load_is_counted_per_expert_and_its_imbalance_per_step():
@@ -729,7 +751,8 @@ def test_prometheus_sees_the_workload_and_every_dashboard_query_has_data(stack):
             missing[f"{title}: {substitute(expr, window)}"] = result
     assert not missing, f"dashboard queries without data: {missing}"
     may_be_empty = {"GPU utilization", "GPU memory", "Jump-forward tokens", "Triton compiles"}
-    assert set(empty_as_allowed) <= may_be_empty | {"Images: encoder and its cache"}
+    images = {"Images: encoder and its cache", "Images: encoder time per step and images per request"}
+    assert set(empty_as_allowed) <= may_be_empty | images
     for title, expr in queries:
         assert not prom.query(substitute(expr, window, ray_io_cluster="no-such-cluster"), at=at), title
 
