@@ -2,10 +2,16 @@
 checked and the images decoded (``image_inputs``), the model's processor run (``processor``), and each image's
 placeholder run within one step's token budget. A rendered chat (``process_chat``: its images taken out of
 the messages by ``chat_template.split_images``) gets no second BOS. Also the other way in: features a front
-end already processed (the HTTP router's), checked against their token ids before the engine takes them."""
+end already processed (the HTTP router's), checked against their token ids before the engine takes them.
+
+An image's pixels are kept once while any request holds them: requests that repeat an image (a shared
+screenshot, every later turn of a conversation about it) take the first one's tensor, by the image's hash."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +30,8 @@ class ImagePrompts:
         self.processor = processor
         self.limits = limits
         self.budget = max_num_batched_tokens
+        self._pixels: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # identifier -> pixel values
+        self._lock = threading.Lock()  # prompts are processed on worker threads
 
     @property
     def placeholder(self) -> str:
@@ -36,7 +44,7 @@ class ImagePrompts:
         loaded = load_images(images, self.limits, param)
         token_ids, features = self.processor.process(text, loaded, add_special_tokens)
         self._check_lengths(features, param)
-        return token_ids, features
+        return token_ids, self._share(features)
 
     def process_chat(self, text: str, images: list[Any]) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
         """A rendered conversation (its template wrote the special tokens) and its messages' images."""
@@ -69,7 +77,14 @@ class ImagePrompts:
             if feature_hash(f.pixel_values, f.grid, self.processor.model_type) != f.identifier:
                 raise InvalidRequestError("An image's identifier is not its pixels' hash.", param)
         self._check_lengths(features, param)
-        return features
+        return self._share(features)
+
+    def _share(self, features: Sequence[MultiModalFeature]) -> tuple[MultiModalFeature, ...]:
+        """The features with each image's pixels the tensor a live earlier feature of the same image holds."""
+        with self._lock:
+            kept = [self._pixels.setdefault(f.identifier, f.pixel_values) for f in features]
+        same = [px is f.pixel_values for f, px in zip(features, kept)]
+        return tuple(f if s else dataclasses.replace(f, pixel_values=px) for f, px, s in zip(features, kept, same))
 
     def _check_lengths(self, features: Sequence[MultiModalFeature], param: str) -> None:
         if too_long := [f.length for f in features if f.length > self.budget]:

@@ -257,6 +257,23 @@ def test_processed_features_are_checked_against_their_prompt(gemma3_vision, stri
             strict_llm.generate([{"prompt_token_ids": ids, "multi_modal_features": features}], params, use_tqdm=False)
 
 
+def test_a_repeated_image_s_pixels_are_kept_once(gemma3_vision):
+    """Prompts that repeat an image (processed here, or sent processed as the router does: a copy) share one
+    pixel tensor while any of them lives (``cb_serve.image_prompts_for``, the router's and engine's path)."""
+    import copy
+
+    from cb_serve import EngineConfig, image_prompts_for
+
+    prompts = image_prompts_for(EngineConfig(model=gemma3_vision[0], **ENGINE))
+    text = f"Look at {prompts.placeholder} now"
+    (ids, (a,)), (_, (b,)) = (prompts.process(text, [image(7)]) for _ in range(2))
+    assert a.pixel_values is b.pixel_values and a.identifier == b.identifier
+    sent = copy.deepcopy(a)  # what an engine replica deserializes
+    assert sent.pixel_values is not a.pixel_values
+    (checked,) = prompts.check(ids, [sent])
+    assert checked.pixel_values is a.pixel_values and checked.offset == a.offset
+
+
 def test_image_urls_are_fetched_only_from_allowed_public_hosts(monkeypatch):
     """http(s) image URLs: off by default; on, only from the allowed domains, never from a host that
     resolves to an internal address; a fetch follows no redirect and reads at most ``max_bytes``."""
