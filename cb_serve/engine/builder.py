@@ -15,7 +15,7 @@ from cb_serve.cpu_ops.kernel_choice import kernel_choice
 from cb_serve.distributed.sharding import shard_for
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.inspector import Inspector
-from cb_serve.engine.kv_cache_sizing import kv_cache_bytes_per_block, num_kv_blocks
+from cb_serve.engine.kv_cache_sizing import encoder_bytes, kv_cache_bytes_per_block, num_kv_blocks
 from cb_serve.engine.processor import InputProcessor
 from cb_serve.engine.scheduler import Scheduler
 from cb_serve.engine.state_slots import StateSlots, recurrent_config
@@ -34,6 +34,7 @@ from cb_serve.model_executor.model_setup import ModelSetup
 from cb_serve.model_executor.warm_up import warm_up
 from cb_serve.model_executor.weight_bytes import describe as describe_weight_bytes
 from cb_serve.model_executor.weight_bytes import weight_bytes_by_format
+from cb_serve.multimodal.encoder_cache import CAPACITY, ENCODER_BATCH
 from cb_serve.multimodal.processor import make_processor
 from cb_serve.reasoning import HarmonyReasoningEnd, reasoning_parser
 from cb_serve.sequence import Sequence
@@ -231,16 +232,18 @@ def _make_runner(
 def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None, model) -> int:
     """KV blocks in the memory the weights and the recurrent layers' state slots (``max_num_seqs`` and a
     scratch one) left (a draft model's weights loaded first, and its cache, as many blocks as the
-    target's, counted in)."""
+    target's, counted in; on a GPU, a model that reads images reserves its encoder's memory too)."""
     if draft is not None:
         draft.load()  # before the KV cache is sized: its weights and its cache share the memory
     rank_config = per_rank_config(s.hf_config, config.tensor_parallel_size, s.device)
     d = draft and draft.setup
     mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype, d.kv_layout)
     states = (config.max_num_seqs + 1) * sum(spec.bytes_per_slot for spec in model.state_specs().values())
+    images = s.mm_config
+    encoder = 0 if images is None else encoder_bytes(images, config, s.dtype.itemsize, CAPACITY, ENCODER_BATCH)
     return num_kv_blocks(
         config, rank_config, s.block_size, s.max_model_len, s.kv_cache_dtype, s.dtype, s.device, mirror, s.kv_layout,
-        states,
+        states, encoder,
     )  # fmt: skip
 
 

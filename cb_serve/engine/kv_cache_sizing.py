@@ -55,6 +55,23 @@ def activation_bytes(hf_config, config: EngineConfig, dtype_size: int) -> int:
     return tokens * per_token + logits + STEP_SLACK_BYTES
 
 
+def encoder_bytes(mm_config, config: EngineConfig, dtype_size: int, capacity: int, batch: int) -> int:
+    """Upper bound on what a model that reads images holds beside a step's activations (CUDA sizing): the
+    encoder cache full (``capacity`` embeddings as wide as the text model) and one encoder call's activations,
+    ``batch`` images of the most patches an image can have, each patch's widest activations (residual, q/k/v,
+    MLP; the towers' attention is ``scaled_dot_product_attention``, whose CUDA kernels keep no score matrix).
+    An image's patches: a fixed square (``image_size / patch_size``, SigLIP), else (patch grids of any size,
+    Qwen3-VL) at most one step's token budget of merged tokens, ``spatial_merge_size ** 2`` patches each (an
+    image's tokens are computed in one step)."""
+    vision, text = mm_config.vision_config, getattr(mm_config, "text_config", mm_config)
+    if getattr(vision, "image_size", None):
+        patches = (vision.image_size // vision.patch_size) ** 2
+    else:
+        patches = config.max_num_batched_tokens * vision.spatial_merge_size**2
+    per_patch = (4 * vision.hidden_size + 3 * vision.intermediate_size) * dtype_size
+    return capacity * text.hidden_size * dtype_size + batch * patches * per_patch
+
+
 def cuda_kv_cache_bytes(free: int, total: int, utilization: float, activations: int) -> int:
     """KV-cache bytes on a device with ``free`` of ``total`` bytes free (after loading the model):
     the engine may use ``utilization * total`` in all, of which other processes' and our own
@@ -83,12 +100,14 @@ def num_kv_blocks(
     mirror_bytes_per_block: int = 0,
     layout: KVCacheLayout | None = None,
     state_bytes: int = 0,
+    encoder: int = 0,
 ) -> int:
     """``num_gpu_blocks``, else ``kv_cache_memory``, else (CUDA) free device memory, else 1 GiB, less
     ``state_bytes`` (recurrent layers' state slots, ``engine/state_slots.py``), in blocks;
     raises if that cannot hold one ``max_model_len`` sequence (in each KV-cache group of ``layout``:
     a sliding group holds only its window and a step's chunk). ``mirror_bytes_per_block``: a second
-    cache with as many blocks shares the memory (a draft model's, ``spec_decode.draft_model``)."""
+    cache with as many blocks shares the memory (a draft model's, ``spec_decode.draft_model``); ``encoder``:
+    the images' memory (``encoder_bytes``), taken from free device memory with the step's activations."""
     layout = layout or KVCacheLayout.from_windows([None] * hf_config.num_hidden_layers)
     per_block = kv_cache_bytes_per_block(hf_config, block_size, kv_cache_dtype, layout) + mirror_bytes_per_block
     if config.num_gpu_blocks:
@@ -97,7 +116,7 @@ def num_kv_blocks(
         num = max(0, config.kv_cache_memory - state_bytes) // per_block
     elif device.type == "cuda":
         free, total = free_device_memory(device)
-        activations = activation_bytes(hf_config, config, dtype.itemsize)
+        activations = activation_bytes(hf_config, config, dtype.itemsize) + encoder
         budget = cuda_kv_cache_bytes(free, total, config.gpu_memory_utilization, activations)
         num = max(0, budget - state_bytes) // per_block
     else:

@@ -20,7 +20,7 @@ from models import assert_greedy_match
 from cb_serve import LLM, SamplingParams
 from cb_serve.attention.base import AttentionMetadata
 from cb_serve.config import EngineConfig
-from cb_serve.engine.kv_cache_sizing import activation_bytes, cuda_kv_cache_bytes
+from cb_serve.engine.kv_cache_sizing import activation_bytes, cuda_kv_cache_bytes, encoder_bytes
 from cb_serve.model_executor.cuda_graph import DecodeBuffers, DecodeGraphRunner, bucket_for, capture_sizes
 from cb_serve.model_executor.models import MODELS
 
@@ -89,6 +89,22 @@ def test_decode_buffers_hold_each_kv_cache_group():
     assert static.for_layer(1).block_table[:2, :2].tolist() == [[0, 12], [13, 0]]
     assert static.for_layer(1).slot_mapping.tolist() == [12 * 16 + 3, 13 * 16 + 2, -1, -1]
     assert static.for_layer(1) is static.for_layer(1), "a group's metadata is made once per step"
+
+
+def test_a_model_that_reads_images_reserves_its_encoder_s_memory():
+    """CUDA KV sizing takes the encoder cache (full) and one encoder call's activations from free memory:
+    SigLIP's fixed patch square (Gemma 3 4B's 896 px / 14), or Qwen3-VL's most patches in one step's budget."""
+    from transformers import Gemma3Config, Qwen3VLConfig
+
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_attention_heads=16, image_size=896, patch_size=14)
+    gemma = Gemma3Config(vision_config=vision, text_config={"hidden_size": 2560})
+    config = EngineConfig(model="m", max_num_batched_tokens=2048)
+    cache, patch = 8192 * 2560 * 2, (4 * 1152 + 3 * 4304) * 2
+    assert encoder_bytes(gemma, config, 2, 8192, 8) == cache + 8 * 64 * 64 * patch  # about 1.2 GiB
+    qwen = Qwen3VLConfig()
+    v, width = qwen.vision_config, qwen.text_config.hidden_size
+    per_image = 2048 * 2**2 * (4 * v.hidden_size + 3 * v.intermediate_size) * 2
+    assert encoder_bytes(qwen, config, 2, 8192, 8) == 8192 * width * 2 + 8 * per_image
 
 
 def test_kv_cache_sizing_from_device_memory():
