@@ -74,12 +74,11 @@ class SpecDecodingStats:
 @dataclass
 class MultiModalStats:
     """One step's images (a model that reads them): those it ran through the vision encoder and the host wall
-    seconds of those calls (on a GPU, their launches), those it took from the encoder cache
-    (``EncoderCache.take_stats``); and the image count of each request added since the previous step."""
+    seconds of those calls (on a GPU, their launches) (``EncoderCache.take_stats``); and the image count of
+    each request added since the previous step."""
 
     num_images_encoded: int = 0
     encoder_s: float = 0.0
-    num_encoder_cache_hits: int = 0
     request_images: tuple[int, ...] = ()
 
 

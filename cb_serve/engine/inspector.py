@@ -202,19 +202,7 @@ class Inspector:
         finished: list[tuple[str, int, str]] = []
         for i, (seq, n, (computed, target)) in enumerate(zip(sched.seqs, sched.num_scheduled_tokens, before)):
             tl = self.live.get(seq.request_id)
-            grammar = seq.matcher is not None
-            caught_up = target - computed == 1 and computed >= seq.num_prompt_tokens
-            drafted = n - 1 if caught_up and n > 1 and not grammar else 0  # the sample's token + drafts
-            accepted = min(drafted, max(0, seq.num_tokens - target - 1)) if drafted else 0
-            is_decode = (n == 1 or drafted > 0) and computed >= seq.num_prompt_tokens
-            chunk = 0 if is_decode else 1 if i >= first_admitted else self._next_chunk(tl, seq.index)
-            forced = n - 1 if grammar and n > 1 and computed >= seq.num_prompt_tokens else 0  # a sample + forced tokens
-            record = ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk, grammar, forced)
-            if drafted:
-                record = replace(record, drafted=drafted, accepted=accepted)
-            if seq.mm_features and not is_decode:
-                record = replace(record, **_image_share(seq, computed, n))
-            scheduled.append(record)
+            scheduled.append(self._scheduled_seq(seq, n, computed, target, i >= first_admitted, tl))
             if i >= first_admitted:
                 admitted.append((seq.request_id, seq.index))
             if seq.is_finished:
@@ -246,6 +234,25 @@ class Inspector:
                 *encoder,
             )  # fmt: skip
         )
+
+    def _scheduled_seq(
+        self, seq: Sequence, n: int, computed: int, target: int, admitted: bool, tl: RequestTimeline | None
+    ) -> ScheduledSeq:
+        """What one sequence's ``n`` tokens were: a decode (with drafts verified, or tokens a grammar forced)
+        or a prefill chunk (its number, its image tokens)."""
+        grammar = seq.matcher is not None
+        caught_up = target - computed == 1 and computed >= seq.num_prompt_tokens
+        drafted = n - 1 if caught_up and n > 1 and not grammar else 0  # the sample's token + drafts
+        accepted = min(drafted, max(0, seq.num_tokens - target - 1)) if drafted else 0
+        is_decode = (n == 1 or drafted > 0) and computed >= seq.num_prompt_tokens
+        chunk = 0 if is_decode else 1 if admitted else self._next_chunk(tl, seq.index)
+        forced = n - 1 if grammar and n > 1 and computed >= seq.num_prompt_tokens else 0  # a sample + forced tokens
+        record = ScheduledSeq(seq.request_id, seq.index, n, computed, target, is_decode, chunk, grammar, forced)
+        if drafted:
+            record = replace(record, drafted=drafted, accepted=accepted)
+        if seq.mm_features and not is_decode:
+            record = replace(record, **_image_share(seq, computed, n))
+        return record
 
     def _record_seq(
         self, tl: RequestTimeline, s: ScheduledSeq, seq: Sequence, admitted: bool, step_id: int, t0: float, t1: float

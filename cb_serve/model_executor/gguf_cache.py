@@ -76,8 +76,7 @@ def cached(
             scratch.rename(directory)
         except OSError:  # another process wrote it first
             shutil.rmtree(scratch, ignore_errors=True)
-        mark_used(directory.parent)
-        prune(keep=directory.parent)
+        prune(keep=directory.parent)  # (the rename into it marked its entry used)
     except OSError as e:  # a read-only or full disk: serve without the cache
         logger.warning("could not cache the %s parsed from the GGUF file under %s: %s", kind, directory.parent, e)
     return value

@@ -44,7 +44,6 @@ class EncoderCache:
             if (hit := self.entries.get(f.identifier)) is not None:
                 self.entries.move_to_end(f.identifier)
                 self.num_hits += 1
-                self.step.num_encoder_cache_hits += 1
                 out[f.identifier] = hit
             else:
                 missing[f.identifier] = f
@@ -66,7 +65,7 @@ class EncoderCache:
         return out
 
     def take_stats(self) -> MultiModalStats:
-        """The images encoded and taken from the cache since the previous call, and the encoder's seconds."""
+        """The images encoded since the previous call, and the encoder's seconds."""
         stats, self.step = self.step, MultiModalStats()
         return stats
 

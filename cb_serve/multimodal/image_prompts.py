@@ -83,8 +83,8 @@ class ImagePrompts:
         """The features with each image's pixels the tensor a live earlier feature of the same image holds."""
         with self._lock:
             kept = [self._pixels.setdefault(f.identifier, f.pixel_values) for f in features]
-        same = [px is f.pixel_values for f, px in zip(features, kept)]
-        return tuple(f if s else dataclasses.replace(f, pixel_values=px) for f, px, s in zip(features, kept, same))
+        swap = dataclasses.replace
+        return tuple(f if px is f.pixel_values else swap(f, pixel_values=px) for f, px in zip(features, kept))
 
     def _check_lengths(self, features: Sequence[MultiModalFeature], param: str) -> None:
         if too_long := [f.length for f in features if f.length > self.budget]:

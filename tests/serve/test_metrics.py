@@ -219,9 +219,9 @@ def test_requests_and_sequences_are_counted_apart(random_model_dir):
         assert {dict(tags)["model_name"] for tags in metrics.m[name].values} == {"tiny"}
 
 
-def test_speculative_decoding_counters_follow_the_steps():
+def hand_fed_metrics():
+    """``EngineMetrics`` of an engine that never steps, with no flusher: a test records steps by hand."""
     from cb_serve.serve.metrics import EngineMetrics
-    from cb_serve.stats import StepStats
 
     class Engine:
         def add_step_listener(self, listener) -> None: ...
@@ -229,7 +229,14 @@ def test_speculative_decoding_counters_follow_the_steps():
         def add_output_listener(self, listener) -> None: ...
 
     metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
-    metrics._stop.set()  # no flusher: the steps are recorded by hand below
+    metrics._stop.set()
+    return metrics
+
+
+def test_speculative_decoding_counters_follow_the_steps():
+    from cb_serve.stats import StepStats
+
+    metrics = hand_fed_metrics()
     base = dict(num_decode_tokens=15, num_prefill_tokens=0, num_scheduled_tokens=15, token_budget=64, num_preempted=0)
     for drafts, tokens, accepted, per_pos in [(2, 7, 4, (2, 1, 1, 0)), (0, 0, 0, ()), (1, 4, 1, (1, 0, 0, 0))]:
         step = StepStats(num_seqs=4, duration_s=0.01, **base)
@@ -246,18 +253,11 @@ def test_speculative_decoding_counters_follow_the_steps():
 def test_image_steps_record_the_encoder_s_seconds_and_each_request_s_images():
     """A model that reads images: one encoder-seconds observation per step that encoded, and one
     images-per-request observation per request added (0 for a text request)."""
-    from cb_serve.serve.metrics import EngineMetrics
     from cb_serve.stats import MultiModalStats, StepStats
 
-    class Engine:
-        def add_step_listener(self, listener) -> None: ...
-
-        def add_output_listener(self, listener) -> None: ...
-
-    metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
-    metrics._stop.set()  # no flusher: the steps are recorded by hand below
+    metrics = hand_fed_metrics()
     base = dict(num_decode_tokens=0, num_prefill_tokens=8, num_scheduled_tokens=8, token_budget=64, num_preempted=0)
-    for mm in [MultiModalStats(2, 0.25, 1, (2, 0)), MultiModalStats(), MultiModalStats(0, 0.0, 3, (1,))]:
+    for mm in [MultiModalStats(2, 0.25, (2, 0)), MultiModalStats(), MultiModalStats(0, 0.0, (1,))]:
         metrics._record_step(StepStats(num_seqs=2, duration_s=0.5, multimodal=mm, **base))
     assert metrics.m["encoder_seconds"].all() == [0.25]  # the step that ran the encoder only
     assert metrics.m["request_images"].all() == [2, 0, 1]
@@ -268,16 +268,9 @@ def test_expert_load_is_counted_per_expert_and_its_imbalance_per_step():
     increment per expert that had any), and one imbalance observation per step."""
     import numpy as np
 
-    from cb_serve.serve.metrics import EngineMetrics
     from cb_serve.stats import ExpertLoad, StepStats
 
-    class Engine:
-        def add_step_listener(self, listener) -> None: ...
-
-        def add_output_listener(self, listener) -> None: ...
-
-    metrics = EngineMetrics(Engine(), "tiny", interval_s=3600, api=FAKE_API)
-    metrics._stop.set()  # no flusher: the steps are recorded by hand below
+    metrics = hand_fed_metrics()
     base = dict(num_decode_tokens=4, num_prefill_tokens=0, num_scheduled_tokens=4, token_budget=64, num_preempted=0)
     balanced = np.array([[2, 2, 2, 2], [2, 2, 2, 2]])  # 4 tokens, top 2, two MoE layers of 4 experts
     skewed = np.array([[4, 4, 0, 0], [8, 0, 0, 0]])  # layer 1 sends every pair to expert 0
