@@ -18,6 +18,7 @@ from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.expert_heatmap import ExpertHeatmap
 from cb_serve.engine.kv_map import kv_map
 from cb_serve.kv_cache_interface import NULL_BLOCK
+from cb_serve.multimodal.features import image_share
 from cb_serve.sequence import SchedulerOutput, Sequence
 
 MAX_KV_CELLS = 4096  # a larger cache is summarized: one cell per group of blocks
@@ -145,13 +146,6 @@ class RequestTimeline:
         }
 
 
-def _image_share(seq: Sequence, start: int, num_tokens: int) -> dict[str, int]:
-    """The image placeholders among a chunk's tokens ``start : start + num_tokens``, and their images."""
-    spans = [(max(start, f.offset), min(start + num_tokens, f.end)) for f in seq.mm_features]
-    spans = [(lo, hi) for lo, hi in spans if lo < hi]
-    return {"image_tokens": sum(hi - lo for lo, hi in spans), "images": len(spans)}
-
-
 def _decode_summary(d: list[float]) -> dict[str, Any]:
     return {"steps": int(d[0]), "first_step": int(d[1]), "last_step": int(d[2]), "start": d[3], "end": d[4]}
 
@@ -251,7 +245,7 @@ class Inspector:
         if drafted:
             record = replace(record, drafted=drafted, accepted=accepted)
         if seq.mm_features and not is_decode:
-            record = replace(record, **_image_share(seq, computed, n))
+            record = replace(record, **image_share(seq.mm_features, computed, n))
         return record
 
     def _record_seq(

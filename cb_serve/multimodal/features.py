@@ -55,3 +55,10 @@ def fit_chunk(features: Sequence[MultiModalFeature], num_computed: int, num_new:
         if f.offset < end < f.end:
             return max(0, f.offset - num_computed)
     return num_new
+
+
+def image_share(features: Sequence[MultiModalFeature], start: int, num_tokens: int) -> dict[str, int]:
+    """The image placeholders among a chunk's tokens ``start : start + num_tokens``, and their images."""
+    spans = [(max(start, f.offset), min(start + num_tokens, f.end)) for f in features]
+    spans = [(lo, hi) for lo, hi in spans if lo < hi]
+    return {"image_tokens": sum(hi - lo for lo, hi in spans), "images": len(spans)}
