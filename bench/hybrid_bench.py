@@ -13,13 +13,18 @@ attention layer) at a long context, cb-serve against HF transformers.
    tokens each: cb-serve's engine stepped until every sequence has its first token (prefill), then timed to
    the end; HF: one batched forward with its cache (prefill, no padding: equal lengths), then a greedy loop of
    one-token forwards on that cache, timed. Tokens/s of the decode phase; the greedy tokens compared.
-4. **Against the physical limit:** a decode step reads the weights (as each ``Linear`` streams them), every
+4. **A conversation's next turn** (issue 55): a ``--history``-token first turn, ``--turn-tokens`` generated, then
+   the next turn (the history, the answer and ``--turn-prompt`` new tokens): its time to first token with prefix
+   caching (the engine resumes from the recurrent states it kept at the last full block,
+   ``engine/state_snapshots.py``) and without (the whole conversation prefilled again), the same greedy tokens.
+5. **Against the physical limit:** a decode step reads the weights (as each ``Linear`` streams them), every
    sequence's KV over its context, and reads and writes its recurrent state; the DRAM read bandwidth
    (``bandwidth.read_bandwidth``) over those bytes is the step's floor.
 
 Run from the repository root:
     .venv/bin/python bench/hybrid_bench.py --json bench/results/hybrid.json     # ~10 min on 2 cores
     .venv/bin/python bench/hybrid_bench.py --context 512 --new-tokens 8 --num-layers 4   # smoke test
+    .venv/bin/python bench/hybrid_bench.py --turns-only --json bench/results/hybrid_turns.json   # item 4 alone
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--batch", type=int, default=4, help="Sequences decoded together.")
     run.add_argument("--new-tokens", type=int, default=64)
     run.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    run.add_argument("--history", type=int, default=4096, help="The first turn's prompt tokens (item 4).")
+    run.add_argument("--turn-tokens", type=int, default=32, help="Tokens the first turn generates.")
+    run.add_argument("--turn-prompt", type=int, default=64, help="New prompt tokens of the next turn.")
+    run.add_argument("--turns-only", action="store_true", help="Run item 4 alone.")
     run.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     run.add_argument("--json", help="Write the results here.")
     return parser.parse_args(argv)
@@ -232,9 +241,56 @@ def run_hf(model_dir: Path, args: argparse.Namespace, prompts: list[list[int]]) 
     }
 
 
+def next_turn_ttft(model_dir: Path, args: argparse.Namespace, caching: bool) -> dict[str, Any]:
+    """Item 4: the next turn's time to first token after a ``--history``-token first turn (prefix caching on
+    or off), and its greedy tokens."""
+    gen = torch.Generator().manual_seed(2)
+    history = torch.randint(100, 40000, (args.history,), generator=gen).tolist()
+    extra = torch.randint(100, 40000, (args.turn_prompt,), generator=gen).tolist()
+    llm = LLM(str(model_dir), **dict(engine_args(args), max_model_len=len(history) + 2 * 256 + 16, max_num_seqs=2),
+              enable_prefix_caching=caching)  # fmt: skip
+    try:
+        llm.generate([history[:64]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm
+        params = SamplingParams(temperature=0, max_tokens=args.turn_tokens, ignore_eos=True)
+        (first,) = llm.generate([history], params, use_tqdm=False)
+        turn = history + list(first.outputs[0].token_ids) + extra
+        engine, start = llm.engine, time.perf_counter()
+        engine.add_request("turn", turn, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        ttft, tokens, cached = None, [], 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if ttft is None and out.outputs[0].token_ids:
+                    ttft = time.perf_counter() - start
+                tokens, cached = list(out.outputs[0].token_ids), out.num_cached_tokens or cached
+        return {"ttft_s": ttft, "prompt_tokens": len(turn), "cached_tokens": cached, "tokens": tokens}
+    finally:
+        llm.engine.shutdown()
+
+
+def next_turn(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cached, uncached = next_turn_ttft(model_dir, args, True), next_turn_ttft(model_dir, args, False)
+    result = {
+        "history": args.history,
+        "with_prefix_caching": {k: v for k, v in cached.items() if k != "tokens"},
+        "without": {k: v for k, v in uncached.items() if k != "tokens"},
+        "ttft_speedup": uncached["ttft_s"] / cached["ttft_s"],
+        "same_tokens": cached["tokens"] == uncached["tokens"],
+    }
+    log(f"next turn after {args.history} tokens: TTFT {cached['ttft_s'] * 1e3:.0f} ms cached "
+        f"({cached['cached_tokens']} tokens resumed), {uncached['ttft_s'] * 1e3:.0f} ms without: "
+        f"{result['ttft_speedup']:.1f}x")  # fmt: skip
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    hybrid, dense = build_model(args, all_attention=False), build_model(args, all_attention=True)
+    hybrid = build_model(args, all_attention=False)
+    if args.turns_only:
+        turn = next_turn(hybrid, args)
+        result = {"cpu": cpu_model_and_flags()[0], "threads": torch.get_num_threads(), "next_turn": turn}
+        write_json(args.json, result)
+        return result
+    dense = build_model(args, all_attention=True)
     log(f"models: {hybrid}, {dense}")
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(100, 40000, (args.batch, args.context), generator=gen).tolist()
@@ -271,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "read_bandwidth_gb_s": bandwidth["gb_s"],
         "decode_floor_tok_s": args.batch / floor_s,
         "decode_fraction_of_floor": ours["decode_tok_s"] / (args.batch / floor_s),
+        "next_turn": next_turn(hybrid, args),
     }
     log(json.dumps(result, indent=2))
     write_json(args.json, result)

@@ -78,31 +78,47 @@ def probe_words(hashes: bytes) -> np.ndarray:
     return np.frombuffer(hashes, dtype="<u4").reshape(-1, HASH_BYTES // 4)[:, :NUM_PROBES]
 
 
+def bloom_holds(bits: bytes, num_bits: int, hashes: bytes) -> np.ndarray:
+    """Per hash of ``hashes`` (concatenated), whether a Bloom filter's packed ``bits`` hold it."""
+    positions = probe_words(hashes) % np.uint32(num_bits)
+    table = np.frombuffer(bits, dtype=np.uint8)
+    return ((table[positions >> 3] >> (positions & 7).astype(np.uint8)) & 1).all(axis=1)
+
+
 @dataclass(frozen=True)
 class PrefixDigest:
-    """What one replica's prefix cache holds: a Bloom filter over its cached blocks' hashes."""
+    """What one replica's prefix cache holds: a Bloom filter over its cached blocks' hashes. A hybrid
+    model's adds one over the boundaries where its recurrent states are kept (``boundary_bits``: a hit
+    ends at one of those, ``engine/state_snapshots.py``)."""
 
     block_size: int
     num_bits: int
     bits: bytes  # packed, little-endian bit order
     num_cached_blocks: int
+    boundary_num_bits: int = 0
+    boundary_bits: bytes = b""
 
     def hit_blocks(self, hashes: bytes) -> int:
         """The longest run of leading blocks of ``hashes`` (concatenated, see
-        ``prefix_block_hashes``) that the filter holds; may over-count by a false positive."""
+        ``prefix_block_hashes``) that the filter holds, ending at a kept boundary if the replica needs
+        one; may over-count by a false positive."""
         if not hashes or self.num_cached_blocks == 0:
             return 0
-        positions = probe_words(hashes) % np.uint32(self.num_bits)
-        table = np.frombuffer(self.bits, dtype=np.uint8)
-        held = ((table[positions >> 3] >> (positions & 7).astype(np.uint8)) & 1).all(axis=1)
-        return int(held.size if held.all() else held.argmin())
+        held = bloom_holds(self.bits, self.num_bits, hashes)
+        run = int(held.size if held.all() else held.argmin())
+        if not self.boundary_num_bits or run == 0:
+            return run
+        kept = np.flatnonzero(bloom_holds(self.boundary_bits, self.boundary_num_bits, hashes[: run * HASH_BYTES]))
+        return int(kept[-1]) + 1 if kept.size else 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("block_size", "num_bits", "bits", "num_cached_blocks")}
+        names = ("block_size", "num_bits", "bits", "num_cached_blocks", "boundary_num_bits", "boundary_bits")
+        return {k: getattr(self, k) for k in names}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PrefixDigest:
-        return cls(int(d["block_size"]), int(d["num_bits"]), bytes(d["bits"]), int(d["num_cached_blocks"]))
+        boundary = (int(d.get("boundary_num_bits", 0)), bytes(d.get("boundary_bits", b"")))
+        return cls(int(d["block_size"]), int(d["num_bits"]), bytes(d["bits"]), int(d["num_cached_blocks"]), *boundary)
 
 
 class CountingBloom:
@@ -128,9 +144,13 @@ class CountingBloom:
         self.counts[positions] -= 1
         self.num_entries -= 1
 
-    def digest(self) -> PrefixDigest:
-        bits = np.packbits(self.counts > 0, bitorder="little").tobytes()
-        return PrefixDigest(self.block_size, self.num_bits, bits, self.num_entries)
+    def packed(self) -> bytes:
+        return np.packbits(self.counts > 0, bitorder="little").tobytes()
+
+    def digest(self, boundaries: CountingBloom | None = None) -> PrefixDigest:
+        """The router's view (``boundaries``: where a hybrid model's snapshots are kept)."""
+        extra = () if boundaries is None else (boundaries.num_bits, boundaries.packed())
+        return PrefixDigest(self.block_size, self.num_bits, self.packed(), self.num_entries, *extra)
 
 
 @dataclass(frozen=True)

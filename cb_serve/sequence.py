@@ -197,6 +197,8 @@ class SchedulerOutput:
     # The grammar's masks of the step's constrained sampling positions, being filled while the
     # forward pass runs (``StructuredOutputManager.grammar_bitmask``); None: no constrained row.
     grammar_bitmask: Any = None
+    # A hybrid model's state copies (``engine.state_snapshots.StateCopies``): prefix hits' restores, saves
+    state_copies: Any = None
 
     @property
     def total_tokens(self) -> int:

@@ -202,6 +202,10 @@ class EngineStats:
     # Recurrent layers (hybrid models): state slots held by running sequences, of max_num_seqs (0 and 0 otherwise)
     state_slots_used: int = 0
     state_slots_total: int = 0
+    # and, with prefix caching, snapshots of those states at block boundaries (a hit resumes from one):
+    # registered or being saved, of all (``engine/state_snapshots.py``; 0 and 0 otherwise)
+    state_snapshots_used: int = 0
+    state_snapshots_total: int = 0
     # Images (a model that reads them): images run through the vision encoder, images a step took from
     # the encoder cache instead (a repeated image, a chunk or re-prefill of one seen), embeddings it holds
     num_images_encoded: int = 0

@@ -19,7 +19,9 @@ SHARED_PREFIX = 70  # tokens shared by several prompts: 4 full blocks of 16
 
 
 def make_prompts(token_pool: list[int], seed: int) -> tuple[list[list[int]], list[int]]:
-    """16 prompts of PROMPT_LENGTHS plus 4 that share a prefix with an earlier one."""
+    """16 prompts of PROMPT_LENGTHS plus 4 that share a prefix with an earlier one: two its first
+    ``SHARED_PREFIX`` tokens (a system prompt), two all of it (the next turn of a conversation: where a
+    hybrid model keeps its recurrent states, ``engine/state_snapshots.py``)."""
     rng = random.Random(seed)
     prompts = []
     for n in PROMPT_LENGTHS:
@@ -27,8 +29,9 @@ def make_prompts(token_pool: list[int], seed: int) -> tuple[list[list[int]], lis
         prompts.append(token_pool[start : start + n])
     for i, n in enumerate([90, 120, 75, 200]):  # arrive after prompt 7 (len 100) was computed
         base = prompts[7 + (i % 2) * 4]
+        shared = len(base) if i in (1, 2) else SHARED_PREFIX  # a later turn of its conversation, or a system prompt
         suffix = token_pool[rng.randrange(len(token_pool) - n) :][: n - SHARED_PREFIX]
-        prompts.append(base[:SHARED_PREFIX] + suffix)
+        prompts.append(base[:shared] + suffix)
     max_tokens = [rng.randint(1, 24) for _ in prompts]
     return prompts, max_tokens
 
@@ -38,7 +41,7 @@ def check_engine_exercised(llm: LLM, prompts: list[list[int]], deltas: dict[str,
     bs = STRESS_ENGINE_ARGS["block_size"]
     assert deltas["num_partial_prefills"] > 0, "no prompt was chunked"
     assert deltas["num_preemptions"] > 0, "no sequence was preempted"
-    if llm.engine.config.enable_prefix_caching:  # off, with its reason logged, for recurrent models
+    if llm.engine.config.enable_prefix_caching:
         assert deltas["prefix_cache_hits"] > 0, "no prefix-cache hit"
     assert any(len(p) % bs for p in prompts) and any(len(p) > bs for p in prompts)
     assert max(len(p) for p in prompts) > STRESS_ENGINE_ARGS["max_num_batched_tokens"]

@@ -151,14 +151,21 @@ def make_qwen3_vl(tmp: Path, tokenizer, family: str = "qwen3_vl"):
     return str(directory), images, tok, model
 
 
-def qwen3_vl_greedy(images_processor, tok, model, text: str, images: list, max_new_tokens: int) -> list[int]:
-    """HF's greedy tokens for a prompt with ``<|image_pad|>`` placeholders, expanded by ``Qwen3VLProcessor``'s
-    rule (``t * h * w / merge^2`` pads per image), with the model's M-RoPE inputs."""
+def qwen_prompt_ids(images_processor, tok, text: str, images: list) -> tuple[torch.Tensor, dict]:
+    """The ids of a prompt with ``<|image_pad|>`` placeholders, expanded by ``Qwen3VLProcessor``'s rule
+    (``t * h * w / merge^2`` pads per image), and the image processor's output."""
     out = images_processor(images=images, return_tensors="pt")
-    grids = out["image_grid_thw"]
     pieces = text.split("<|image_pad|>")
+    grids = out["image_grid_thw"]
     expanded = pieces[0] + "".join("<|image_pad|>" * (int(g.prod()) // 4) + p for g, p in zip(grids, pieces[1:]))
-    ids = tok(expanded, return_tensors="pt")["input_ids"]
+    return tok(expanded, return_tensors="pt")["input_ids"], out
+
+
+def qwen3_vl_greedy(images_processor, tok, model, text: str, images: list, max_new_tokens: int) -> list[int]:
+    """HF's greedy tokens for a prompt with ``<|image_pad|>`` placeholders (``qwen_prompt_ids``), with the
+    model's M-RoPE inputs."""
+    ids, out = qwen_prompt_ids(images_processor, tok, text, images)
+    grids = out["image_grid_thw"]
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     with torch.no_grad():
         gen = model.generate(

@@ -142,6 +142,15 @@ class EngineConfig:
         choices=TOOL_CALL_PARSERS,
     )
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes.")
+    state_snapshot_memory: int | None = _arg(
+        None,
+        "Hybrid models (recurrent layers) with prefix caching: bytes for snapshots of the recurrent states at "
+        "block boundaries, which a cached prefix resumes from (default: one snapshot per max_num_seqs; 0 turns "
+        "prefix caching off for these models). Taken from the KV cache's memory.",
+    )
+    num_state_snapshots: int | None = _arg(
+        None, "Hybrid models: the number of recurrent-state snapshots; overrides state_snapshot_memory."
+    )
     enable_chunked_prefill: bool = _arg(True, "Split long prompts across steps under the token budget.")
     disable_hybrid_kv_cache_manager: bool = _arg(
         False,
@@ -289,6 +298,10 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        for name in ("state_snapshot_memory", "num_state_snapshots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
 
     def image_limit(self) -> int | None:
         """The images one prompt may carry as configured (None: the default where the model reads images)."""

@@ -7,7 +7,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 
+from cb_serve.engine.block_invariants import check_blocks
 from cb_serve.engine.state_slots import StateSlots
+from cb_serve.engine.state_snapshots import StateSnapshots
 from cb_serve.kv_cache_interface import NULL_BLOCK
 from cb_serve.prefix_hash import CountingBloom, PrefixDigest, PrefixHit, block_extra_keys, chain_hash, num_hit_blocks
 from cb_serve.sequence import Sequence
@@ -33,6 +35,10 @@ class BlockManager:
     they stay cached. A prefix hit then needs, in such a group, only the window's blocks before
     the hit point. Prefix-cache hashes are the same in every group (the tokens'); each group keeps
     its own blocks under them, and the router's digest counts the first group's.
+
+    A hybrid model's recurrent layers hold a state slot per running sequence (``state_slots``), taken and
+    given back with its blocks; with prefix caching, a hit also needs a snapshot of those states at its
+    end (``snapshots``, ``engine/state_snapshots.py``), which the hit's step restores.
     """
 
     def __init__(
@@ -42,8 +48,10 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         group_windows: Seq[int | None] = (None,),
         state_slots: StateSlots | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         assert num_blocks > 0 and block_size > 0 and group_windows
+        assert not (enable_prefix_caching and state_slots and not snapshots), "a hybrid model's hit needs its states"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -59,6 +67,7 @@ class BlockManager:
         self.num_evictions = 0  # cached blocks whose content was dropped for reuse
         self.bloom = CountingBloom(num_blocks, block_size) if enable_prefix_caching else None
         self.state_slots = state_slots  # recurrent layers' slots, taken and freed with the blocks
+        self.snapshots = snapshots if enable_prefix_caching else None  # their states at block boundaries
         self._all_full = all(w is None for w in self.group_windows)  # no group gives blocks back as it goes
 
     @property
@@ -152,8 +161,12 @@ class BlockManager:
                     n = i
                     break
             found.append(blocks)
-        while n > 0 and any(None in found[g][self._window_start(g, n * bs) : n] for g in range(self.num_groups)):
+        resumable = self.snapshots is None or n == 0 or self.snapshots.has(hashes[n - 1])
+        while n > 0 and (
+            not resumable or any(None in found[g][self._window_start(g, n * bs) : n] for g in range(self.num_groups))
+        ):
             n -= 1
+            resumable = self.snapshots is None or n == 0 or self.snapshots.has(hashes[n - 1])
         tables = tuple(
             tuple(NULL_BLOCK if i < self._window_start(g, n * bs) else found[g][i] for i in range(n))
             for g in range(self.num_groups)
@@ -209,6 +222,8 @@ class BlockManager:
             return False
         if needs_slot:
             self.state_slots.take(seq)
+            if hit is not None and self.snapshots is not None:  # its states at the hit's end, in this step
+                self.snapshots.restore(self.block_hashes[seq.seq_id][hit.num_blocks - 1], seq)
         if len(seq.block_tables) != self.num_groups or hit is not None:
             seq.block_tables = [list(t) for t in tables]
         if hit is not None:
@@ -270,6 +285,8 @@ class BlockManager:
         """Call after a step raised ``seq.num_computed_tokens``: registers newly full blocks."""
         if self.enable_prefix_caching:
             self._register_full_blocks(seq)
+            if self.snapshots is not None:
+                self.snapshots.commit(seq, lambda n: self._hashes(seq, n))
 
     def free(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks; tail blocks first, so they are evicted before the prefix."""
@@ -281,10 +298,14 @@ class BlockManager:
         self.num_registered.pop(seq.seq_id, None)
         if self.state_slots is not None:
             self.state_slots.release(seq)
+        if self.snapshots is not None:
+            self.snapshots.drop(seq)
 
     def forget(self, seq: Sequence) -> None:
         """Drop per-sequence hash state once a sequence is finished for good."""
         self.block_hashes.pop(seq.seq_id, None)
+        if self.snapshots is not None:
+            self.snapshots.forget(seq)
 
     def _uncache(self, block_id: int) -> None:
         group, block_hash, _ = self._content.pop(block_id)
@@ -299,42 +320,22 @@ class BlockManager:
             self._uncache(block_id)
         self._free_uncached.extend(reversed(self._free_cached))
         self._free_cached.clear()
+        if self.snapshots is not None:
+            self.snapshots.reset()
 
     def digest(self) -> PrefixDigest | None:
         """What the prefix cache holds, for routing; None without prefix caching."""
-        return self.bloom.digest() if self.bloom is not None else None
+        if self.bloom is None:
+            return None
+        return self.bloom.digest(self.snapshots.bloom if self.snapshots is not None else None)
 
     def check_invariants(self, live: Iterable[Sequence]) -> None:
         """Every block is either free (ref 0, free once) or referenced exactly as often as it
-        appears in live block tables; cached hashes point at their blocks. O(blocks used so far)."""
+        appears in live block tables; cached hashes point at their blocks; each state slot and snapshot
+        is held once (``block_invariants``). O(blocks used so far)."""
         live = list(live)
         if self.state_slots is not None:
             self.state_slots.check_invariants(live)
-        num_touched = len(self._refs)
-        refs = [0] * num_touched
-        for seq in live:
-            assert len({len(t) for t in seq.block_tables}) == 1, "groups' tables of one length"
-            for g, table in enumerate(seq.block_tables):
-                live_blocks = [b for b in table if b != NULL_BLOCK]
-                assert self.group_windows[g] is not None or len(live_blocks) == len(table), "a hole in a full group"
-                assert table[len(table) - len(live_blocks) :] == live_blocks, "a hole after a live block"
-                for block_id in live_blocks:
-                    assert 0 <= block_id < num_touched, (block_id, num_touched)
-                    refs[block_id] += 1
-        if refs != self._refs:
-            bad = next(b for b in range(num_touched) if refs[b] != self._refs[b])
-            raise AssertionError((bad, self._refs[bad], refs[bad]))
-        free = [*self._free_uncached, *self._free_cached]
-        assert len(set(free)) == len(free) == refs.count(0), "a free block twice, or a ref-0 block not free"
-        assert all(refs[b] == 0 for b in free)
-        assert not any(b in self._content for b in self._free_uncached)
-        assert all(b in self._content for b in self._free_cached)
-        assert len(self._content) == sum(len(c) for c in self.cached_by_group)
-        for g, cached in enumerate(self.cached_by_group):
-            for h, block_id in cached.items():
-                assert self._content[block_id][:2] == (g, h)
-        if self.bloom is not None:
-            expected = CountingBloom(self.num_blocks, self.block_size)
-            for h in self.cached:
-                expected.add(h)
-            assert (expected.counts == self.bloom.counts).all() and self.bloom.num_entries == len(self.cached)
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()
+        check_blocks(self, live)

@@ -19,6 +19,7 @@ from cb_serve.engine.kv_cache_sizing import encoder_bytes, kv_cache_bytes_per_bl
 from cb_serve.engine.processor import InputProcessor
 from cb_serve.engine.scheduler import Scheduler
 from cb_serve.engine.state_slots import StateSlots, recurrent_config
+from cb_serve.engine.state_snapshots import StateSnapshots
 from cb_serve.executor.base import Executor
 from cb_serve.executor.tensor_parallel import TensorParallelExecutor
 from cb_serve.executor.uniproc import UniProcExecutor
@@ -27,6 +28,7 @@ from cb_serve.fault_injection import FaultInjector
 from cb_serve.lora.admission import LoRAAdmission
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import loader
+from cb_serve.model_executor.cache_tensors import num_state_snapshots, state_bytes_per_slot
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
@@ -109,10 +111,15 @@ def build(config: EngineConfig) -> EngineParts:
     with device_context(setup.device):  # load, KV sizing and graph capture on the engine's device
         executor, lora, speculator = _make_executor(config, setup, draft, spec, structured)
     num_blocks = executor.runner.num_blocks
-    slots = StateSlots(config.max_num_seqs) if setup.kv_layout.state_layers else None
-    block_manager = BlockManager(
-        num_blocks, setup.block_size, config.enable_prefix_caching, setup.kv_layout.group_windows, slots
-    )
+    slots = snapshots = None
+    if setup.kv_layout.state_layers:  # recurrent layers: a state slot per sequence, snapshots for prefix hits
+        slots = StateSlots(config.max_num_seqs)
+        n = executor.runner.state_cache.num_slots - config.max_num_seqs - 1
+        snapshots = StateSnapshots(n, config.max_num_seqs + 1, setup.block_size) if n else None
+        if config.enable_prefix_caching and snapshots is None:
+            logger.warning("Prefix caching off: state_snapshot_memory holds no state of this model's layers.")
+    caching = config.enable_prefix_caching and (slots is None or snapshots is not None)
+    block_manager = BlockManager(num_blocks, setup.block_size, caching, setup.kv_layout.group_windows, slots, snapshots)
     runner = executor.runner
 
     def release(seq: Sequence) -> None:  # a proposer's per-sequence state and the runner's row go with its blocks
@@ -209,6 +216,7 @@ def _make_runner(
         setup.kv_layout,
         record_expert_load=True,  # a mixture of experts' load per step, for the metrics and the inspector
         num_state_slots=config.max_num_seqs,
+        num_state_snapshots=num_state_snapshots(config, state_bytes_per_slot(model)),
     )
     if setup.device.type == "cuda" and config.tensor_parallel_size == 1:
         with device_context(setup.device):
@@ -238,7 +246,8 @@ def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None
     rank_config = per_rank_config(s.hf_config, config.tensor_parallel_size, s.device)
     d = draft and draft.setup
     mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype, d.kv_layout)
-    states = (config.max_num_seqs + 1) * sum(spec.bytes_per_slot for spec in model.state_specs().values())
+    per_slot = state_bytes_per_slot(model)  # the running slots, a scratch one and the snapshots
+    states = (config.max_num_seqs + 1 + num_state_snapshots(config, per_slot)) * per_slot
     images = s.mm_config
     encoder = 0 if images is None else encoder_bytes(images, config, s.dtype.itemsize, CAPACITY, ENCODER_BATCH)
     return num_kv_blocks(

@@ -96,6 +96,7 @@ class Scheduler:
         # (``steps_completed``): the step may still write them.
         self.completed_step = 0
         self.deferred_frees: list[Sequence] = []
+        self.snapshots = block_manager.snapshots  # a hybrid model's states at block boundaries (prefix caching)
 
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
@@ -119,6 +120,8 @@ class Scheduler:
                 if num_new == 0:  # its next image takes more than this step has left
                     i += 1
                     continue
+            if self.snapshots is not None:  # a hybrid model's prefill ends a chunk where its states are kept
+                num_new = self.snapshots.align(seq, seq.num_computed_tokens, num_new)
             if seq.spec_token_ids:
                 del seq.spec_token_ids[max(0, num_new - uncomputed) :]  # the drafts that fit
             assert num_new > 0, seq
@@ -140,6 +143,8 @@ class Scheduler:
 
         if not out.preempted:
             self._admit_waiting(out, budget)
+        if self.snapshots is not None:  # the step's state copies: restores for its hits, saves at boundaries
+            out.state_copies = self.snapshots.plan_saves(out.seqs, out.num_scheduled_tokens)
 
         now = time.monotonic()
         for seq in out.seqs:
@@ -179,6 +184,10 @@ class Scheduler:
                 if num_new == 0:
                     break
                 self.counters.num_partial_prefills += 1
+            if self.snapshots is not None:
+                aligned = self.snapshots.align(seq, num_computed, num_new)
+                self.counters.num_partial_prefills += aligned < num_new == seq.num_tokens - num_computed
+                num_new = aligned
             if not bm.allocate(seq, num_new, hit):
                 break  # nobody overtakes the head of the queue (either policy, as vLLM)
             del self.waiting[i]

@@ -64,8 +64,8 @@ class StateSlots:
 def recurrent_config(config: EngineConfig, model_type: str) -> EngineConfig:
     """``config`` for a model with recurrent layers: speculative decoding and LoRA refused (a rejected
     draft would leave its tokens in the state, which keeps no history to roll back; adapters on the
-    recurrent projections are not built), prefix caching off (a cached KV prefix cannot be resumed
-    without the states at its end, which are not checkpointed at block boundaries), logged."""
+    recurrent projections are not built); prefix caching resumes from the states kept at block boundaries
+    (``state_snapshots``), and is off, logged, when no memory is given to them."""
     if config.speculative_config:
         raise ValueError(
             f"Speculative decoding is not supported for {model_type}: its recurrent layers keep one state per "
@@ -73,10 +73,13 @@ def recurrent_config(config: EngineConfig, model_type: str) -> EngineConfig:
         )
     if config.enable_lora:
         raise ValueError(f"LoRA is not supported for {model_type} (recurrent layers). Drop enable_lora.")
-    if config.enable_prefix_caching:
+    no_snapshots = config.num_state_snapshots == 0 or (
+        config.num_state_snapshots is None and config.state_snapshot_memory == 0
+    )
+    if config.enable_prefix_caching and no_snapshots:
         logger.warning(
-            "Prefix caching disabled for %s: its recurrent layers' states are not kept at block boundaries, so "
-            "a cached prefix could not be resumed.",
+            "Prefix caching disabled for %s: no recurrent states are kept at block boundaries "
+            "(num_state_snapshots or state_snapshot_memory is 0), so a cached prefix could not be resumed.",
             model_type,
         )
         config = dataclasses.replace(config, enable_prefix_caching=False)

@@ -139,7 +139,7 @@ class StatsRecorder:
         waiting_requests = {seq.request_id for seq in s.waiting} - running_requests
         num_waiting_grammar = len(self.structured.waiting)
         lora = dataclasses.asdict(lora_stats(self.lora))
-        slots = s.block_manager.state_slots
+        slots, snapshots = s.block_manager.state_slots, s.block_manager.snapshots
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(compiling),
@@ -148,6 +148,8 @@ class StatsRecorder:
             kv_blocks_total=s.block_manager.num_blocks,
             state_slots_used=slots.num_used if slots else 0,
             state_slots_total=slots.num_slots if slots else 0,
+            state_snapshots_used=snapshots.num_used if snapshots else 0,
+            state_snapshots_total=snapshots.num_snapshots if snapshots else 0,
             num_preemptions=s.counters.num_preemptions,
             num_partial_prefills=s.counters.num_partial_prefills,
             prefix_cache_queries=s.counters.prefix_cache_queries,

@@ -6,7 +6,26 @@ from __future__ import annotations
 import torch
 
 from cb_serve.attention.base import host_to_device
+from cb_serve.config import EngineConfig
 from cb_serve.kv_cache_interface import KVCacheLayout, StateSpec
+
+
+def state_bytes_per_slot(model: torch.nn.Module) -> int:
+    """One state of every recurrent layer of ``model`` (this rank's shard), in bytes (0: no such layer)."""
+    return sum(spec.bytes_per_slot for spec in model.state_specs().values())
+
+
+def num_state_snapshots(config: EngineConfig, bytes_per_state: int) -> int:
+    """How many snapshots a hybrid model keeps (``bytes_per_state``: one state of every recurrent layer on
+    this rank): ``num_state_snapshots``, else ``state_snapshot_memory``'s worth, by default ``max_num_seqs``;
+    none without prefix caching."""
+    if not config.enable_prefix_caching or bytes_per_state == 0:
+        return 0
+    if config.num_state_snapshots is not None:
+        return config.num_state_snapshots
+    if config.state_snapshot_memory is None:
+        return config.max_num_seqs
+    return config.state_snapshot_memory // bytes_per_state
 
 
 def kv_cache_tensors(
@@ -53,8 +72,11 @@ class StateCache:
             for layer, spec in specs.items()
         }
 
-    def reset(self, slots: list[int], query_lens: list[int], seq_lens: list[int]) -> None:
-        """Zero the slots of the rows that start their sequence (no token computed before this step)."""
+    def begin_step(self, copies, slots: list[int], query_lens: list[int], seq_lens: list[int]) -> None:
+        """Before a step's forward pass: prefix hits' states restored (``StateCopies.restores``, or None), and
+        the slots of the rows that start their sequence (no token computed before this step) zeroed."""
+        if copies is not None:
+            self.copy(copies.restores)
         fresh = [slot for slot, q, n in zip(slots, query_lens, seq_lens) if q == n and slot >= 0]
         if not fresh:
             return
@@ -62,3 +84,13 @@ class StateCache:
         for conv, ssm in self.layers.values():
             conv.index_fill_(0, index, 0.0)
             ssm.index_fill_(0, index, 0.0)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Slot ``dst`` of every layer's tensors becomes a copy of slot ``src``, for each ``(src, dst)``, in order."""
+        if not pairs:
+            return
+        device = next(iter(self.layers.values()))[0].device
+        src, dst = (host_to_device(torch.tensor(column), device) for column in zip(*pairs))
+        for tensors in self.layers.values():
+            for t in tensors:
+                t.index_copy_(0, dst, t.index_select(0, src))

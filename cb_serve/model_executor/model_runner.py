@@ -89,9 +89,11 @@ class ModelRunner:
         kv_layout: KVCacheLayout | None = None,
         record_expert_load: bool = False,
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
         """``kv_layout``: the KV-cache groups (default: one group of every layer); ``num_state_slots``: the
-        recurrent layers' slots (``max_num_seqs``; the runner adds a scratch slot)."""
+        recurrent layers' slots (``max_num_seqs``; the runner adds a scratch slot), and after them
+        ``num_state_snapshots`` (``engine/state_snapshots.py``)."""
         cfg = model.config
         self.kv_layout = kv_layout or KVCacheLayout.from_windows([None] * cfg.num_hidden_layers)
         assert self.kv_layout.num_layers == len(model.layers)
@@ -106,7 +108,7 @@ class ModelRunner:
         self.block_rows = BlockTableRows(len(self.kv_layout.groups), max(64, num_state_slots), width)
         self.kv_caches: list = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
         specs = model.state_specs()
-        self.state_cache = StateCache(specs, num_state_slots + 1, device) if specs else None
+        self.state_cache = StateCache(specs, num_state_slots + 1 + num_state_snapshots, device) if specs else None
         for layer, state in self.state_cache.layers.items() if self.state_cache else ():
             self.kv_caches[layer] = state
         self.sampler = Sampler()
@@ -187,6 +189,7 @@ class ModelRunner:
             batch.mm = mm_inputs.plan_images(self.model, seqs, starts, query_lens, cu_q, positions)
         if plan is not None:
             batch.prompt_rows, batch.prompt_top_k = plan.rows, plan.top_k
+        batch.state_copies = sched.state_copies
         if self.lora is not None:  # each token's adapter slot, grouped
             self.lora.set_active_loras([s.lora for s in seqs], row_of_token, self.device)
         inp = self.to_device(batch, seqs, [seqs[i] for i in sampling])
@@ -235,8 +238,8 @@ class ModelRunner:
             state_slot_list=batch.arrays["state_slots"].tolist() if "state_slots" in batch.arrays else [],
             bidirectional_spans=batch.mm.spans if batch.mm is not None else {},
         )
-        if self.state_cache is not None:  # sequences starting this step: HF's zero initial state
-            self.state_cache.reset(meta.state_slot_list, batch.query_lens, batch.seq_lens)
+        if self.state_cache is not None:  # prefix hits' states restored; sequences starting: HF's zero state
+            self.state_cache.begin_step(batch.state_copies, meta.state_slot_list, batch.query_lens, batch.seq_lens)
         ids, positions, logits_indices = t["input_ids"], t["positions"], t["logits_indices"]
         if "prev_token_index" in batch.arrays:  # async scheduling: the step in flight's tokens, device to device
             assert self.prev_sampled is not None
@@ -300,8 +303,7 @@ class ModelRunner:
         seqs, rows_per_seq = inp.sampling_seqs, inp.rows_per_seq
         out = StepResult(seqs, [[] for _ in seqs], [[] for _ in seqs], time.perf_counter() - start)
         if broadcast is None:
-            fwd = self.run_forward(inp)
-            self.prompt_logprobs(inp, fwd.prompt_hidden, out)
+            fwd = self.run_forward(inp, out)
             picked = self.greedy_pick(inp, sched, fwd)
             if picked is not None:
                 out.token_ids, out.logprobs = [[t] for t in picked], [[None] for _ in picked]
@@ -340,11 +342,23 @@ class ModelRunner:
         """The forward pass, the prompt logprobs (into ``out``) and the logits of the sampling rows
         (None when no row samples); what a tensor-parallel worker runs for each step, in step with the
         driver's collectives."""
-        fwd = self.run_forward(inp)
-        self.prompt_logprobs(inp, fwd.prompt_hidden, out)
-        return self.logits(fwd)
+        return self.logits(self.run_forward(inp, out))
 
-    def run_forward(self, inp: ModelInput) -> ForwardOutput:
+    def run_forward(self, inp: ModelInput, out: StepResult | None = None) -> ForwardOutput:
+        """The forward pass, then a hybrid model's states kept at block boundaries (``StateCopies.saves``) and
+        the prompt-logprob rows' logprobs (every rank computes them: the LM head's collectives; the driver's
+        ``out`` gets each sequence's new entries)."""
+        fwd = self._forward_rows(inp)
+        if inp.batch.state_copies is not None:
+            self.state_cache.copy(inp.batch.state_copies.saves)
+        if fwd.prompt_hidden is not None:
+            top_k, rows = inp.batch.prompt_top_k, inp.prompt_rows[1]
+            computed = prompt_logprobs.compute(self.model.compute_logits, fwd.prompt_hidden, rows, top_k)
+            if out is not None and inp.prompt_plan is not None:
+                out.prompt_logprobs = prompt_logprobs.entries(inp.prompt_plan, computed)
+        return fwd
+
+    def _forward_rows(self, inp: ModelInput) -> ForwardOutput:
         """The forward pass (a decode graph's replay where one fits: its logits and greedy ids come with it),
         kept to the sampling rows and the prompt-logprob rows."""
         graphs, num_rows, sampling = self.graph_runner, inp.input_ids.shape[0], inp.batch.num_sampling
@@ -374,17 +388,6 @@ class ModelRunner:
         if fwd.greedy is not None:
             return fwd.greedy
         return None if fwd.hidden is None else self.model.greedy_token_ids(fwd.hidden)
-
-    def prompt_logprobs(self, inp: ModelInput, hidden: torch.Tensor | None, out: StepResult | None) -> None:
-        """The prompt-logprob rows' logprobs (every rank computes them: the LM head's collectives);
-        the driver's ``out`` gets each sequence's new entries."""
-        if hidden is None:
-            return
-        computed = prompt_logprobs.compute(
-            self.model.compute_logits, hidden, inp.prompt_rows[1], inp.batch.prompt_top_k
-        )
-        if out is not None and inp.prompt_plan is not None:
-            out.prompt_logprobs = prompt_logprobs.entries(inp.prompt_plan, computed)
 
     def greedy_pick(self, inp: ModelInput, sched: SchedulerOutput, fwd: ForwardOutput) -> list[int] | None:
         """Each sampling sequence's token from ``greedy_ids`` (the same tokens as the logits' first maxima),

@@ -27,6 +27,7 @@ class StepBatch:
     prompt_rows: np.ndarray | None = None  # prompt logprobs: [2, R] token index, prompt token (``prompt_logprobs``)
     prompt_top_k: int = 0
     mm: Any = None  # its image tokens (``mm_inputs.MultiModalStep``), where the model reads images
+    state_copies: Any = None  # a hybrid model's (``engine.state_snapshots.StateCopies``): restores, saves
 
     @property
     def num_sampling(self) -> int:

@@ -42,6 +42,12 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     ),
     "state_slots_used": ("gauge", "Recurrent layers (hybrid models): state slots held by running sequences."),
     "state_slots_total": ("gauge", "Recurrent layers: state slots (max_num_seqs; 0 without recurrent layers)."),
+    "state_snapshots_used": (
+        "gauge",
+        "Hybrid models with prefix caching: snapshots of the recurrent states at block boundaries held (a prefix "
+        "hit resumes from one).",
+    ),
+    "state_snapshots_total": ("gauge", "Hybrid models: state snapshots (num_state_snapshots; 0 otherwise)."),
     "prompt_tokens": ("counter", "Prompt tokens of requests that produced their first token (once per request)."),
     "generation_tokens": ("counter", "Tokens generated."),
     "num_preemptions": ("counter", "Sequences preempted (their KV blocks freed, recomputed later)."),

@@ -206,6 +206,8 @@ class EngineMetrics:
         m["kv_cache_blocks_total"].set(s.kv_blocks_total)
         m["state_slots_used"].set(s.state_slots_used)
         m["state_slots_total"].set(s.state_slots_total)
+        m["state_snapshots_used"].set(s.state_snapshots_used)
+        m["state_snapshots_total"].set(s.state_snapshots_total)
         m["num_requests_waiting_grammar"].set(s.num_requests_waiting_grammar)
         m["lora_slots_used"].set(s.lora_slots_used)
         m["lora_slots_total"].set(s.max_loras)

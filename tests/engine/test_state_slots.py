@@ -1,7 +1,7 @@
 """State slots of recurrent layers (``engine/state_slots.py``): taken with a sequence's first blocks, given
 back with its blocks (finish, abort, preemption), refused admission when none is free; the KV layout
-leaves recurrent layers out of every group; hybrid models refuse speculation and LoRA and turn prefix
-caching off."""
+leaves recurrent layers out of every group; hybrid models refuse speculation and LoRA, and keep prefix
+caching on only with state snapshots."""
 
 from __future__ import annotations
 
@@ -63,15 +63,24 @@ def test_a_hybrid_model_refuses_what_its_state_cannot_do(hybrid_dir, args, messa
         LLM(str(hybrid_dir), **args)
 
 
-def test_a_hybrid_model_serves_with_prefix_caching_off(hybrid_dir, caplog):
+def test_a_hybrid_model_keeps_state_snapshots_for_prefix_caching_unless_given_none(hybrid_dir, caplog):
+    """Prefix caching stays on, with a snapshot per ``max_num_seqs`` by default (``engine/state_snapshots.py``);
+    ``num_state_snapshots=0`` turns it off, logged. Slots are reused across more prompts than slots."""
     llm = LLM(str(hybrid_dir), max_num_seqs=3, max_model_len=256)
     try:
-        assert not llm.engine.config.enable_prefix_caching
-        assert "Prefix caching disabled for qwen3_5_text" in caplog.text
+        assert llm.engine.config.enable_prefix_caching
         prompts = [list(range(100, 100 + n)) for n in (3, 40, 90, 17, 60)]  # more than max_num_seqs: slots reused
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
         stats = llm.engine.get_stats()
         assert stats.state_slots_total == 3 and stats.state_slots_used == 0
+        assert stats.state_snapshots_total == 3 and stats.state_snapshots_used > 0
+    finally:
+        llm.engine.shutdown()
+    llm = LLM(str(hybrid_dir), max_num_seqs=3, max_model_len=256, num_state_snapshots=0)
+    try:
+        assert not llm.engine.config.enable_prefix_caching
+        assert "Prefix caching disabled for qwen3_5_text" in caplog.text
+        assert llm.engine.get_stats().state_snapshots_total == 0
     finally:
         llm.engine.shutdown()

@@ -380,7 +380,10 @@ def test_qwen3_vl_vision_tower_equals_hf_s():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-QWEN_ENGINE = dict(block_size=4, max_num_batched_tokens=24, num_gpu_blocks=48, max_model_len=96, max_num_seqs=4)
+# Qwen3.5's recurrent states: room to keep each request's two snapshots (its prompt's and its last block's)
+QWEN_ENGINE = dict(
+    block_size=4, max_num_batched_tokens=24, num_gpu_blocks=48, max_model_len=96, max_num_seqs=4, num_state_snapshots=8
+)
 
 
 @pytest.fixture(scope="module")
@@ -404,9 +407,9 @@ def test_qwen_vision_images_give_hf_s_tokens_under_chunking_and_preemption(qwen_
     """Qwen3-VL, and Qwen3.5 on its hybrid text model, with one to three images of different grids a prompt:
     M-RoPE's three positions on the image tokens and the text after them shifted, DeepStack into Qwen3-VL's
     first two layers; chunked (24-token steps), preempted (a small KV pool), an image repeated across requests
-    (encoded once); a second turn hits the first's cached prefix through the image (Qwen3-VL: the hybrid model
-    caches no prefixes yet, issue 55)."""
-    from vision_models import QWEN_IMG, qwen3_vl_greedy
+    (encoded once); a second turn hits the first's cached prefix through the image (Qwen3.5: resuming its
+    recurrent states kept at the first turn's block boundaries, ``engine/state_snapshots.py``)."""
+    from vision_models import QWEN_IMG, qwen3_vl_greedy, qwen_prompt_ids
 
     directory, images_processor, tok, model = qwen_vision(family)
     a, b, c = image(1), image(2, (90, 30)), image(3, (20, 20))
@@ -423,5 +426,11 @@ def test_qwen_vision_images_give_hf_s_tokens_under_chunking_and_preemption(qwen_
         stats = llm.engine.get_stats()
         assert stats.num_images_encoded == 3, stats
         assert stats.num_partial_prefills > 0, stats
+        text, imgs = cases[0][0] + " and once more with feeling", cases[0][1]  # the first's next turn
+        (again,) = llm.generate([prompt_of(text, imgs)], params, use_tqdm=False)
+        ids = qwen_prompt_ids(images_processor, tok, text, imgs)[0][0].tolist()
+        image_end = max(i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<|image_pad|>")) + 1
+        assert llm.engine.get_stats().prefix_cache_hits - stats.prefix_cache_hits >= image_end, "no hit past the image"
+        assert again.outputs[0].token_ids == qwen3_vl_greedy(images_processor, tok, model, text, imgs, MAX_TOKENS)
     finally:
         llm.engine.shutdown()
