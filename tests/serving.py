@@ -5,6 +5,7 @@ engine replica processes through Ray's state API, and reading SSE streams with t
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -174,8 +175,18 @@ def local_ray_serve(port: int, num_cpus: int = 4) -> Iterator[Any]:
             ray.shutdown()
 
 
-def run_app(args: dict[str, Any], name: str, model_name: str = "tiny", timeout_s: float = 300) -> None:
-    """Deploys ``build_app(args)`` at ``/`` (replacing any other app) as ``model_name``; waits until RUNNING."""
+def run_app(
+    args: dict[str, Any], name: str, model_name: str = "tiny", timeout_s: float = 300, keep_engine: bool = False
+) -> None:
+    """Deploys ``build_app(args)`` at ``/`` (replacing any other app) as ``model_name``; waits until RUNNING.
+
+    ``keep_engine``: the ``EngineReplica`` deployment gets a ``version`` that digests its bound arguments
+    (model, engine arguments, adapters). Ray Serve restarts a deployment's replicas on a redeploy when its
+    version (random where none is given) or actor options change, so a redeploy that changes only the
+    Router's settings (the API key, the inspector switch) keeps the running engine replicas instead of
+    loading the model again; any other engine change still gets new ones. (Ray 2.60 took ``version`` out of
+    the public ``Deployment.options``; ``serve.run`` still deploys a deployment's ``_version`` when set,
+    and a random one otherwise: ``ray/serve/_private/client.py``, ``_private/version.py``.)"""
     from ray import serve
 
     from cb_serve.serve.app import build_app
@@ -184,7 +195,13 @@ def run_app(args: dict[str, Any], name: str, model_name: str = "tiny", timeout_s
         if other != name:
             serve.delete(other)
     router = {**args.get("router", {}), "served_model_name": model_name}
-    serve.run(build_app({**args, "router": router}), name=name, route_prefix="/", blocking=False)
+    app = build_app({**args, "router": router})
+    if keep_engine:
+        engine = app._bound_deployment.init_args[0]  # the EngineReplica application the Router is bound to
+        bound = json.dumps(engine._bound_deployment.init_args, sort_keys=True, default=str)
+        version = hashlib.sha256(bound.encode()).hexdigest()[:16]
+        engine._bound_deployment = engine._bound_deployment.options(version=version, _internal=True)
+    serve.run(app, name=name, route_prefix="/", blocking=False)
     deadline = time.monotonic() + timeout_s
     while (status := serve.status().applications[name]).status != "RUNNING":
         assert time.monotonic() < deadline, f"{name} did not start: {status}"

@@ -4,8 +4,9 @@ page in a real headless Chromium under load (and its expert heat map for a mixtu
 39), the API key and the off switch.
 
 The engine is a tiny random-weight Llama with a 64-token budget (prompts are chunked) and 48 KV
-blocks for several 300-token sequences at once (decodes preempt); the heat map's test redeploys the
-app on a tiny random Qwen3-MoE in the same cluster."""
+blocks for several 300-token sequences at once (decodes preempt). The API key's and the off switch's
+tests redeploy the Router only (``run_app(keep_engine=True)``: the engine replicas stay); the heat
+map's test, last, redeploys the app on a tiny random Qwen3-MoE in the same cluster."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def model_dir(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def app(model_dir):
     with local_ray_serve(PORT):
-        run_app({"model": str(model_dir), **ARGS}, APP)
+        run_app({"model": str(model_dir), **ARGS}, APP, keep_engine=True)
         yield str(model_dir)
 
 
@@ -200,6 +201,39 @@ def test_inspect_page_renders_live_in_headless_chromium(app):
     assert SCREENSHOT.stat().st_size > 10_000
 
 
+AUTH_ROUTES = [
+    "/inspect",
+    "/debug/replicas",
+    "/debug/state",
+    "/debug/events",
+    "/debug/trace",
+    "/v1/requests/x/timeline",
+]
+
+
+@pytest.mark.timeout(600)
+def test_every_debug_endpoint_needs_the_api_key(app):
+    run_app({"model": app, **ARGS, "router": {"api_key": "sekrit"}}, APP, keep_engine=True)  # the engines stay
+    for path in AUTH_ROUTES:
+        r = httpx.get(f"{BASE}{path}", timeout=30)
+        assert r.status_code == 401, path
+        assert r.json()["error"]["type"] == "authentication_error" and "Basic" in r.headers["www-authenticate"]
+        assert httpx.get(f"{BASE}{path}", headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    ok = {"Authorization": "Bearer sekrit"}
+    assert httpx.get(f"{BASE}/debug/replicas", headers=ok, timeout=30).status_code == 200
+    basic = {"Authorization": "Basic " + base64.b64encode(b"anyone:sekrit").decode()}  # what a browser sends
+    assert httpx.get(f"{BASE}/inspect", headers=basic, timeout=30).status_code == 200
+
+
+@pytest.mark.timeout(600)
+def test_the_inspector_can_be_turned_off(app):
+    run_app({"model": app, **ARGS, "router": {"inspector": False}}, APP, keep_engine=True)
+    for path in AUTH_ROUTES:
+        assert httpx.get(f"{BASE}{path}", timeout=30).status_code == 404, path
+    r = httpx.post(f"{BASE}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
 @pytest.mark.timeout(600)
 def test_inspect_page_shows_the_expert_heat_map_of_a_mixture_of_experts(app, random_model_dir):
     """The app redeployed on a tiny Qwen3-MoE (one engine replica) in the same cluster: under load, the
@@ -234,36 +268,3 @@ def test_inspect_page_shows_the_expert_heat_map_of_a_mixture_of_experts(app, ran
     assert tokens == state["tokens"] and all(len(row) == 8 for row in tokens)
     assert len({sum(row) for row in tokens}) == 1 and sum(tokens[0]) >= 2 * 60, "each step's tokens, top 2 per layer"
     assert MOE_SCREENSHOT.stat().st_size > 10_000
-
-
-AUTH_ROUTES = [
-    "/inspect",
-    "/debug/replicas",
-    "/debug/state",
-    "/debug/events",
-    "/debug/trace",
-    "/v1/requests/x/timeline",
-]
-
-
-@pytest.mark.timeout(600)
-def test_every_debug_endpoint_needs_the_api_key(app):
-    run_app({"model": app, **ARGS, "router": {"api_key": "sekrit"}}, APP)
-    for path in AUTH_ROUTES:
-        r = httpx.get(f"{BASE}{path}", timeout=30)
-        assert r.status_code == 401, path
-        assert r.json()["error"]["type"] == "authentication_error" and "Basic" in r.headers["www-authenticate"]
-        assert httpx.get(f"{BASE}{path}", headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
-    ok = {"Authorization": "Bearer sekrit"}
-    assert httpx.get(f"{BASE}/debug/replicas", headers=ok, timeout=30).status_code == 200
-    basic = {"Authorization": "Basic " + base64.b64encode(b"anyone:sekrit").decode()}  # what a browser sends
-    assert httpx.get(f"{BASE}/inspect", headers=basic, timeout=30).status_code == 200
-
-
-@pytest.mark.timeout(600)
-def test_the_inspector_can_be_turned_off(app):
-    run_app({"model": app, **ARGS, "router": {"inspector": False}}, APP)
-    for path in AUTH_ROUTES:
-        assert httpx.get(f"{BASE}{path}", timeout=30).status_code == 404, path
-    r = httpx.post(f"{BASE}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60)
-    assert r.status_code == 200

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -856,13 +857,26 @@ def test_tool_calls_through_the_openai_client(server):
 
 
 def test_the_schema_suite_through_serve(server):
-    """Issue 23, acceptance 1: the 41 real-world schemas of ``tests/json_schemas.py``
-    as ``response_format`` json_schema, concurrently, three sampled choices each: every output
-    that completed validates against its schema (formats included), and at least 30 schemas have
-    one. (The 135M model loops inside some long strings until ``max_tokens``: those choices end
-    with ``length``.)"""
+    """Issue 23, acceptance 1: the real-world schemas of ``tests/json_schemas.py`` as
+    ``response_format`` json_schema, concurrently, three sampled choices each: every output that
+    completed validates against its schema (formats included), and at least 30 in 41 schemas have one
+    (in proportion, rounded down, for a part of the suite). (The 135M model loops inside some long
+    strings until ``max_tokens``: those choices end with ``length``.)
+
+    Through Serve go the schemas the offline suite test leaves out
+    (``tests/features/test_structured_engine.py::test_every_suite_schema_completed_by_smollm2_validates``
+    takes every ``CB_SERVE_SCHEMA_STRIDE``-th one, by default 2: the even half; here the odd half, 20 schemas
+    of every kind: $ref recursion, anyOf, oneOf, formats, draft 7, key-heavy), so that between the two every
+    schema is generated and validated, at half the CI time of all 41 here (60 sequences: one wave of the
+    server's 64 at once instead of two). The HTTP path itself (``response_format`` to the engine's grammar,
+    ``n`` choices, concurrency) is schema-agnostic. ``CB_SERVE_SCHEMA_STRIDE=1`` sends all 41 here too."""
     import jsonschema
-    from json_schemas import SCHEMAS
+    from json_schemas import SCHEMAS as ALL_SCHEMAS
+
+    stride = int(os.environ.get("CB_SERVE_SCHEMA_STRIDE", "2"))
+    SCHEMAS = [s for i, s in enumerate(ALL_SCHEMAS) if stride == 1 or i % stride]
+    # 30 in 41 (all 41 here: 32 in a run on this CPU), in proportion: 14 of the odd 20 (15 in two runs)
+    floor = 30 * len(SCHEMAS) // len(ALL_SCHEMAS)
 
     model = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0).models.list().data[0].id
     client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=600, max_retries=0)
@@ -887,4 +901,5 @@ def test_the_schema_suite_through_serve(server):
                 value = json.loads(choice.message.content)
                 jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
                 validated.add(name)
-    assert len(SCHEMAS) >= 30 and len(validated) >= 30, sorted(set(dict(SCHEMAS)) - validated)
+    print(f"\n{len(validated)} of {len(SCHEMAS)} schemas validated through Serve (floor {floor})")
+    assert len(ALL_SCHEMAS) >= 30 and len(validated) >= floor, sorted(set(dict(SCHEMAS)) - validated)
