@@ -4,6 +4,7 @@ sized in the memory the weights left, and every part of the step made and wired 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -111,15 +112,10 @@ def build(config: EngineConfig) -> EngineParts:
     with device_context(setup.device):  # load, KV sizing and graph capture on the engine's device
         executor, lora, speculator = _make_executor(config, setup, draft, spec, structured)
     num_blocks = executor.runner.num_blocks
-    slots = snapshots = None
-    if setup.kv_layout.state_layers:  # recurrent layers: a state slot per sequence, snapshots for prefix hits
-        slots = StateSlots(config.max_num_seqs)
-        n = executor.runner.state_cache.num_slots - config.max_num_seqs - 1
-        snapshots = StateSnapshots(n, config.max_num_seqs + 1, setup.block_size) if n else None
-        if config.enable_prefix_caching and snapshots is None:
-            logger.warning("Prefix caching off: state_snapshot_memory holds no state of this model's layers.")
-    caching = config.enable_prefix_caching and (slots is None or snapshots is not None)
-    block_manager = BlockManager(num_blocks, setup.block_size, caching, setup.kv_layout.group_windows, slots, snapshots)
+    config, slots, snapshots = _state_parts(config, setup, executor.runner)
+    block_manager = BlockManager(
+        num_blocks, setup.block_size, config.enable_prefix_caching, setup.kv_layout.group_windows, slots, snapshots
+    )
     runner = executor.runner
 
     def release(seq: Sequence) -> None:  # a proposer's per-sequence state and the runner's row go with its blocks
@@ -154,6 +150,25 @@ def build(config: EngineConfig) -> EngineParts:
         config, setup, tokenizer, processor, executor, block_manager, scheduler, structured, speculator, lora,
         inspector, faults, choice.label if choice is not None else "", weights,
     )  # fmt: skip
+
+
+def _state_parts(
+    config: EngineConfig, setup: ModelSetup, runner: ModelRunner
+) -> tuple[EngineConfig, StateSlots | None, StateSnapshots | None]:
+    """A hybrid model's state slots (one per running sequence) and, with prefix caching, the snapshots the
+    runner made room for after them; prefix caching off (logged) where none fit."""
+    if not setup.kv_layout.state_layers:
+        return config, None, None
+    n = runner.state_cache.num_slots - config.max_num_seqs - 1  # the last: the runner's scratch
+    if config.enable_prefix_caching and n == 0:
+        logger.warning("Prefix caching off: state_snapshot_memory holds no state of this model's layers.")
+        config = setup.config = dataclasses.replace(config, enable_prefix_caching=False)
+    elif n:
+        per_slot = state_bytes_per_slot(runner.model)
+        logger.info("prefix caching keeps %d recurrent-state snapshots of %.1f MiB each (num_state_snapshots)",
+                    n, per_slot / 2**20)  # fmt: skip
+    snapshots = StateSnapshots(n, config.max_num_seqs, setup.block_size) if n else None
+    return config, StateSlots(config.max_num_seqs), snapshots
 
 
 def _make_executor(

@@ -124,9 +124,10 @@ def num_kv_blocks(
     need = layout.blocks_per_sequence(max_model_len, block_size, min(max_model_len, config.max_num_batched_tokens))
     if num < need:
         groups = f" over its {len(layout.groups)} KV-cache groups" if len(layout.groups) > 1 else ""
+        states = f" (recurrent states take {state_bytes / 2**30:.2f} GiB: lower max_num_seqs or num_state_snapshots)"
         raise ValueError(
             f"The KV cache holds {num} blocks of {block_size} tokens ({layout.group_size} layers each), fewer than one "
             f"max_model_len={max_model_len} sequence needs{groups} ({need}). Raise the KV cache "
-            f"size or lower max_model_len."
+            f"size or lower max_model_len{states if state_bytes else ''}."
         )
     return num

@@ -97,6 +97,8 @@ class Scheduler:
         self.completed_step = 0
         self.deferred_frees: list[Sequence] = []
         self.snapshots = block_manager.snapshots  # a hybrid model's states at block boundaries (prefix caching)
+        # which prefill chunks end at (never a prompt computed in one step: chunked prefill off)
+        self.aligner = self.snapshots if enable_chunked_prefill else None
 
     def add(self, seq: Sequence) -> None:
         assert seq.status == SequenceStatus.WAITING and not seq.block_table
@@ -120,8 +122,8 @@ class Scheduler:
                 if num_new == 0:  # its next image takes more than this step has left
                     i += 1
                     continue
-            if self.snapshots is not None:  # a hybrid model's prefill ends a chunk where its states are kept
-                num_new = self.snapshots.align(seq, seq.num_computed_tokens, num_new)
+            if self.aligner is not None:  # a hybrid model's prefill ends a chunk where its states are kept
+                num_new = self.aligner.align(seq, seq.num_computed_tokens, num_new)
             if seq.spec_token_ids:
                 del seq.spec_token_ids[max(0, num_new - uncomputed) :]  # the drafts that fit
             assert num_new > 0, seq
@@ -184,8 +186,8 @@ class Scheduler:
                 if num_new == 0:
                     break
                 self.counters.num_partial_prefills += 1
-            if self.snapshots is not None:
-                aligned = self.snapshots.align(seq, num_computed, num_new)
+            if self.aligner is not None:
+                aligned = self.aligner.align(seq, num_computed, num_new)
                 self.counters.num_partial_prefills += aligned < num_new == seq.num_tokens - num_computed
                 num_new = aligned
             if not bm.allocate(seq, num_new, hit):
@@ -272,6 +274,8 @@ class Scheduler:
                 self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if seq.status != SequenceStatus.FINISHED_ERROR:  # its steps have run: what they computed is cached
+            self.block_manager.commit_computed(seq)  # (async scheduling: blocks and states its last token ended)
         self.block_manager.free(seq)
         self.block_manager.forget(seq)
         if self.on_release is not None:

@@ -5,9 +5,10 @@ A recurrent layer (Gated DeltaNet, Mamba2) keeps a fixed-size state per sequence
 per sequence (``Sequence.state_slot``), so the engine hands out slots, not per-layer memory. The block
 manager owns them: a sequence takes a slot when it is admitted (with its first blocks, or not at all)
 and gives it back wherever its blocks go back (finish, abort, error, preemption), so a sequence runs
-only with a slot and no slot outlives its sequence. A preempted sequence is recomputed from its first
-token into a fresh slot, as vLLM does for these models. Slot ``num_slots`` is the model runner's
-scratch slot (padding rows of captured graphs, warm-up): never handed out.
+only with a slot and no slot outlives its sequence. A preempted sequence is recomputed into a fresh
+slot, from its first token or from a snapshot of its states (``state_snapshots``, which live in the runner's
+slots after these). The runner's last slot is its scratch slot (padding rows of captured graphs and
+warm-up, slot -1): never handed out.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ class StateSlots:
         assert num_slots > 0
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 handed out first
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.num_slots
 
     @property
     def num_free(self) -> int:
@@ -62,17 +59,14 @@ class StateSlots:
 
 
 def recurrent_config(config: EngineConfig, model_type: str) -> EngineConfig:
-    """``config`` for a model with recurrent layers: speculative decoding and LoRA refused (a rejected
-    draft would leave its tokens in the state, which keeps no history to roll back; adapters on the
-    recurrent projections are not built); prefix caching resumes from the states kept at block boundaries
-    (``state_snapshots``), and is off, logged, when no memory is given to them."""
+    """``config`` for a model with recurrent layers: speculative decoding refused (a rejected draft would
+    leave its tokens in the state, which keeps no history to roll back); prefix caching resumes from the
+    states kept at block boundaries (``state_snapshots``), and is off, logged, when no memory is given to them."""
     if config.speculative_config:
         raise ValueError(
             f"Speculative decoding is not supported for {model_type}: its recurrent layers keep one state per "
             "sequence, and a rejected draft token cannot be taken back out of it. Drop speculative_config."
         )
-    if config.enable_lora:
-        raise ValueError(f"LoRA is not supported for {model_type} (recurrent layers). Drop enable_lora.")
     no_snapshots = config.num_state_snapshots == 0 or (
         config.num_state_snapshots is None and config.state_snapshot_memory == 0
     )

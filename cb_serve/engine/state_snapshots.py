@@ -54,7 +54,7 @@ class StateSnapshots:
         self._hash_of: dict[int, bytes] = {}
         self._pending: dict[int | str, tuple[int, int, bool]] = {}  # seq id -> snapshot, its tokens, rolling
         self._rolling: dict[int | str, tuple[int, bytes]] = {}  # seq id -> its rolling snapshot and its hash
-        self._step = StateCopies()
+        self._restores: dict[int | str, tuple[int, int]] = {}  # seq id -> its restore in the step being scheduled
         self.bloom = CountingBloom(num_snapshots, block_size)  # the router's view (``PrefixDigest.boundary_bits``)
         self.num_evictions = 0
 
@@ -70,11 +70,12 @@ class StateSnapshots:
     # ---- the scheduler's side -------------------------------------------------------
     def align(self, seq: Sequence, num_computed: int, num_new: int) -> int:
         """``num_new`` cut so that a prefill chunk ends at a block boundary, where its states are kept: a
-        chunk the budget cut, at the last boundary it reaches; the last chunk, at the last boundary of the
-        known tokens when it crosses one. A chunk that would then be empty or split an image is left whole."""
+        chunk the budget cut, at the last boundary it reaches; the last chunk, at the last boundary a prefix
+        hit of the known tokens can reach (before the last token) when it crosses one. A chunk that would
+        then be empty or split an image is left whole."""
         bs, end = self.block_size, num_computed + num_new
         known = seq.num_tokens + seq.num_pending_tokens
-        boundary = known // bs * bs if end >= known else end // bs * bs
+        boundary = (known - 1) // bs * bs if end >= known else end // bs * bs
         if not num_computed < boundary < end or any(f.offset < boundary < f.end for f in seq.mm_features):
             return num_new
         return boundary - num_computed
@@ -83,24 +84,26 @@ class StateSnapshots:
         """``seq`` (holding its slot) resumes from the snapshot under ``block_hash`` in the step scheduled now."""
         snapshot = self._by_hash[block_hash]
         self._lru.move_to_end(snapshot)
-        self._step.restores.append((self.first_slot + snapshot, seq.state_slot))
+        self._restores[seq.seq_id] = (self.first_slot + snapshot, seq.state_slot)
 
     def plan_saves(self, seqs: list[Sequence], num_scheduled: list[int]) -> StateCopies | None:
         """The step's copies, with a save for each sequence whose scheduled tokens end at a block boundary;
         None when there are none. The prompt's last full block's is kept; any other (a prefill chunk's, a
         decode's) is the sequence's rolling one, each taking the place of the one before."""
-        bs = self.block_size
+        bs, copies = self.block_size, StateCopies()
         for seq, n in zip(seqs, num_scheduled):
+            if seq.seq_id in self._restores:
+                copies.restores.append(self._restores.pop(seq.seq_id))
             end = seq.num_computed_tokens + n
             if end % bs or seq.state_slot < 0 or seq.seq_id in self._pending:  # pending: async, a decode's
                 continue  # token still to land
-            rolling = end != seq.num_prompt_tokens // bs * bs
+            rolling = end != (seq.num_prompt_tokens - 1) // bs * bs  # the prompt's, as a hit of it can reach
             snapshot = self._take_rolling(seq) if rolling else self._take()
             if snapshot is None:  # every snapshot is being saved: this boundary goes without
                 continue
             self._pending[seq.seq_id] = (snapshot, end, rolling)
-            self._step.saves.append((seq.state_slot, self.first_slot + snapshot))
-        copies, self._step = self._step, StateCopies()
+            copies.saves.append((seq.state_slot, self.first_slot + snapshot))
+        assert not self._restores, "a restore for a sequence not in the step"
         return copies if copies.restores or copies.saves else None
 
     # ---- after the step -------------------------------------------------------------
@@ -121,17 +124,22 @@ class StateSnapshots:
         self._by_hash[block_hash], self._hash_of[snapshot] = snapshot, block_hash
         self._lru[snapshot] = None
         self.bloom.add(block_hash)
-        if rolling:
-            self._rolling[seq.seq_id] = (snapshot, block_hash)
+        if rolling:  # evicted first while its sequence runs (it serves only a preemption): finished ones' last
+            self._rolling[seq.seq_id] = (snapshot, block_hash)  # states, where next turns resume, are kept longer
+            self._lru.move_to_end(snapshot, last=False)
 
     def drop(self, seq: Sequence) -> None:
         """``seq`` gave its blocks back: a save its step may not have made is discarded."""
+        self._restores.pop(seq.seq_id, None)
         pending = self._pending.pop(seq.seq_id, None)
         if pending is not None:
             self._free.append(pending[0])
 
     def forget(self, seq: Sequence) -> None:
-        self._rolling.pop(seq.seq_id, None)
+        """``seq`` is finished for good: its last state now waits for the next turn of its conversation."""
+        rolling = self._rolling.pop(seq.seq_id, None)
+        if rolling is not None and self._hash_of.get(rolling[0]) == rolling[1]:
+            self._lru.move_to_end(rolling[0])
 
     def reset(self) -> None:
         """Drops every registered snapshot (``BlockManager.reset_prefix_cache``)."""

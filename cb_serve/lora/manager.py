@@ -40,7 +40,7 @@ def wrap_projections(model: torch.nn.Module, batch: LoRABatch, config: LoRAConfi
     for i, layer in enumerate(model.layers):
         for fused, subs in FUSED_PROJECTIONS.items():
             block, attr = fused.split(".")
-            parent = getattr(layer, block)
+            parent = getattr(layer, block, None)  # a recurrent layer has its mixer, an attention layer self_attn
             if not hasattr(parent, attr):  # a mixture-of-experts layer: adapters serve its attention only
                 continue
             module = LoRALinear(getattr(parent, attr), batch, config.max_loras, len(subs) * config.max_lora_rank)
@@ -50,14 +50,23 @@ def wrap_projections(model: torch.nn.Module, batch: LoRABatch, config: LoRAConfi
 
 
 def projection_shapes(model: torch.nn.Module) -> dict[str, ProjectionShape]:
-    """Each layer's fused projections (Gemma 4's layers differ: head sizes, no k/v projections)."""
+    """Each layer's fused projections (Gemma 4's layers differ: head sizes, no k/v projections; a hybrid
+    model's recurrent layers have their mixer's, ``lora_in_proj``)."""
     hidden, shapes = model.config.hidden_size, {}
     for i, layer in enumerate(model.layers):
-        attn, inter = layer.self_attn, layer.mlp.intermediate_size
-        per_layer = {
-            "self_attn.qkv_proj": ProjectionShape(hidden, attn.qkv_sizes),
-            "self_attn.o_proj": ProjectionShape(attn.q_size, (hidden,)),
-        }
+        inter = getattr(layer.mlp, "intermediate_size", 0)
+        if hasattr(layer, "mixer"):
+            parts, grouped = layer.mixer.lora_in_proj()
+            per_layer = {
+                "mixer.in_proj": ProjectionShape(hidden, parts, grouped),
+                "mixer.out_proj": ProjectionShape(layer.mixer.out_proj.in_features, (hidden,)),
+            }
+        else:
+            attn = layer.self_attn
+            per_layer = {
+                "self_attn.qkv_proj": ProjectionShape(hidden, attn.qkv_sizes, attn.lora_grouped()),
+                "self_attn.o_proj": ProjectionShape(attn.q_size, (hidden,)),
+            }
         if hasattr(layer.mlp, "gate_up_proj"):  # a dense MLP (not a mixture of experts)
             per_layer["mlp.gate_up_proj"] = ProjectionShape(hidden, (inter, inter))
             per_layer["mlp.down_proj"] = ProjectionShape(inter, (hidden,))

@@ -13,26 +13,36 @@ import itertools
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-# cb-serve's fused projections and the HF projections each is made of, in column order.
+# cb-serve's fused projections and the HF projections each is made of, in column order. A recurrent layer's
+# (``mixer``: Qwen3.5's Gated DeltaNet, whose HF name is ``linear_attn``; Granite 4's Mamba2, ``mamba``) input
+# projection is one, in Qwen3.5's order.
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "self_attn.o_proj": ("o_proj",),
     "mlp.gate_up_proj": ("gate_proj", "up_proj"),
     "mlp.down_proj": ("down_proj",),
+    "mixer.in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "mixer.out_proj": ("out_proj",),
 }
-FUSED_OF: dict[str, tuple[str, int | None]] = {
+# Which fused projection a checkpoint's projection is in: at its part's columns (an index), or all of them
+# (None); unless the layer spreads its rows over the columns (``ProjectionShape.grouped``, by its name).
+FUSED_OF: dict[str, tuple[str, int | str | None]] = {
     sub: (fused, i) for fused, subs in FUSED_PROJECTIONS.items() for i, sub in enumerate(subs)
 }
-# Checkpoints whose own projections are fused (Phi-3): an adapter on one spans all its columns.
+# Checkpoints whose own projections are fused (Phi-3; Mamba2's in_proj): an adapter on one spans all its
+# columns; Qwen3-Next's are grouped per key head ([q | k | v | z] of each, then [b | a] of each).
 FUSED_OF.update({"qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)})
+FUSED_OF.update({"in_proj": ("mixer.in_proj", None)})
+FUSED_OF.update({name: ("mixer.in_proj", name) for name in ("in_proj_qkvz", "in_proj_ba")})  # always spread
 SUPPORTED_TARGETS = tuple(FUSED_OF)
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|mamba)\.(\w+)\.lora_([AB])"
+    r"(?:\.[\w-]+)?\.weight$"
 )
 
 
@@ -43,10 +53,12 @@ class LoRAAdapterError(ValueError):
 
 @dataclass(frozen=True)
 class ProjectionShape:
-    """One fused projection of the model: its input size and its sub-projections' output sizes."""
+    """One fused projection of the model: its input size and its sub-projections' output sizes; ``grouped``:
+    a checkpoint projection whose rows land spread over those columns, each row's column (Qwen3-Next's)."""
 
     in_features: int
     sub_out_features: tuple[int, ...]
+    grouped: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass
@@ -126,7 +138,7 @@ def load_peft_adapter(
     pairs = _lora_pairs(name, path)
     if not pairs:
         raise LoRAAdapterError(f"Adapter {name!r} at {str(path)!r} has no LoRA weights.")
-    parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    parts: dict[str, list[tuple[str, int | str | None, torch.Tensor, torch.Tensor]]] = {}
     rank = 0
     for (layer, block, sub), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -136,14 +148,10 @@ def load_peft_adapter(
         module = f"layers.{layer}.{fused}"
         a, b = ab["A"], ab["B"]
         r = a.shape[0] if a.dim() == 2 else -1
-        shape = shapes.get(module)
-        if shape is not None and index is not None and index >= len(shape.sub_out_features):
-            shape = None  # a projection this layer has not (Gemma 4: KV-shared layers, V = K)
-        out = None if shape is None else sum(shape.sub_out_features) if index is None else shape.sub_out_features[index]
-        expected = None if shape is None else (shape.in_features, out)
-        if shape is None or r < 1 or b.shape != (expected[1], r) or a.shape[1] != expected[0]:
+        expected = _part_shape(shapes.get(module), index, sub)
+        if expected is None or r < 1 or b.shape != (expected[1], r) or a.shape[1] != expected[0]:
             got = f"lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}"
-            want = "no such layer or projection" if shape is None else f"{expected[0]} -> {expected[1]}"
+            want = "no such layer or projection" if expected is None else f"{expected[0]} -> {expected[1]}"
             raise LoRAAdapterError(
                 f"Adapter {name!r} does not fit this model at layers.{layer}.{block}.{sub} ({want}; the adapter "
                 f"has {got}): it was trained for another base model{f' ({base})' if base else ''}."
@@ -152,9 +160,23 @@ def load_peft_adapter(
             raise LoRAAdapterError(f"Adapter {name!r} has rank {r} at {sub}, above max_lora_rank={max_rank}.")
         rank = max(rank, r)
         scale = alpha / (math.sqrt(r) if use_rslora else r)
-        parts.setdefault(module, []).append((index, a, b * scale))
+        parts.setdefault(module, []).append((sub, index, a, b * scale))
     modules = {module: _fused_pair(name, module, subs, shapes[module], dtype) for module, subs in parts.items()}
     return LoRAWeights(name, rank, modules)
+
+
+def _part_shape(shape: ProjectionShape | None, index: int | str | None, sub: str) -> tuple[int, int] | None:
+    """``(in, out)`` of checkpoint projection ``sub``, part ``index`` of a fused projection; None where the layer
+    has no such part (Gemma 4's KV-shared layers, V = K; a recurrent layer of the other kind)."""
+    if shape is None:
+        return None
+    if sub in shape.grouped:
+        return shape.in_features, len(shape.grouped[sub])
+    if index is None:
+        return shape.in_features, sum(shape.sub_out_features)
+    if isinstance(index, str):  # spread over the columns by a layer that has no such grouping
+        return None
+    return (shape.in_features, shape.sub_out_features[index]) if index < len(shape.sub_out_features) else None
 
 
 def _lora_pairs(name: str, path: Path) -> dict[tuple[int, str, str], dict[str, torch.Tensor]]:
@@ -180,20 +202,23 @@ def _lora_pairs(name: str, path: Path) -> dict[tuple[int, str, str], dict[str, t
 def _fused_pair(
     name: str,
     module: str,
-    subs: list[tuple[int | None, torch.Tensor, torch.Tensor]],
+    subs: list[tuple[str, int | str | None, torch.Tensor, torch.Tensor]],
     shape: ProjectionShape,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused projection's ``(A, B)``: its parts' A rows stacked, B block-structured (a part's
     rank rows feed its own output columns; ``index`` None: the whole fused projection)."""
-    if len(subs) > 1 and any(index is None for index, _, _ in subs):
+    if len(subs) > 1 and any(index is None for _, index, _, _ in subs):
         raise LoRAAdapterError(f"Adapter {name!r} targets {module} both fused and by its parts.")
     offsets = [0, *itertools.accumulate(shape.sub_out_features)]
-    a_cat = torch.cat([a for _, a, _ in subs]).to(dtype).contiguous()
+    a_cat = torch.cat([a for _, _, a, _ in subs]).to(dtype).contiguous()
     b_cat = torch.zeros(a_cat.shape[0], offsets[-1], dtype=dtype)
     row = 0
-    for index, a, b in subs:
-        columns = slice(None) if index is None else slice(offsets[index], offsets[index + 1])
-        b_cat[row : row + a.shape[0], columns] = b.t()
+    for sub, index, a, b in subs:
+        rows = slice(row, row + a.shape[0])
+        if sub in shape.grouped:  # each of its rows at its own column
+            b_cat[rows].index_copy_(1, torch.tensor(shape.grouped[sub]), b.t().to(dtype))
+        else:
+            b_cat[rows, slice(None) if index is None else slice(offsets[index], offsets[index + 1])] = b.t()
         row += a.shape[0]
     return a_cat, b_cat

@@ -60,7 +60,8 @@ def kv_cache_tensors(
 
 class StateCache:
     """Per recurrent layer, ``(conv, ssm)`` state tensors ``[num_slots, *shape]`` (float32), indexed by a
-    sequence's slot (``engine/state_slots.py``; the last slot is the runner's scratch)."""
+    sequence's slot (``engine/state_slots.py``), then the snapshots' (``engine/state_snapshots.py``); the last
+    slot is the runner's scratch (slot -1: warm-up and a graph's padding rows)."""
 
     def __init__(self, specs: dict[int, StateSpec], num_slots: int, device: torch.device) -> None:
         self.num_slots = num_slots

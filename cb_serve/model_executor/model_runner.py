@@ -92,8 +92,8 @@ class ModelRunner:
         num_state_snapshots: int = 0,
     ) -> None:
         """``kv_layout``: the KV-cache groups (default: one group of every layer); ``num_state_slots``: the
-        recurrent layers' slots (``max_num_seqs``; the runner adds a scratch slot), and after them
-        ``num_state_snapshots`` (``engine/state_snapshots.py``)."""
+        recurrent layers' slots (``max_num_seqs``), after them ``num_state_snapshots`` (``engine/state_snapshots.py``),
+        then a scratch slot the runner adds."""
         cfg = model.config
         self.kv_layout = kv_layout or KVCacheLayout.from_windows([None] * cfg.num_hidden_layers)
         assert self.kv_layout.num_layers == len(model.layers)

@@ -24,14 +24,15 @@ def run_turn(engine, prompts: list[list[int]], max_tokens: list[int], rng: rando
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(f"c{i}", prompt, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
         noise = [rng.randrange(100, 4000) for _ in range(rng.randint(40, 120))]
-        engine.add_request(f"x{i}", prompt[: rng.randint(1, len(prompt))] + noise, SamplingParams(max_tokens=30))
-    bystanders = {f"x{i}" for i in range(len(prompts))}
+        sampled = SamplingParams(max_tokens=30, seed=i)  # seeded: the same run every time
+        engine.add_request(f"x{i}", prompt[: rng.randint(1, len(prompt))] + noise, sampled)
+    bystanders = [f"x{i}" for i in range(len(prompts))]
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
         if bystanders and rng.random() < 0.3:
-            engine.abort_request(bystanders.pop())
+            engine.abort_request(bystanders.pop(rng.randrange(len(bystanders))))
         engine.check_invariants()
     return [outputs[f"c{i}"] for i in range(len(prompts))]
 

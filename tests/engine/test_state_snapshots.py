@@ -161,6 +161,8 @@ def test_chunks_end_at_block_boundaries_unless_empty_or_inside_an_image():
     assert snaps.align(seq, 0, 10) == 10, "a chunk within one block is left whole"
     assert snaps.align(seq, 32, 68) == 64, "the last chunk ends at the prompt's last boundary"
     assert snaps.align(seq, 96, 4) == 4 and snaps.align(seq, 90, 10) == 6
+    whole = make_seq("b", list(range(96)))  # a hit of it reaches 80 (never its last token): its state kept there
+    assert snaps.align(whole, 0, 96) == 80 and snaps.align(whole, 80, 16) == 16
     image = MultiModalFeature(identifier="ab" * 32, offset=20, length=30, pixel_values=None)
     seq.mm_features = (image,)
     assert snaps.align(seq, 0, 40) == 40, "a cut inside an image's placeholders is not made"
@@ -194,7 +196,8 @@ def test_a_decoding_sequence_keeps_one_rolling_snapshot_and_its_prompt_s():
     hit = bm.find_cached_prefix(nxt)
     assert hit.num_tokens == seq.num_computed_tokens // bs * bs
     assert bm.allocate(nxt, nxt.num_tokens - hit.num_tokens, hit)
-    assert snaps.plan_saves([], []).restores == [(3 + snaps._by_hash[last], nxt.state_slot)]
+    copies = snaps.plan_saves([nxt], [nxt.num_tokens - hit.num_tokens])
+    assert copies.restores == [(3 + snaps._by_hash[last], nxt.state_slot)]
 
 
 def test_the_digest_counts_a_hit_only_up_to_a_kept_boundary():

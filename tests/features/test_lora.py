@@ -115,6 +115,35 @@ def test_greedy_with_adapters_equals_hf_peft(arch, adapters):
     assert stats.kv_blocks_used == 0
 
 
+# Hybrid models (issue 55): adapters on their gated attention (q_proj's rows [q | gate] per head), dense MLPs and
+# the recurrent layers' projections: Qwen3.5's in_proj parts, Qwen3-Next's per-key-head in_proj_qkvz / _ba
+# (grouped as its checkpoint is), Granite 4's Mamba2 in_proj; each layer's out_proj.
+HYBRID_TARGETS = {
+    "qwen3_5_text": ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                     "gate_proj", "down_proj"],
+    "qwen3_next": ["q_proj", "k_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"],
+    "qwen3_5_moe_text": ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"],
+    "granitemoehybrid": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_TARGETS))
+def test_adapters_on_hybrid_models_equal_hf_peft(arch, random_model_dir, tmp_path):
+    """Under chunked prefill, preemption and prefix caching (the adapter salts its blocks' and snapshots' keys)."""
+    model_dir = random_model_dir(arch)
+    path = make_adapter(model_dir, tmp_path / arch, 8, seed=5, targets=HYBRID_TARGETS[arch])
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, **stress_engine_args(arch))
+    try:
+        base, ours = run(llm), run(llm, loras=lora(path, 0))
+        for j, ((tokens, _), (ref_tokens, ref_logits)) in enumerate(zip(ours, peft_greedy(model_dir, path))):
+            assert_greedy_match(tokens, ref_tokens, ref_logits, f"{arch} adapter prompt {j}")
+        assert [t for t, _ in ours] != [t for t, _ in base], "the adapter changed nothing"
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0 and stats.state_slots_used == 0
+    finally:
+        llm.engine.shutdown()
+
+
 def test_adapters_on_a_mixture_of_experts_serve_its_attention(adapters):
     """Qwen3-MoE: an adapter on the attention projections equals PEFT; one on the experts (PEFT's
     ``target_parameters``) is refused, naming them."""

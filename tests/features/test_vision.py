@@ -413,7 +413,7 @@ def test_qwen_vision_images_give_hf_s_tokens_under_chunking_and_preemption(qwen_
 
     directory, images_processor, tok, model = qwen_vision(family)
     a, b, c = image(1), image(2, (90, 30)), image(3, (20, 20))
-    cases = [(f"Describe {QWEN_IMG} please", [a]), (f"Compare {QWEN_IMG} with {QWEN_IMG} now", [b, c]),
+    cases = [(f"Describe {QWEN_IMG} in a few words please", [a]), (f"Compare {QWEN_IMG} with {QWEN_IMG} now", [b, c]),
              (f"{QWEN_IMG}{QWEN_IMG}, {QWEN_IMG}.", [c, a, b]), (f"Again {QWEN_IMG} and more", [a])]  # fmt: skip
     llm = LLM(directory, attention_backend=backend, **QWEN_ENGINE)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -426,7 +426,9 @@ def test_qwen_vision_images_give_hf_s_tokens_under_chunking_and_preemption(qwen_
         stats = llm.engine.get_stats()
         assert stats.num_images_encoded == 3, stats
         assert stats.num_partial_prefills > 0, stats
-        text, imgs = cases[0][0] + " and once more with feeling", cases[0][1]  # the first's next turn
+        # the first's next turn: it resumes from the state kept at the first prompt's last full block (before its
+        # last token), past the image (a chunk never ends inside one)
+        text, imgs = cases[0][0] + " and once more with feeling", cases[0][1]
         (again,) = llm.generate([prompt_of(text, imgs)], params, use_tqdm=False)
         ids = qwen_prompt_ids(images_processor, tok, text, imgs)[0][0].tolist()
         image_end = max(i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<|image_pad|>")) + 1

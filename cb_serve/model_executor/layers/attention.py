@@ -171,6 +171,15 @@ class Attention(nn.Module):
         scale = scales.softmax_scale(self.scale)
         return scales.output(backend.forward(q, k, v, kv_cache, meta, scale, self.sliding_window, **extra))
 
+    def lora_grouped(self) -> dict[str, tuple[int, ...]]:
+        """For LoRA (``lora/peft_adapter.py``, one rank): a gated q projection's rows ``[q_h | gate_h]`` per head
+        land at head ``h``'s q columns and at its gate's, after v (the order ``load_hf_weights`` makes)."""
+        if not self.output_gate:
+            return {}
+        d, gate = self.head_dim, sum(self.qkv_sizes[:-1])
+        rows = [c for h in range(self.q_size // d) for start in (h * d, gate + h * d) for c in range(start, start + d)]
+        return {"q_proj": tuple(rows)}
+
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping, prefix: str) -> None:
         """This rank's heads of the attention under ``prefix`` (``model.layers.{i}.self_attn.``): q, k and v

@@ -170,6 +170,22 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight.copy_(w("norm.weight"))
         self.out_proj.weight.copy_(w("out_proj.weight")[:, columns])
 
+    def lora_in_proj(self) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+        """For LoRA (``lora/peft_adapter.py``, one rank): ``in_proj``'s parts in Qwen3.5's order (``in_proj_qkv``,
+        ``_z``, ``_b``, ``_a``), and the column of each row of Qwen3-Next's per-key-head ``in_proj_qkvz`` and
+        ``in_proj_ba`` (the grouping ``load_hf_weights`` undoes)."""
+        s = self.spec
+        r, dk, dv = s.num_v_heads // s.num_k_heads, s.head_k_dim, s.head_v_dim
+        qkvz, ba = [], []
+        for h in range(s.num_k_heads):
+            v, z = 2 * s.key_dim + h * r * dv, s.conv_dim + h * r * dv
+            qkvz += [*range(h * dk, (h + 1) * dk), *range(s.key_dim + h * dk, s.key_dim + (h + 1) * dk)]
+            qkvz += [*range(v, v + r * dv), *range(z, z + r * dv)]
+            b = s.conv_dim + s.value_dim + h * r
+            ba += [*range(b, b + r), *range(b + s.num_v_heads, b + s.num_v_heads + r)]
+        parts = (s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads)
+        return parts, {"in_proj_qkvz": tuple(qkvz), "in_proj_ba": tuple(ba)}
+
     def _local_rows(self) -> tuple[torch.Tensor, slice, slice]:
         """This rank's convolution channels (its key heads' q and k, its value heads' v), value heads, and
         value columns, in the full layer's order."""

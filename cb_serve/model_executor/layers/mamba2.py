@@ -185,6 +185,10 @@ class Mamba2Mixer(nn.Module):
             self.out_proj.bias.copy_(w("out_proj.bias"))
         assert in_weight.shape[0] == 2 * f.intermediate_size + 2 * f.num_groups * f.state_size + f.num_heads
 
+    def lora_in_proj(self) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+        """For LoRA (``lora/peft_adapter.py``): ``in_proj`` is one checkpoint projection (gate, conv input, dt)."""
+        return (self.in_proj.out_features,), {}
+
     def _local_rows(self) -> tuple[torch.Tensor, slice, slice, torch.Tensor]:
         """This rank's convolution channels (x of its heads, B and C of its groups), heads, gate/x columns, and
         in_proj rows (``[z | x | B | C | dt]``), in the full layer's order."""
