@@ -149,7 +149,7 @@ class SnapshotMachine(RuleBasedStateMachine):
 
 
 SnapshotMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestSnapshotMachine = SnapshotMachine.TestCase
 
