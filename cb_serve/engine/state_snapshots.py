@@ -10,16 +10,17 @@ has both its KV blocks and a snapshot at its end (``BlockManager.find_cached_pre
 
 Where states are kept (as vLLM's block-aligned mode): at block boundaries only, so the scheduler ends a
 prefill chunk at one (``align``), and a decode step that fills a block ends at one. The state at the
-prompt's last full block stays cached (the same prompt again, a sampled sibling); every other boundary's
-is the sequence's rolling snapshot, which the next one replaces: a preempted sequence resumes from its
-last, and a finished request leaves the state at its last full block, where the next turn of its
-conversation resumes. Snapshots are evicted least recently used first.
+prompt's last full block before its last token stays cached (the same prompt again can hit it); every
+other boundary's is the sequence's rolling snapshot, which the next one replaces: a preempted sequence
+resumes from its last, and a finished request leaves the state at its last full block, where the next
+turn of its conversation resumes. A running sequence's rolling snapshot is evicted first (it serves only
+a preemption); the rest least recently used first, so finished conversations' states outlive the churn.
 
 Copies run inside the step that makes or reads them, in stream order (``StateCopies``): restores
 (snapshot to the sequence's slot) before the forward pass, saves (slot to snapshot) after it. A save is
 registered under its hash once its step has run (``commit``: after the step, or at its launch under async
-scheduling, as KV blocks are); until then it is pending and never evicted. A sequence that gives back its
-blocks (finish, abort, error, preemption) drops its pending save.
+scheduling, as KV blocks are, or when the sequence ends); until then it is pending and never evicted. A
+sequence that gives back its blocks without its step having run (an error, a preemption) drops it.
 """
 
 from __future__ import annotations

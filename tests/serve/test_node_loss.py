@@ -108,31 +108,43 @@ def replica_nodes() -> dict[str, str]:
     }
 
 
+def start_head(attempts: int = 2) -> tuple[subprocess.Popen, str]:
+    """``ray start --head`` in a session of its own (its daemons are killed by session, not by ``ray stop``:
+    every cluster here), and its address. Started again, on another port, when its raylet missed Ray's
+    hard-coded 30 s to register with the GCS (a CI machine saturated by the other tests can)."""
+    for attempt in range(attempts):
+        port = free_port()
+        head = [
+            RAY,
+            "start",
+            "--head",
+            f"--node-ip-address={HEAD_IP}",
+            f"--port={port}",
+            "--num-cpus=2",
+            '--resources={"engine_slot": 1, "head_node": 1}',
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        started = subprocess.Popen(head, env=ENV, start_new_session=True, **pipes)
+        out = started.communicate(timeout=180)[0].decode(errors="replace")
+        if started.returncode == 0:
+            return started, f"{HEAD_IP}:{port}"
+        kill_session(started.pid)
+        forget_ray_address(f"{HEAD_IP}:{port}")
+        assert attempt + 1 < attempts and "timed out during startup" in out, out
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tokenizer):
     import ray
 
     tmp = tmp_path_factory.mktemp("nodes")
     model_dir = make_random_model(tmp / "model", "llama", tokenizer)
-    port = free_port()
-    address = f"{HEAD_IP}:{port}"
-    head = [
-        RAY,
-        "start",
-        "--head",
-        f"--node-ip-address={HEAD_IP}",
-        f"--port={port}",
-        "--num-cpus=2",
-        '--resources={"engine_slot": 1, "head_node": 1}',
-        "--include-dashboard=false",
-        "--disable-usage-stats",
-    ]
-    # A session of its own: its daemons are killed by session, not by `ray stop` (every cluster here).
-    started = subprocess.Popen(head, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    out = started.communicate(timeout=180)[0]
+    started, address = start_head()
     state = {"address": address, "model": model_dir, "worker": None, "tmp": tmp}
     try:
-        assert started.returncode == 0, out.decode(errors="replace")
         state["worker"] = WorkerNode(address, tmp / "worker.log")
         ray.init(address=address, _node_ip_address=HEAD_IP, log_to_driver=False, runtime_env={"env_vars": RAY_ENV})
         wait_for("two alive Ray nodes", lambda: alive_nodes() == 2, 120)
