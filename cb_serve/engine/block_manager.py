@@ -161,12 +161,15 @@ class BlockManager:
                     n = i
                     break
             found.append(blocks)
-        resumable = self.snapshots is None or n == 0 or self.snapshots.has(hashes[n - 1])
-        while n > 0 and (
-            not resumable or any(None in found[g][self._window_start(g, n * bs) : n] for g in range(self.num_groups))
+        snapshots = self.snapshots
+        while (
+            n > 0
+            and (
+                (snapshots is not None and not snapshots.has(hashes[n - 1]))  # a hybrid model's states at its end
+                or any(None in found[g][self._window_start(g, n * bs) : n] for g in range(self.num_groups))
+            )
         ):
             n -= 1
-            resumable = self.snapshots is None or n == 0 or self.snapshots.has(hashes[n - 1])
         tables = tuple(
             tuple(NULL_BLOCK if i < self._window_start(g, n * bs) else found[g][i] for i in range(n))
             for g in range(self.num_groups)
@@ -286,7 +289,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(seq)
             if self.snapshots is not None:
-                self.snapshots.commit(seq, lambda n: self._hashes(seq, n))
+                self.snapshots.commit(seq, self._hashes)
 
     def free(self, seq: Sequence) -> None:
         """Return ``seq``'s blocks; tail blocks first, so they are evicted before the prefix."""

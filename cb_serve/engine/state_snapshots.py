@@ -108,8 +108,8 @@ class StateSnapshots:
         return copies if copies.restores or copies.saves else None
 
     # ---- after the step -------------------------------------------------------------
-    def commit(self, seq: Sequence, hashes: Callable[[int], list[bytes]]) -> None:
-        """``seq``'s step has run (``hashes(n)``: its full blocks' chained hashes, at least ``n``): its save is
+    def commit(self, seq: Sequence, hashes: Callable[[Sequence, int], list[bytes]]) -> None:
+        """``seq``'s step has run (``hashes(seq, n)``: its full blocks' chained hashes, at least ``n``): its save is
         registered, once the tokens before it are on the host (async scheduling: a decode's token lands a
         step later)."""
         pending = self._pending.get(seq.seq_id)
@@ -118,7 +118,7 @@ class StateSnapshots:
         del self._pending[seq.seq_id]
         snapshot, end, rolling = pending
         num_blocks = end // self.block_size
-        block_hash = hashes(num_blocks)[num_blocks - 1]
+        block_hash = hashes(seq, num_blocks)[num_blocks - 1]
         if block_hash in self._by_hash:  # the same tokens' states are kept already
             self._free.append(snapshot)
             return
