@@ -17,7 +17,14 @@ attention layer) at a long context, cb-serve against HF transformers.
    the next turn (the history, the answer and ``--turn-prompt`` new tokens): its time to first token with prefix
    caching (the engine resumes from the recurrent states it kept at the last full block,
    ``engine/state_snapshots.py``) and without (the whole conversation prefilled again), the same greedy tokens.
-5. **Against the physical limit:** a decode step reads the weights (as each ``Linear`` streams them), every
+5. **Speculative decoding at one stream** (issue 55): a prompt of a ``--spec-passage``-token random passage said
+   twice and begun a third time (an input-grounded workload: an edit of pasted text), ``--spec-tokens`` greedy
+   tokens, with n-gram drafts (``--spec-k``, adaptive) and without; the inter-token latency of the decode phase,
+   the drafts' acceptance rate, the same greedy tokens. A random-weight model does not repeat its input, so its
+   n-gram drafts are rejected (the policy then stops drafting); the verify path's gain at a given acceptance is
+   measured by replaying the greedy continuation as drafts, each right with probability ``--spec-replay``
+   (fixed ``k``): the rate a real model's n-gram or MTP drafts reach on input-grounded text.
+6. **Against the physical limit:** a decode step reads the weights (as each ``Linear`` streams them), every
    sequence's KV over its context, and reads and writes its recurrent state; the DRAM read bandwidth
    (``bandwidth.read_bandwidth``) over those bytes is the step's floor.
 
@@ -25,6 +32,7 @@ Run from the repository root:
     .venv/bin/python bench/hybrid_bench.py --json bench/results/hybrid.json     # ~10 min on 2 cores
     .venv/bin/python bench/hybrid_bench.py --context 512 --new-tokens 8 --num-layers 4   # smoke test
     .venv/bin/python bench/hybrid_bench.py --turns-only --json bench/results/hybrid_turns.json   # item 4 alone
+    .venv/bin/python bench/hybrid_bench.py --spec-only --json bench/results/hybrid_spec.json     # item 5 alone
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import shutil
 import time
 from collections.abc import Sequence
@@ -46,6 +55,7 @@ from cb_serve.benchmarks.llama_cpp import CACHE_ROOT
 from cb_serve.benchmarks.report import log, write_json
 from cb_serve.cpu_ops import cpu_model_and_flags
 from cb_serve.model_executor import loader
+from cb_serve.spec_decode.proposer import DraftProposer
 
 CACHE_DIR = CACHE_ROOT.parent / "hybrid_bench"
 
@@ -74,6 +84,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--turn-tokens", type=int, default=32, help="Tokens the first turn generates.")
     run.add_argument("--turn-prompt", type=int, default=64, help="New prompt tokens of the next turn.")
     run.add_argument("--turns-only", action="store_true", help="Run item 4 alone.")
+    run.add_argument("--spec-passage", type=int, default=200, help="The passage's tokens (item 5).")
+    run.add_argument("--spec-tokens", type=int, default=128, help="Tokens generated (item 5).")
+    run.add_argument("--spec-k", type=int, default=4, help="num_speculative_tokens (item 5).")
+    run.add_argument(
+        "--spec-replay",
+        type=float,
+        nargs="*",
+        default=[0.8, 1.0],
+        help="Item 5: also replay the greedy continuation as drafts, each right with these probabilities.",
+    )
+    run.add_argument("--spec-only", action="store_true", help="Run item 5 alone.")
     run.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     run.add_argument("--json", help="Write the results here.")
     return parser.parse_args(argv)
@@ -282,12 +303,84 @@ def next_turn(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+class ReplayProposer(DraftProposer):
+    """Drafts a known greedy continuation, each draft right with probability ``p`` (seeded): verify steps at a
+    set acceptance rate, for a random-weight model that never repeats its input (n-gram drafts find nothing)."""
+
+    def __init__(self, prompt: list[int], continuation: list[int], p: float) -> None:
+        self.prompt, self.continuation, self.p = prompt, continuation, p
+        self.rng = random.Random(0)
+
+    def propose(self, seqs, num_drafts):
+        drafts = []
+        for seq, k in zip(seqs, num_drafts):
+            future = self.continuation[seq.num_output_tokens :][:k] if seq.prompt_token_ids == self.prompt else []
+            drafts.append([t if self.rng.random() < self.p else t + 1 for t in future])
+        return drafts
+
+
+def one_stream(
+    model_dir: Path, args: argparse.Namespace, prompt: list[int], spec: dict | None, replay: DraftProposer | None = None
+) -> dict[str, Any]:
+    """Item 5: one greedy stream's decode-phase inter-token latency, with ``spec`` drafts (``replay``'s) or none."""
+    llm = LLM(str(model_dir), **dict(engine_args(args), max_model_len=len(prompt) + args.spec_tokens + 16,
+              max_num_seqs=1), speculative_config=spec)  # fmt: skip
+    if replay is not None:
+        llm.engine.speculator.proposer = replay  # the engine's own proposer swapped (not a public interface)
+    try:
+        llm.generate([prompt[:32]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm
+        engine = llm.engine
+        engine.add_request("one", prompt, SamplingParams(temperature=0, max_tokens=args.spec_tokens, ignore_eos=True))
+        first = tokens = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = list(out.outputs[0].token_ids)
+                if first is None and tokens:
+                    first = (time.perf_counter(), len(tokens))
+        assert first is not None and tokens is not None
+        itl = (time.perf_counter() - first[0]) / (len(tokens) - first[1])
+        counters = getattr(engine.speculator, "counters", None)
+        drafted = counters.num_draft_tokens if counters else 0
+        accepted = counters.num_accepted_tokens if counters else 0
+        return {"itl_ms": itl * 1e3, "drafted": drafted, "accepted": accepted, "tokens": tokens}
+    finally:
+        llm.engine.shutdown()
+
+
+def speculation(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(3)
+    passage = torch.randint(100, 40000, (args.spec_passage,), generator=gen).tolist()
+    prompt = passage + passage + passage[: args.spec_passage // 4]
+    spec = {"method": "ngram", "num_speculative_tokens": args.spec_k, "prompt_lookup_max": 4}
+    plain = one_stream(model_dir, args, prompt, None)
+    runs = {"ngram": one_stream(model_dir, args, prompt, spec)}
+    for p in args.spec_replay:
+        replay = ReplayProposer(prompt, plain["tokens"], p)
+        runs[f"replay_p{p}"] = one_stream(model_dir, args, prompt, {**spec, "adaptive": False}, replay)
+    result: dict[str, Any] = {"prompt_tokens": len(prompt), "k": args.spec_k, "without": _drop_tokens(plain)}
+    for name, run in runs.items():
+        rate = run["accepted"] / max(1, run["drafted"])
+        result[name] = {**_drop_tokens(run), "acceptance_rate": rate, "itl_speedup": plain["itl_ms"] / run["itl_ms"],
+                        "same_tokens": run["tokens"] == plain["tokens"]}  # fmt: skip
+        log(f"one stream, {name}: ITL {plain['itl_ms']:.1f} ms without drafts, {run['itl_ms']:.1f} ms with "
+            f"({rate:.0%} of {run['drafted']} drafts accepted): {plain['itl_ms'] / run['itl_ms']:.2f}x, "
+            f"same tokens: {run['tokens'] == plain['tokens']}")  # fmt: skip
+    return result
+
+
+def _drop_tokens(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if k != "tokens"}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     hybrid = build_model(args, all_attention=False)
-    if args.turns_only:
-        turn = next_turn(hybrid, args)
-        result = {"cpu": cpu_model_and_flags()[0], "threads": torch.get_num_threads(), "next_turn": turn}
+    if args.turns_only or args.spec_only:
+        result = {"cpu": cpu_model_and_flags()[0], "threads": torch.get_num_threads()}
+        if args.turns_only:
+            result["next_turn"] = next_turn(hybrid, args)
+        if args.spec_only:
+            result["speculation"] = speculation(hybrid, args)
         write_json(args.json, result)
         return result
     dense = build_model(args, all_attention=True)
@@ -328,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "decode_floor_tok_s": args.batch / floor_s,
         "decode_fraction_of_floor": ours["decode_tok_s"] / (args.batch / floor_s),
         "next_turn": next_turn(hybrid, args),
+        "speculation": speculation(hybrid, args),
     }
     log(json.dumps(result, indent=2))
     write_json(args.json, result)

@@ -40,6 +40,9 @@ class AttentionMetadata:
     group_metas: dict = field(default_factory=dict, repr=False)  # group -> its metadata, made once per step
     state_slots: torch.Tensor | None = None  # int32 [B]: each sequence's recurrent-state slot (hybrid models)
     state_slot_list: list[int] = field(default_factory=list)  # the same, on the host
+    # Rows verifying drafts on a hybrid model, and their tokens position by position (``recurrent_rows``)
+    verify_rows: frozenset[int] = frozenset()
+    verify_positions: list = field(default_factory=list)
     # Prefill rows whose image tokens attend to each other both ways (Gemma 3): row -> the (start, end)
     # positions of each image in its chunk. A query in one sees its whole image, later tokens included.
     bidirectional_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)

@@ -29,7 +29,12 @@ from cb_serve.fault_injection import FaultInjector
 from cb_serve.lora.admission import LoRAAdmission
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import loader
-from cb_serve.model_executor.cache_tensors import num_state_snapshots, state_bytes_per_slot
+from cb_serve.model_executor.cache_tensors import (
+    num_state_cache_slots,
+    num_state_snapshots,
+    num_verify_states,
+    state_bytes_per_slot,
+)
 from cb_serve.model_executor.cuda_graph import capture_sizes
 from cb_serve.model_executor.device_context import device_context
 from cb_serve.model_executor.model_runner import ModelRunner
@@ -159,7 +164,7 @@ def _state_parts(
     runner made room for after them; prefix caching off (logged) where none fit."""
     if not setup.kv_layout.state_layers:
         return config, None, None
-    n = runner.state_cache.num_slots - config.max_num_seqs - 1  # the last: the runner's scratch
+    n = runner.state_cache.num_snapshots
     if config.enable_prefix_caching and n == 0:
         logger.warning("Prefix caching off: state_snapshot_memory holds no state of this model's layers.")
         config = setup.config = dataclasses.replace(config, enable_prefix_caching=False)
@@ -232,6 +237,7 @@ def _make_runner(
         record_expert_load=True,  # a mixture of experts' load per step, for the metrics and the inspector
         num_state_slots=config.max_num_seqs,
         num_state_snapshots=num_state_snapshots(config, state_bytes_per_slot(model)),
+        num_verify_states=num_verify_states(config),
     )
     if setup.device.type == "cuda" and config.tensor_parallel_size == 1:
         with device_context(setup.device):
@@ -261,8 +267,8 @@ def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None
     rank_config = per_rank_config(s.hf_config, config.tensor_parallel_size, s.device)
     d = draft and draft.setup
     mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype, d.kv_layout)
-    per_slot = state_bytes_per_slot(model)  # the running slots, a scratch one and the snapshots
-    states = (config.max_num_seqs + 1 + num_state_snapshots(config, per_slot)) * per_slot
+    per_slot = state_bytes_per_slot(model)  # the running slots, the snapshots, the verify positions', a scratch one
+    states = num_state_cache_slots(config, per_slot) * per_slot
     images = s.mm_config
     encoder = 0 if images is None else encoder_bytes(images, config, s.dtype.itemsize, CAPACITY, ENCODER_BATCH)
     return num_kv_blocks(

@@ -124,7 +124,8 @@ def num_kv_blocks(
     need = layout.blocks_per_sequence(max_model_len, block_size, min(max_model_len, config.max_num_batched_tokens))
     if num < need:
         groups = f" over its {len(layout.groups)} KV-cache groups" if len(layout.groups) > 1 else ""
-        states = f" (recurrent states take {state_bytes / 2**30:.2f} GiB: lower max_num_seqs or num_state_snapshots)"
+        states = f" (recurrent states take {state_bytes / 2**30:.2f} GiB: lower max_num_seqs, num_state_snapshots"
+        states += " or num_speculative_tokens)"
         raise ValueError(
             f"The KV cache holds {num} blocks of {block_size} tokens ({layout.group_size} layers each), fewer than one "
             f"max_model_len={max_model_len} sequence needs{groups} ({need}). Raise the KV cache "

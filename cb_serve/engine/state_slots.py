@@ -59,14 +59,9 @@ class StateSlots:
 
 
 def recurrent_config(config: EngineConfig, model_type: str) -> EngineConfig:
-    """``config`` for a model with recurrent layers: speculative decoding refused (a rejected draft would
-    leave its tokens in the state, which keeps no history to roll back); prefix caching resumes from the
-    states kept at block boundaries (``state_snapshots``), and is off, logged, when no memory is given to them."""
-    if config.speculative_config:
-        raise ValueError(
-            f"Speculative decoding is not supported for {model_type}: its recurrent layers keep one state per "
-            "sequence, and a rejected draft token cannot be taken back out of it. Drop speculative_config."
-        )
+    """``config`` for a model with recurrent layers: prefix caching resumes from the states kept at block
+    boundaries (``state_snapshots``), and is off, logged, when no memory is given to them. (Speculative decoding
+    keeps each verify position's state and rolls rejected drafts back: ``model_executor/state_cache.py``.)"""
     no_snapshots = config.num_state_snapshots == 0 or (
         config.num_state_snapshots is None and config.state_snapshot_memory == 0
     )

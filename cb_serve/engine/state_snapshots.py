@@ -4,7 +4,7 @@ A hybrid model's prefix hit needs, beside the prefix's KV blocks, its recurrent 
 window and SSM / delta-rule state, ``kv_cache_interface.StateSpec``) after the prefix's last token: a
 state holds the whole history and cannot be rebuilt from KV. So states are copied into a pool of
 snapshots, each one a state slot of every recurrent layer's tensors beyond the running slots and the
-scratch one (``cache_tensors.StateCache``), and kept under the chained hash of the block that ends at
+scratch one (``state_cache.StateCache``), and kept under the chained hash of the block that ends at
 that boundary (``prefix_hash.chain_hash``). A new sequence resumes from the longest cached prefix that
 has both its KV blocks and a snapshot at its end (``BlockManager.find_cached_prefix``).
 
@@ -98,6 +98,8 @@ class StateSnapshots:
             end = seq.num_computed_tokens + n
             if end % bs or seq.state_slot < 0 or seq.seq_id in self._pending:  # pending: async, a decode's
                 continue  # token still to land
+            if seq.spec_token_ids:  # drafts to verify: its state at the end holds them only if all are accepted
+                continue
             rolling = end != (seq.num_prompt_tokens - 1) // bs * bs  # the prompt's, as a hit of it can reach
             snapshot = self._take_rolling(seq) if rolling else self._take()
             if snapshot is None:  # every snapshot is being saved: this boundary goes without

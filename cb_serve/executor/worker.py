@@ -40,7 +40,7 @@ def worker_main(spec: WorkerSpec) -> None:
     """Runs until the driver sends the stop message or closes its connection."""
     from cb_serve.distributed.group import TensorParallelGroup
     from cb_serve.distributed.sharding import shard_for
-    from cb_serve.model_executor.cache_tensors import num_state_snapshots, state_bytes_per_slot
+    from cb_serve.model_executor.cache_tensors import num_state_snapshots, num_verify_states, state_bytes_per_slot
     from cb_serve.model_executor.device_context import bind_thread_to_device, concrete_device
     from cb_serve.model_executor.model_runner import ModelRunner
     from cb_serve.model_executor.model_setup import ModelSetup
@@ -68,6 +68,7 @@ def worker_main(spec: WorkerSpec) -> None:
             kv_layout=setup.kv_layout,
             num_state_slots=spec.config.max_num_seqs,
             num_state_snapshots=num_state_snapshots(spec.config, state_bytes_per_slot(model)),
+            num_verify_states=num_verify_states(spec.config),
         )
         conn.send("ready")
         while payload := conn.recv_bytes():  # empty: stop

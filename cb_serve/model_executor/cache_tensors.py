@@ -1,13 +1,14 @@
 """The cache tensors a model runner owns: each attention layer's paged KV (by KV-cache group, as
-``kv_cache_interface`` lays them out) and each recurrent layer's state slots (``StateCache``)."""
+``kv_cache_interface`` lays them out), and how many state slots a hybrid model's recurrent layers get
+(``state_cache.StateCache`` holds them)."""
 
 from __future__ import annotations
 
 import torch
 
-from cb_serve.attention.base import host_to_device
 from cb_serve.config import EngineConfig
-from cb_serve.kv_cache_interface import KVCacheLayout, StateSpec
+from cb_serve.config.speculative import SpeculativeConfig
+from cb_serve.kv_cache_interface import KVCacheLayout
 
 
 def state_bytes_per_slot(model: torch.nn.Module) -> int:
@@ -26,6 +27,23 @@ def num_state_snapshots(config: EngineConfig, bytes_per_state: int) -> int:
     if config.state_snapshot_memory is None:
         return config.max_num_seqs
     return config.state_snapshot_memory // bytes_per_state
+
+
+def num_verify_states(config: EngineConfig) -> int:
+    """How many per-position states a speculating sequence of a hybrid model keeps while its drafts are verified
+    (``num_speculative_tokens``; 0 without speculative decoding)."""
+    if not config.speculative_config:
+        return 0
+    return SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
+
+
+def num_state_cache_slots(config: EngineConfig, bytes_per_state: int) -> int:
+    """Every state slot of a hybrid model's ``StateCache`` (0 without recurrent layers): the running sequences',
+    the snapshots, the verify positions' and the scratch one."""
+    if bytes_per_state == 0:
+        return 0
+    snapshots = num_state_snapshots(config, bytes_per_state)
+    return config.max_num_seqs * (1 + num_verify_states(config)) + snapshots + 1
 
 
 def kv_cache_tensors(
@@ -56,42 +74,3 @@ def kv_cache_tensors(
     flat = {j: torch.zeros(2, num_blocks, block_size, w, dtype=dtype, device=device) for j, w in widths.items()}
     views = zip(shapes, layout.layer_tensors)
     return [flat[j].view(2, num_blocks, block_size, heads, dim) if heads else None for (heads, dim), j in views]
-
-
-class StateCache:
-    """Per recurrent layer, ``(conv, ssm)`` state tensors ``[num_slots, *shape]`` (float32), indexed by a
-    sequence's slot (``engine/state_slots.py``), then the snapshots' (``engine/state_snapshots.py``); the last
-    slot is the runner's scratch (slot -1: warm-up and a graph's padding rows)."""
-
-    def __init__(self, specs: dict[int, StateSpec], num_slots: int, device: torch.device) -> None:
-        self.num_slots = num_slots
-        self.layers = {
-            layer: (
-                torch.zeros(num_slots, *spec.conv_shape, dtype=torch.float32, device=device),
-                torch.zeros(num_slots, *spec.ssm_shape, dtype=torch.float32, device=device),
-            )
-            for layer, spec in specs.items()
-        }
-
-    def begin_step(self, copies, slots: list[int], query_lens: list[int], seq_lens: list[int]) -> None:
-        """Before a step's forward pass: prefix hits' states restored (``StateCopies.restores``, or None), and
-        the slots of the rows that start their sequence (no token computed before this step) zeroed."""
-        if copies is not None:
-            self.copy(copies.restores)
-        fresh = [slot for slot, q, n in zip(slots, query_lens, seq_lens) if q == n and slot >= 0]
-        if not fresh:
-            return
-        index = host_to_device(torch.tensor(fresh), next(iter(self.layers.values()))[0].device)
-        for conv, ssm in self.layers.values():
-            conv.index_fill_(0, index, 0.0)
-            ssm.index_fill_(0, index, 0.0)
-
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Slot ``dst`` of every layer's tensors becomes a copy of slot ``src``, for each ``(src, dst)``, in order."""
-        if not pairs:
-            return
-        device = next(iter(self.layers.values()))[0].device
-        src, dst = (host_to_device(torch.tensor(column), device) for column in zip(*pairs))
-        for tensors in self.layers.values():
-            for t in tensors:
-                t.index_copy_(0, dst, t.index_select(0, src))

@@ -17,12 +17,13 @@ from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import mm_inputs, prompt_logprobs
 from cb_serve.model_executor.batch_tokens import flatten_tokens, sampling_rows
 from cb_serve.model_executor.block_table_rows import BlockTableRows
-from cb_serve.model_executor.cache_tensors import StateCache, kv_cache_tensors
+from cb_serve.model_executor.cache_tensors import kv_cache_tensors
 from cb_serve.model_executor.cuda_graph import DecodeGraphRunner
 from cb_serve.model_executor.layers.greedy_head import greedy_tokens
 from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import CausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
+from cb_serve.model_executor.state_cache import StateCache
 from cb_serve.model_executor.step_batch import HostStaging, StepBatch
 from cb_serve.model_executor.step_output import (
     AsyncStepOutput,
@@ -90,10 +91,11 @@ class ModelRunner:
         record_expert_load: bool = False,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        num_verify_states: int = 0,
     ) -> None:
         """``kv_layout``: the KV-cache groups (default: one group of every layer); ``num_state_slots``: the
-        recurrent layers' slots (``max_num_seqs``), after them ``num_state_snapshots`` (``engine/state_snapshots.py``),
-        then a scratch slot the runner adds."""
+        recurrent layers' slots (``max_num_seqs``), then ``num_state_snapshots`` (``engine/state_snapshots.py``),
+        ``num_verify_states`` per slot (speculative decoding's) and a scratch slot (``StateCache``)."""
         cfg = model.config
         self.kv_layout = kv_layout or KVCacheLayout.from_windows([None] * cfg.num_hidden_layers)
         assert self.kv_layout.num_layers == len(model.layers)
@@ -108,7 +110,9 @@ class ModelRunner:
         self.block_rows = BlockTableRows(len(self.kv_layout.groups), max(64, num_state_slots), width)
         self.kv_caches: list = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
         specs = model.state_specs()
-        self.state_cache = StateCache(specs, num_state_slots + 1 + num_state_snapshots, device) if specs else None
+        self.state_cache = None
+        if specs:
+            self.state_cache = StateCache(specs, num_state_slots, device, num_state_snapshots, num_verify_states)
         for layer, state in self.state_cache.layers.items() if self.state_cache else ():
             self.kv_caches[layer] = state
         self.sampler = Sampler()
@@ -190,6 +194,9 @@ class ModelRunner:
         if plan is not None:
             batch.prompt_rows, batch.prompt_top_k = plan.rows, plan.top_k
         batch.state_copies = sched.state_copies
+        if self.state_cache is not None:  # drafts verified on recurrent states: position by position, rolled back
+            batch.verify_rows = [i for i, s in enumerate(seqs) if s.spec_token_ids and query_lens[i] > 1]
+            batch.state_rollbacks = self.state_cache.take_rollbacks()
         if self.lora is not None:  # each token's adapter slot, grouped
             self.lora.set_active_loras([s.lora for s in seqs], row_of_token, self.device)
         inp = self.to_device(batch, seqs, [seqs[i] for i in sampling])
@@ -205,6 +212,8 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """``seq`` gave its blocks back (finished or preempted): its block-table row is free."""
         self.block_rows.release(seq)
+        if self.state_cache is not None:
+            self.state_cache.release(seq.seq_id)
 
     def _kv_arrays(self, seqs: list[Sequence], row_of_token: np.ndarray, positions: np.ndarray):
         """Every KV-cache group's block tables ``[G, B, max_blocks]`` and each token's KV slot ``[G, T]``."""
@@ -238,8 +247,8 @@ class ModelRunner:
             state_slot_list=batch.arrays["state_slots"].tolist() if "state_slots" in batch.arrays else [],
             bidirectional_spans=batch.mm.spans if batch.mm is not None else {},
         )
-        if self.state_cache is not None:  # prefix hits' states restored; sequences starting: HF's zero state
-            self.state_cache.begin_step(batch.state_copies, meta.state_slot_list, batch.query_lens, batch.seq_lens)
+        if self.state_cache is not None:  # rejected drafts undone, prefix hits restored, starts zeroed (HF's state)
+            self.state_cache.begin_step(batch, meta)
         ids, positions, logits_indices = t["input_ids"], t["positions"], t["logits_indices"]
         if "prev_token_index" in batch.arrays:  # async scheduling: the step in flight's tokens, device to device
             assert self.prev_sampled is not None
@@ -335,6 +344,8 @@ class ModelRunner:
                 assert self.draft_verifier is not None, "drafts without a verifier"
                 rows = logits[starts[i] : starts[i] + n]
                 out.token_ids[i], out.logprobs[i] = self.draft_verifier(seqs[i], rows, masks.get(seqs[i].seq_id))
+                if self.state_cache is not None:
+                    self.state_cache.verified(seqs[i].seq_id, seqs[i].state_slot, n - 1, len(out.token_ids[i]) - 1)
         return out
 
     @torch.inference_mode()

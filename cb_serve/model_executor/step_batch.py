@@ -4,7 +4,7 @@ pinned copy per dtype with every field aligned, so no Triton kernel's specializa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,8 @@ class StepBatch:
     prompt_top_k: int = 0
     mm: Any = None  # its image tokens (``mm_inputs.MultiModalStep``), where the model reads images
     state_copies: Any = None  # a hybrid model's (``engine.state_snapshots.StateCopies``): restores, saves
+    verify_rows: list[int] = field(default_factory=list)  # a hybrid model's rows verifying drafts
+    state_rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (verify slot, slot): drafts rejected
 
     @property
     def num_sampling(self) -> int:

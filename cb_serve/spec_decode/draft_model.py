@@ -59,6 +59,11 @@ class DraftModel:
             limit_mm_per_prompt={"image": 0},  # a draft reads token ids alone (its vision tower is not loaded)
         )
         setup = ModelSetup.from_config(draft_config, target.device)
+        if setup.kv_layout.state_layers:
+            raise ValueError(
+                f"The draft model ({setup.hf_config.model_type}) has recurrent layers, whose states a draft cannot "
+                "take back; speculative_config.model must be an attention-only model of the target's tokenizer."
+            )
         if setup.hf_config.vocab_size != target.hf_config.vocab_size:
             raise ValueError(
                 f"The draft model's vocabulary ({setup.hf_config.vocab_size}) differs from the target's "

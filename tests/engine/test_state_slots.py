@@ -51,9 +51,11 @@ def hybrid_dir(tmp_path_factory, tokenizer):
     return make_random_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5_text", tokenizer)
 
 
-def test_a_hybrid_model_refuses_what_its_state_cannot_do(hybrid_dir):
-    with pytest.raises(ValueError, match="Speculative decoding is not"):
-        LLM(str(hybrid_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_a_draft_model_with_recurrent_layers_is_refused(hybrid_dir):
+    """A hybrid target speculates (``test_hybrid_spec_decode``), but a draft's own states would need rolling back."""
+    draft = {"method": "draft_model", "model": str(hybrid_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft model .* recurrent layers"):
+        LLM(str(hybrid_dir), speculative_config=draft, max_model_len=128)
 
 
 def test_a_hybrid_model_keeps_state_snapshots_for_prefix_caching_unless_given_none(hybrid_dir, caplog):

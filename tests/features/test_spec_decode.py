@@ -4,7 +4,6 @@ drafts, greedy (exact) and by rejection sampling (distribution-exact, by a frequ
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import re
 
@@ -12,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 from models import STRESS_ENGINE_ARGS, assert_same_greedy, stress_engine_args
+from spec_drafts import FIXED_K, NGRAM, OracleProposer, draft_config, greedy_runs, oracle_drafts, spec_prompts
 
 from cb_serve import LLM, SamplingParams
 from cb_serve.config.speculative import SpeculativeConfig
 from cb_serve.spec_decode.ngram import NgramIndex
 from cb_serve.spec_decode.policy import StepCostCurve, choose_num_drafts, draft_gains
-from cb_serve.spec_decode.proposer import DraftProposer
 from cb_serve.spec_decode.speculator import SeqSpecState
 from cb_serve.spec_decode.verify import accept_greedy, rejection_sample
 
@@ -118,54 +117,6 @@ def test_rejection_sampling_is_reproducible_with_a_seed():
 
 
 # ---- in the engine: n-gram drafts verified in the ragged step ------------------------------------------------
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-FIXED_K = {**NGRAM, "adaptive": False}  # every proposed draft is verified (the policy is tested on its own)
-
-
-def spec_prompts(tokenizer) -> list[list[int]]:
-    """Input-grounded prompts (a passage to repeat, a list to go on) so drafts get accepted, one
-    longer than the stress budget (chunked prefill) and two sharing a prefix (prefix hits)."""
-    passage = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 3
-    texts = [
-        f"Repeat exactly: {passage}\nRepeat exactly: The quick brown",
-        "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4,",
-        f"Repeat exactly: {passage}\nAgain: The quick",
-        "def add(a, b):\n    return a + b\n\ndef add(a, b):",
-    ]
-    texts += [f"{t} {t[:40]}" for t in texts]  # eight in all: more than the stress cache holds at once
-    return [tokenizer.encode(t) for t in texts]
-
-
-def greedy_runs(llm, prompts, **params):
-    params = SamplingParams(temperature=0, max_tokens=96, logprobs=2, ignore_eos=True, **params)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], outs
-
-
-class OracleProposer(DraftProposer):
-    """Each prompt's reference continuation as drafts, with one draft wrong at a position that moves
-    with every call: full, partial and no acceptance all happen (a random-weight model rarely
-    repeats itself, so n-gram drafts would seldom be accepted). A prompt it does not know drafts
-    nothing."""
-
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
-        self.continuations = continuations
-        self.calls = itertools.count()
-
-    def propose(self, seqs, num_drafts):
-        drafts = []
-        for seq, k in zip(seqs, num_drafts):
-            future = self.continuations.get(tuple(seq.prompt_token_ids), [])[seq.num_output_tokens :][:k]
-            wrong = next(self.calls) % (k + 2)  # k or k + 1: every draft right
-            drafts.append([t if i != wrong else (t + 1) % 1000 for i, t in enumerate(future)])
-        return drafts
-
-
-def oracle_drafts(llm, prompts, ref) -> None:
-    """``llm`` drafts the reference tokens ``ref`` of ``prompts`` (``OracleProposer``)."""
-    llm.engine.speculator.proposer = OracleProposer({tuple(p): tokens for p, (tokens, _) in zip(prompts, ref)})
-
-
 @pytest.mark.parametrize(
     "arch, drafts",
     [
@@ -295,10 +246,6 @@ def test_sampling_with_drafts_keeps_the_distribution(tokenizer, smol_llm):
             a, b = plain.count(token) / n, drafted.count(token) / n
             pooled = (a + b) / 2
             assert abs(a - b) <= 5 * math.sqrt(pooled * (1 - pooled) * 2 / n) + 1e-12, (position, token, a, b)
-
-
-def draft_config(model: str, **extra) -> dict:
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": 3, **extra}
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ State per sequence (``StateSpec``): the convolution's last ``K`` inputs ``[C, K]
 ``[Hv, Dk, Dv]``, both float32, in slot ``meta.state_slots[i]`` of this layer's state tensors. The
 runner zeroes a slot when its sequence starts (HF's zero initial state and zero left padding), so
 every row continues from its slot: decode rows (the first ``num_decodes``) in one recurrent step,
-each prefill chunk with the chunked rule, exactly where its previous chunk stopped.
+rows verifying drafts one recurrent step per position (``recurrent_rows.VerifyPosition``), each prefill
+chunk with the chunked rule, exactly where its previous chunk stopped.
 
 Tensor parallelism splits the key heads (``TensorParallelShard.linear_key_heads``), each rank holding their
 value heads, their convolution channels and their states; the output projection's partial sums are
@@ -38,7 +39,7 @@ from cb_serve.model_executor.layers import delta_rule
 from cb_serve.model_executor.layers.causal_conv import causal_conv, conv_step
 from cb_serve.model_executor.layers.checkpoint import materialize
 from cb_serve.model_executor.layers.linear import Linear
-from cb_serve.model_executor.layers.recurrent_rows import decode_slots, prefill_rows
+from cb_serve.model_executor.layers.recurrent_rows import decode_slots, keep_verify_states, prefill_rows
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,11 @@ class GatedDeltaNet(nn.Module):
             idx = decode_slots(meta)
             q, k, v = self._heads(conv_step(mixed[:n], conv_states, idx, self.conv_weight))
             out[:n] = delta_rule.recurrent_step(q, k, v, g[:n], beta[:n], ssm_states, idx, self.use_cpu_ops)
+        for pos in meta.verify_positions:  # drafts: a decode step per position, each one's state kept
+            t = pos.tokens
+            q, k, v = self._heads(conv_step(mixed[t], conv_states, pos.slots, self.conv_weight))
+            out[t] = delta_rule.recurrent_step(q, k, v, g[t], beta[t], ssm_states, pos.slots, self.use_cpu_ops)
+            keep_verify_states(pos, state)
         for rows, slot in prefill_rows(meta):
             conv, conv_states[slot] = causal_conv(mixed[rows], conv_states[slot], self.conv_weight)
             q, k, v = self._heads(conv)

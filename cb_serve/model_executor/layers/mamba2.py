@@ -6,8 +6,9 @@ selective scan (``ssd``) from the sequence's state; an RMSNorm over each group o
 ``x * silu(z)`` (the gate first, unlike Gated DeltaNet's); the output projection.
 
 State per sequence (``StateSpec``): the convolution's last ``K`` inputs ``[C, K]`` and the scan's
-``[H, P, N]``, float32, in slot ``meta.state_slots[i]``; decode rows step together, each prefill chunk
-runs the chunked scan from where its previous chunk stopped (``recurrent_rows``).
+``[H, P, N]``, float32, in slot ``meta.state_slots[i]``; decode rows step together, rows verifying drafts
+step position by position, each prefill chunk runs the chunked scan from where its previous chunk stopped
+(``recurrent_rows``).
 
 Tensor parallelism splits the heads (``TensorParallelShard.mamba_heads``): whole B/C groups per rank where
 they divide, else the one group on every rank and the norm's sum of squares all-reduced; the output
@@ -32,7 +33,7 @@ from cb_serve.model_executor.layers import ssd
 from cb_serve.model_executor.layers.causal_conv import causal_conv, conv_step
 from cb_serve.model_executor.layers.checkpoint import materialize
 from cb_serve.model_executor.layers.linear import Linear
-from cb_serve.model_executor.layers.recurrent_rows import decode_slots, prefill_rows
+from cb_serve.model_executor.layers.recurrent_rows import decode_slots, keep_verify_states, prefill_rows
 
 
 @dataclass(frozen=True)
@@ -141,23 +142,29 @@ class Mamba2Mixer(nn.Module):
         conv_states, ssm_states = state
         z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
         a = -torch.exp(self.A_log.float())
-        parts = []
+        out = x.new_empty(x.shape[0], s.intermediate_size)
         n = meta.num_decodes
         if n:
-            idx = decode_slots(meta)
-            h, bc = self._split(conv_step(xbc[:n], conv_states, idx, self.conv_weight, self.conv_bias))
-            b, c = bc[:, 0], bc[:, 1]
-            y = ssd.state_step(h, dt[:n], a, b, c, self.D, self.dt_bias, ssm_states, idx, self.use_cpu_ops)
-            parts.append(self.norm(y.reshape(n, -1), z[:n]))  # HF: the decode scan's output in the model's dtype
+            out[:n] = self._step(slice(0, n), decode_slots(meta), xbc, dt, z, a, state)
+        for pos in meta.verify_positions:  # drafts: a decode step per position, each one's state kept
+            out[pos.tokens] = self._step(pos.tokens, pos.slots, xbc, dt, z, a, state)
+            keep_verify_states(pos, state)
         for rows, slot in prefill_rows(meta):
             conv, conv_states[slot] = causal_conv(xbc[rows], conv_states[slot], self.conv_weight, self.conv_bias)
             h, bc = self._split(conv)
             y, ssm_states[slot] = ssd.chunk_scan(
                 h, dt[rows], a, bc[:, 0], bc[:, 1], self.D, self.dt_bias, ssm_states[slot], s.chunk_size, s.dt_limit
             )
-            parts.append(self.norm(y.reshape(y.shape[0], -1), z[rows]))  # the chunked scan's float32 output
-        out = torch.cat(parts).to(x.dtype)
+            out[rows] = self.norm(y.reshape(y.shape[0], -1), z[rows])  # the chunked scan's float32 output
         return self.tp.all_reduce(self.out_proj(out))
+
+    def _step(self, rows, slots: torch.Tensor, xbc, dt, z, a, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One token of each of ``rows`` (a slice or batch indices) from ``slots``, the states updated in place."""
+        conv_states, ssm_states = state
+        h, bc = self._split(conv_step(xbc[rows], conv_states, slots, self.conv_weight, self.conv_bias))
+        b, c = bc[:, 0], bc[:, 1]
+        y = ssd.state_step(h, dt[rows], a, b, c, self.D, self.dt_bias, ssm_states, slots, self.use_cpu_ops)
+        return self.norm(y.reshape(y.shape[0], -1), z[rows])  # HF: the decode scan's output in the model's dtype
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[x | B | C]`` -> x ``[T, H, P]`` and ``[T, 2, G, N]`` (B, C)."""
