@@ -3,6 +3,7 @@ directories, LoRA adapters of them made by PEFT, and the HF transformers oracle 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -283,6 +284,39 @@ def make_random_model(directory: Path, arch: str, tokenizer, seed: int = 0, **co
                 b.copy_(0.5 + torch.rand_like(b))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    return directory
+
+
+def add_mtp_layers(directory: Path, num_layers: int = 1, seed: int = 0) -> Path:
+    """Gives a random Qwen3.5 / Qwen3-Next checkpoint MTP layers (``mtp.*``, as the real checkpoints ship them and
+    HF ignores at load): each a copy of the first full-attention layer's attention and norms and of a sparse layer's
+    feed-forward under ``mtp.layers.{j}.``, made different with noise, plus ``fc`` and the three norms; the config's
+    ``mtp_num_hidden_layers`` set."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((directory / "config.json").read_text())
+    layer = config["layer_types"].index("full_attention")
+    dense = config.get("mlp_only_layers", [])  # Qwen3-Next: the MTP layer has experts, as its sparse layers
+    sparse = next((i for i in range(len(config["layer_types"])) if i not in dense), layer) if dense else layer
+    path = directory / "model.safetensors"
+    state = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    for j in range(num_layers):
+        for name, t in list(state.items()):
+            for i, parts in (
+                (layer, ("self_attn.", "input_layernorm.", "post_attention_layernorm.")),
+                (sparse, ("mlp.",)),
+            ):
+                rest = name.removeprefix(f"model.layers.{i}.")
+                if rest != name and rest.startswith(parts):
+                    state[f"mtp.layers.{j}.{rest}"] = t + 0.02 * torch.randn(t.shape, generator=gen)
+    hidden = config["hidden_size"]
+    state["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=gen)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        state[f"mtp.{name}.weight"] = 0.1 * torch.randn(hidden, generator=gen)
+    save_file(state, path, metadata={"format": "pt"})
+    config["mtp_num_hidden_layers"] = num_layers
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 
 

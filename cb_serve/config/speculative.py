@@ -1,6 +1,7 @@
 """``speculative_config``, as vLLM spells it: ``{"method": "ngram", "num_speculative_tokens": k,
 "prompt_lookup_min": a, "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": ...,
-"num_speculative_tokens": k}``, each with ``"adaptive": true`` (the default: ``k`` is the most a
+"num_speculative_tokens": k}`` or ``{"method": "mtp", "num_speculative_tokens": k}`` (the checkpoint's own
+multi-token-prediction layers: Qwen3-Next, Qwen3.5), each with ``"adaptive": true`` (the default: ``k`` is the most a
 sequence drafts, the policy picks fewer or none by load and acceptance) or ``false`` (always ``k``
 when the proposer finds them, as vLLM)."""
 
@@ -10,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 

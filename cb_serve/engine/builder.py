@@ -16,7 +16,7 @@ from cb_serve.cpu_ops.kernel_choice import kernel_choice
 from cb_serve.distributed.sharding import shard_for
 from cb_serve.engine.block_manager import BlockManager
 from cb_serve.engine.inspector import Inspector
-from cb_serve.engine.kv_cache_sizing import encoder_bytes, kv_cache_bytes_per_block, num_kv_blocks
+from cb_serve.engine.kv_cache_sizing import encoder_bytes, kv_cache_bytes_per_block, mtp_bytes_per_block, num_kv_blocks
 from cb_serve.engine.processor import InputProcessor
 from cb_serve.engine.scheduler import Scheduler
 from cb_serve.engine.state_slots import StateSlots, recurrent_config
@@ -26,6 +26,7 @@ from cb_serve.executor.tensor_parallel import TensorParallelExecutor
 from cb_serve.executor.uniproc import UniProcExecutor
 from cb_serve.executor.worker_pool import WorkerPool
 from cb_serve.fault_injection import FaultInjector
+from cb_serve.kv_cache_interface import KVCacheLayout
 from cb_serve.lora.admission import LoRAAdmission
 from cb_serve.lora.manager import LoRAManager
 from cb_serve.model_executor import loader
@@ -47,6 +48,7 @@ from cb_serve.multimodal.processor import make_processor
 from cb_serve.reasoning import HarmonyReasoningEnd, reasoning_parser
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.draft_model import DraftModel, DraftModelProposer
+from cb_serve.spec_decode.mtp import MtpProposer
 from cb_serve.spec_decode.speculator import NoSpeculation, Speculator
 from cb_serve.structured_outputs.manager import StructuredOutputManager
 
@@ -105,6 +107,9 @@ def build(config: EngineConfig) -> EngineParts:
         config = setup.config = recurrent_config(config, setup.hf_config.model_type)
     tokenizer = loader.load_tokenizer(setup.source, config.tokenizer, config.trust_remote_code)
     spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+    if spec is not None and spec.method == "mtp" and config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method mtp runs on one rank: the target's sharded LM head would need "
+                         "every rank. Use ngram or draft_model with tensor_parallel_size > 1.")  # fmt: skip
     draft = None
     if spec is not None and spec.method == "draft_model":
         draft = DraftModel.for_target(config, setup, spec.model, tokenizer)
@@ -202,7 +207,7 @@ def _make_executor(
             workers.start(num_blocks)
         speculator: Speculator | NoSpeculation = NoSpeculation()
         if spec is not None:
-            speculator = _make_speculator(config, spec, draft, num_blocks, setup, structured)
+            speculator = _make_speculator(config, spec, draft, num_blocks, setup, structured, model)
         runner = _make_runner(config, setup, model, num_blocks, lora, speculator)
     except BaseException:
         if workers is not None:
@@ -238,6 +243,7 @@ def _make_runner(
         num_state_slots=config.max_num_seqs,
         num_state_snapshots=num_state_snapshots(config, state_bytes_per_slot(model)),
         num_verify_states=num_verify_states(config),
+        hidden_sink=speculator.hidden_sink,
     )
     if setup.device.type == "cuda" and config.tensor_parallel_size == 1:
         with device_context(setup.device):
@@ -267,6 +273,7 @@ def _num_kv_blocks(config: EngineConfig, s: ModelSetup, draft: DraftModel | None
     rank_config = per_rank_config(s.hf_config, config.tensor_parallel_size, s.device)
     d = draft and draft.setup
     mirror = 0 if d is None else kv_cache_bytes_per_block(d.hf_config, d.block_size, d.kv_cache_dtype, d.kv_layout)
+    mirror += mtp_bytes_per_block(model, s.block_size, s.kv_cache_dtype)
     per_slot = state_bytes_per_slot(model)  # the running slots, the snapshots, the verify positions', a scratch one
     states = num_state_cache_slots(config, per_slot) * per_slot
     images = s.mm_config
@@ -282,7 +289,8 @@ def _graph_sizes(config: EngineConfig, setup: ModelSetup, lora: LoRAManager | No
     process; tensor-parallel ranks run eagerly (docs/engine.md), and so do adapters (their
     token groups change every step). Hybrid models' recurrent layers replay too: their decode kernels
     read the state slots on the device, and a padding row's slot -1 is skipped."""
-    graphable = config.tensor_parallel_size == 1 and lora is None and not config.enforce_eager
+    mtp = (config.speculative_config or {}).get("method") == "mtp"  # its proposer reads every row's hidden state
+    graphable = config.tensor_parallel_size == 1 and lora is None and not config.enforce_eager and not mtp
     if setup.device.type == "cuda" and setup.backend.supports_cuda_graphs and graphable:
         return capture_sizes(config.max_num_seqs)
     return None
@@ -295,12 +303,19 @@ def _make_speculator(
     num_blocks: int,
     setup: ModelSetup,
     structured: StructuredOutputManager,
+    model,
 ) -> Speculator:
-    """The speculator; with a draft model, its proposer has a KV cache of its own with as many
-    blocks as the target's (sized together, ``_num_kv_blocks``)."""
+    """The speculator; with a draft model or the checkpoint's MTP layers, its proposer has a KV cache of its own
+    with as many blocks as the target's (sized together, ``_num_kv_blocks``)."""
     budget = config.max_num_batched_tokens
     proposer = None
     if draft is not None:
         blocks = BlockManager(num_blocks, setup.block_size, False, draft.setup.kv_layout.group_windows)
         proposer = DraftModelProposer(draft.runner(num_blocks), blocks, budget)
+    elif spec.method == "mtp":
+        layout = KVCacheLayout.from_windows([None] * len(model.mtp.layers))
+        runner = ModelRunner(model.mtp, num_blocks, setup.block_size, setup.kv_cache_dtype, setup.device,
+                             kv_layout=layout)  # fmt: skip
+        blocks = BlockManager(num_blocks, setup.block_size, False, layout.group_windows)
+        proposer = MtpProposer(runner, blocks, budget, model.norm)
     return Speculator(spec, setup.max_model_len, budget, proposer, structured.valid_drafts)

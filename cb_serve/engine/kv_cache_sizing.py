@@ -29,6 +29,15 @@ def kv_cache_bytes_per_block(
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+def mtp_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """One block id's bytes in the KV cache of the checkpoint's MTP layers (``model.mtp``; 0 without them)."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        return 0
+    per_token = sum(2 * layer.self_attn.num_kv_heads * layer.self_attn.head_dim for layer in mtp.layers)
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
 # Bytes per logit while the sampler runs, at its widest (a top-p step): the float32 logits, their
 # log-softmax, the temperature-scaled and filtered copies, top-p's sorted values (4) and int64 order
 # (8) with their softmax and cumulative sum, the drop masks and the uniform draws.

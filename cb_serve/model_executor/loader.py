@@ -207,6 +207,7 @@ def text_model_state(lazy: LazyCheckpoint) -> dict[str, LazyTensor] | None:
                 state["lm_head.weight"] = lazy[head]
             # a vision tower and its projector under their own names, read only by a model with images
             state.update((name, lazy[name]) for name in lazy if name.startswith(VISION_LAYOUTS))
+            state.update((name, lazy[name]) for name in lazy if name.startswith("mtp."))  # MTP layers: top level
             return state
     return None
 
@@ -255,17 +256,22 @@ def hf_from_pretrained(source: ModelSource, config, dtype: torch.dtype, trust_re
     return model
 
 
-def read_state(source: ModelSource, config, dtype: torch.dtype, trust_remote_code: bool, shard, quant):
+def read_state(
+    source: ModelSource, config, dtype: torch.dtype, trust_remote_code: bool, shard, quant, with_mtp: bool = False
+):
     """The checkpoint's config and tensors under HF's names: read lazily by us from a local safetensors
     directory (a tensor-parallel rank's slices, a quantized checkpoint's weights with their scales, a multimodal
-    checkpoint's text stack), else through transformers (a GGUF file's dequantized once, then from disk)."""
+    checkpoint's text stack, MTP layers transformers drops), else through transformers (a GGUF file's dequantized
+    once, then from disk)."""
     files = None if source.gguf_file else safetensors_files(source.path)
     lazy = LazyCheckpoint(files, dtype) if files is not None else None
     text_state = None if lazy is None else text_model_state(lazy)
     if quant is None and lazy is not None and (name := lazy.first_fp8()) is not None:
         raise ValueError(f"{name} is stored in FP8, and the checkpoint's config names no quantization_config")
     own_names = lazy is not None and "model.embed_tokens.weight" in lazy
-    if own_names and ((shard is not None and shard.size > 1) or (quant is not None and quant.reads_checkpoint)):
+    if own_names and (
+        (shard is not None and shard.size > 1) or (quant is not None and quant.reads_checkpoint) or with_mtp
+    ):
         return config, lazy
     if text_state is not None:
         return config, text_state
@@ -288,13 +294,15 @@ def load_model(
     tp: TensorParallelGroup | None = None,
     activation_quantization: str = "auto",
     mm_config=None,
+    with_mtp: bool = False,
 ) -> CausalLM:
     """Loads weights through transformers (safetensors, sharded checkpoints, GGUF with
     dequantization, hub downloads) and copies them into our compact module. Under tensor
     parallelism a rank keeps ``shard``'s slice; from a local safetensors directory it reads only
-    that slice (``checkpoint.LazyCheckpoint``), otherwise it loads the whole model first."""
+    that slice (``checkpoint.LazyCheckpoint``), otherwise it loads the whole model first. ``with_mtp``:
+    the checkpoint's MTP layers too, as ``model.mtp`` (``models/mtp.py``; speculative method ``mtp``)."""
     quant = quantization_config(config)
-    hf_config, state = read_state(source, config, dtype, trust_remote_code, shard, quant)
+    hf_config, state = read_state(source, config, dtype, trust_remote_code, shard, quant, with_mtp)
     if quant is not None:
         logger.info("Quantized checkpoint: %s", quant.describe())
         if activation_quantization == "on" and quant.activation_refusal:
@@ -308,12 +316,16 @@ def load_model(
         make = functools.partial(make, mm_config=mm_config)
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)
+    if with_mtp:
+        model.mtp = build_mtp(model, state, backend, dtype, device)
     del state
     if quant is not None and quant.activations is not None:
         take_input_quant(model, quant.activations, activation_quantization)
     if device.type == "cpu":
         with weight_cache.cached_quant_groups() if source.gguf_file else contextlib.nullcontext():
             model.prepare_for_cpu()
+            if with_mtp:
+                model.mtp.prepare_for_cpu()
     for parameter in model.parameters():  # a checkpoint's low-bit groups that no CPU kernel took (or layer)
         for attribute in ("quant_groups", "input_quant"):
             if hasattr(parameter, attribute):
@@ -322,6 +334,24 @@ def load_model(
         _return_freed_heap()  # the loading copies and the float32 weights low-bit ones replaced
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)
+
+
+def build_mtp(model: CausalLM, state, backend: AttentionBackend, dtype: torch.dtype, device: torch.device):
+    """The checkpoint's MTP layers over ``model`` (``models/mtp.MultiTokenPredictor``); ``ValueError`` where the
+    family or the checkpoint has none."""
+    from cb_serve.model_executor.models.mtp import MultiTokenPredictor, num_mtp_layers
+
+    num_layers = num_mtp_layers(state)
+    family = type(model)
+    if not hasattr(family, "mtp_layer_plan") or num_layers == 0:
+        raise ValueError(
+            f"speculative_config method mtp needs the checkpoint's MTP layers (mtp.* tensors of a Qwen3-Next or "
+            f"Qwen3.5 safetensors checkpoint); {model.config.model_type} here has none. Use ngram or draft_model."
+        )
+    plan = family.mtp_layer_plan(model.config)
+    mtp = build_module(lambda: MultiTokenPredictor(model, plan, num_layers, backend), dtype, device)
+    mtp.load_hf_state_dict(state)
+    return mtp
 
 
 def take_input_quant(model: nn.Module, scheme: ActivationScheme, setting: str) -> None:

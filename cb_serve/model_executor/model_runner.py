@@ -92,10 +92,12 @@ class ModelRunner:
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
         num_verify_states: int = 0,
+        hidden_sink: Callable | None = None,
     ) -> None:
         """``kv_layout``: the KV-cache groups (default: one group of every layer); ``num_state_slots``: the
         recurrent layers' slots (``max_num_seqs``), then ``num_state_snapshots`` (``engine/state_snapshots.py``),
-        ``num_verify_states`` per slot (speculative decoding's) and a scratch slot (``StateCache``)."""
+        ``num_verify_states`` per slot (speculative decoding's) and a scratch slot (``StateCache``); ``hidden_sink``:
+        handed every forward pass's rows' hidden states (an MTP proposer's ``observe_hidden``: eager steps)."""
         cfg = model.config
         self.kv_layout = kv_layout or KVCacheLayout.from_windows([None] * cfg.num_hidden_layers)
         assert self.kv_layout.num_layers == len(model.layers)
@@ -105,6 +107,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.lora = lora
         self.draft_verifier = draft_verifier
+        self.hidden_sink = hidden_sink
         self.staging = HostStaging(device)
         width = -(-max_model_len // block_size) + 1 if max_model_len else 64
         self.block_rows = BlockTableRows(len(self.kv_layout.groups), max(64, num_state_slots), width)
@@ -384,6 +387,8 @@ class ModelRunner:
             rows = inp.logits_indices  # but a prompt's one-token chunk, which does not sample yet
             return ForwardOutput(logits=logits[rows], greedy=greedy[rows]) if sampling else ForwardOutput()
         hidden = self.forward(inp.input_ids, inp.positions, inp.meta, mm)
+        if self.hidden_sink is not None:
+            self.hidden_sink(inp.seqs, inp.batch.seq_lens, inp.batch.query_lens, hidden)
         prompt = None if inp.prompt_rows is None else hidden[inp.prompt_rows[0]]
         return ForwardOutput(hidden=hidden[inp.logits_indices] if sampling else None, prompt_hidden=prompt)
 

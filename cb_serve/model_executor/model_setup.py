@@ -127,4 +127,5 @@ class ModelSetup:
             tp,
             self.config.activation_quantization,
             self.mm_config,
+            with_mtp=(self.config.speculative_config or {}).get("method") == "mtp",
         )

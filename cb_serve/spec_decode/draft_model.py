@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from cb_serve.config import EngineConfig
 from cb_serve.model_executor import loader
@@ -101,14 +101,28 @@ class Shadow:
     synced: int = 0  # tokens known equal to the target's at the last sync
 
 
-class DraftModelProposer(DraftProposer):
-    proposes_for_free = False  # k forward passes of the draft: the policy chooses k before drafting
+class ShadowProposer(DraftProposer):
+    """A proposer with a model of its own (``runner``) and, per target sequence, a shadow ``Sequence`` in its own
+    block pool (``shadows``, by ``id()`` of the target sequence; each with ``.seq``)."""
 
-    def __init__(self, runner: ModelRunner, blocks: BlockPool, max_num_batched_tokens: int) -> None:
+    proposes_for_free = False  # forward passes of its own: the policy chooses k before drafting
+
+    def __init__(self, runner: ModelRunner, blocks: BlockPool) -> None:
         self.runner = runner
         self.blocks = blocks
+        self.shadows: dict[int, Any] = {}
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self.shadows.pop(id(seq), None)
+        if shadow is not None:
+            self.blocks.free(shadow.seq)
+            self.runner.release(shadow.seq)
+
+
+class DraftModelProposer(ShadowProposer):
+    def __init__(self, runner: ModelRunner, blocks: BlockPool, max_num_batched_tokens: int) -> None:
+        super().__init__(runner, blocks)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.shadows: dict[int, Shadow] = {}  # by id() of the target sequence
         self._ids = itertools.count()
 
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
@@ -139,12 +153,6 @@ class DraftModelProposer(DraftProposer):
             rows = [i for i in rows if 0 < len(drafts[i]) < num_drafts[i] and self.blocks.allocate(shadows[i], 1)]
             chunks = [1] * len(rows)
         return drafts
-
-    def release(self, seq: Sequence) -> None:
-        shadow = self.shadows.pop(id(seq), None)
-        if shadow is not None:
-            self.blocks.free(shadow.seq)
-            self.runner.release(shadow.seq)
 
     def _synced(self, seq: Sequence) -> Sequence:
         """``seq``'s shadow, its tokens made the target's (its rejected drafts dropped)."""

@@ -4,6 +4,7 @@ every sequence that may speculate, in one batched call (a draft model runs them 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from cb_serve.sequence import Sequence
 from cb_serve.spec_decode.ngram import NgramIndex
@@ -18,6 +19,15 @@ class DraftProposer(ABC):
 
     def release(self, seq: Sequence) -> None:  # noqa: B027 - a proposer without per-sequence state has nothing to free
         """``seq`` finished or was preempted: free what the proposer holds for it."""
+
+    def prepare(self, running: list[Sequence]) -> None:  # noqa: B027 - most proposers need no look at every sequence
+        """Before the step's proposals, with every running sequence (the MTP proposer catches up here)."""
+
+    @property
+    def hidden_sink(self) -> Callable | None:
+        """Called by the target's runner after each forward pass with its rows' hidden states, for a proposer that
+        drafts from them (MTP: ``observe_hidden``); None for the others."""
+        return None
 
 
 class NgramProposer(DraftProposer):

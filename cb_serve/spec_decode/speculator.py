@@ -75,6 +75,8 @@ class NoSpeculation:
     def observe_step(self, num_scheduled_tokens: int, seconds: float) -> None:
         pass
 
+    hidden_sink = None
+
     def take_stats(self) -> SpecDecodingStats:
         return SpecDecodingStats()
 
@@ -88,7 +90,7 @@ class Speculator:
         proposer: DraftProposer | None = None,
         draft_filter: DraftFilter | None = None,
     ) -> None:
-        """``proposer``: the draft model's (the engine builds it); None for n-gram drafts.
+        """``proposer``: the draft model's or the MTP layers' (the engine builds it); None for n-gram drafts.
         ``draft_filter(seq, drafts)``: the drafts ``seq`` may keep (its grammar's)."""
         assert (proposer is None) == (config.method == "ngram"), config.method
         self.config = config
@@ -118,6 +120,7 @@ class Speculator:
         model) how many to make before."""
         for seq in running:
             seq.spec_token_ids = []
+        self.proposer.prepare(running)
         allowed = [(seq, k) for seq in running if (k := self.num_drafts_for(seq))]
         if not allowed:
             return
@@ -150,6 +153,11 @@ class Speculator:
         for i, n in zip(free, choose_num_drafts(gains, base_tokens, decodes, self.cost)):
             kept[i] = n
         return kept
+
+    @property
+    def hidden_sink(self) -> Callable | None:
+        """The proposer's reader of the target's hidden states (MTP), handed to the model runner; else None."""
+        return self.proposer.hidden_sink
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finished or was preempted (the scheduler's ``on_release``)."""

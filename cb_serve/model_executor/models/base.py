@@ -161,13 +161,7 @@ class CausalLM(nn.Module):
         keep only their groups (``low_bit_linear``), an exactly-low-bit embedding too (its own, or a tied LM
         head's)."""
         pack = self.use_cpu_ops
-        blocks = [m for m in self.layers.modules() if isinstance(m, FusedMoE)]
-        inside = {id(m) for block in blocks for m in block.modules()}
-        for block in blocks:
-            block.prepare_for_cpu(pack=pack)
-        for m in self.layers.modules():
-            if isinstance(m, Linear) and id(m) not in inside:
-                m.prepare_for_cpu(pack=pack)
+        prepare_layers_for_cpu(self.layers, pack)
         extra = [m for name, m in self.named_children() if name not in ("layers", "lm_head") and isinstance(m, Linear)]
         for linear in extra:
             linear.prepare_for_cpu(pack=pack)
@@ -177,3 +171,15 @@ class CausalLM(nn.Module):
             self.embed_tokens.read_rows_from(self.lm_head.decode_weight)
         elif pack and not tied and self.embed_tokens.weight.dtype == torch.float32:
             self.embed_tokens.prepare_for_cpu(find_quant_groups(self.embed_tokens.weight))
+
+
+def prepare_layers_for_cpu(layers: nn.Module, pack: bool) -> None:
+    """Every projection of ``layers`` in its CPU layout: each MoE block prepares its own experts and shared
+    expert, every other ``Linear`` itself (``Linear.prepare_for_cpu``)."""
+    blocks = [m for m in layers.modules() if isinstance(m, FusedMoE)]
+    inside = {id(m) for block in blocks for m in block.modules()}
+    for block in blocks:
+        block.prepare_for_cpu(pack=pack)
+    for m in layers.modules():
+        if isinstance(m, Linear) and id(m) not in inside:
+            m.prepare_for_cpu(pack=pack)
