@@ -4,6 +4,7 @@ logprobs, and a proposer that drafts a known continuation with a moving wrong dr
 from __future__ import annotations
 
 import itertools
+import random
 
 from cb_serve import SamplingParams
 from cb_serve.spec_decode.proposer import DraftProposer
@@ -58,3 +59,35 @@ def oracle_drafts(llm, prompts, ref) -> None:
 
 def draft_config(model: str, **extra) -> dict:
     return {"method": "draft_model", "model": model, "num_speculative_tokens": 3, **extra}
+
+
+def soak(engine, prompts: list[list[int]], ref: list, max_tokens: int, rounds: int = 3):
+    """Each round: every prompt greedy (``ref``: its expected run) and seeded sampled, a third of the requests
+    aborted at random steps (queued, prefilling, verifying), the invariants checked at every step; the greedy
+    survivors equal their references; at the end the engine holds no block or state slot. Returns its stats."""
+    from models import assert_same_greedy
+
+    rng = random.Random(55)
+    for rnd in range(rounds):
+        ids = []
+        for i, prompt in enumerate(prompts):
+            greedy = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)
+            engine.add_request(f"g{rnd}-{i}", prompt, greedy)
+            engine.add_request(f"s{rnd}-{i}", prompt, SamplingParams(temperature=0.9, seed=i, max_tokens=max_tokens))
+            ids += [f"g{rnd}-{i}", f"s{rnd}-{i}"]
+        doomed, done = set(rng.sample(ids, len(ids) // 3)), {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+            if doomed and rng.random() < 0.4:
+                engine.abort_request(doomed.pop())
+            engine.check_invariants()
+        for i in range(len(prompts)):
+            got = done.get(f"g{rnd}-{i}")
+            if got is not None and got.finish_reason == "length":
+                assert_same_greedy([(got.token_ids, got.logprobs)], [ref[i]], f"soak round {rnd} prompt {i}")
+    stats = engine.get_stats()
+    assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
+    assert stats.state_snapshots_used <= stats.state_snapshots_total
+    return stats

@@ -39,6 +39,9 @@ class StateCopies:
 
     restores: list[tuple[int, int]] = field(default_factory=list)  # snapshot -> sequence, before the forward
     saves: list[tuple[int, int]] = field(default_factory=list)  # sequence -> snapshot, after it
+    # A row verifying drafts: (its slot, window position j, snapshot slot): the state after its j-th query token,
+    # which the runner keeps in a verify slot (``StateCache.verify_slot``); registered only if that token is kept
+    verify_saves: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class StateSnapshots:
@@ -53,7 +56,7 @@ class StateSnapshots:
         self._lru: OrderedDict[int, None] = OrderedDict()  # registered ones, least recently used first
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
-        self._pending: dict[int | str, tuple[int, int, bool]] = {}  # seq id -> snapshot, its tokens, rolling
+        self._pending: dict[int | str, tuple[int, int, bool, bool]] = {}  # seq id -> snapshot, tokens, rolling, verify
         self._rolling: dict[int | str, tuple[int, bytes]] = {}  # seq id -> its rolling snapshot and its hash
         self._restores: dict[int | str, tuple[int, int]] = {}  # seq id -> its restore in the step being scheduled
         self.bloom = CountingBloom(num_snapshots, block_size)  # the router's view (``PrefixDigest.boundary_bits``)
@@ -96,29 +99,44 @@ class StateSnapshots:
             if seq.seq_id in self._restores:
                 copies.restores.append(self._restores.pop(seq.seq_id))
             end = seq.num_computed_tokens + n
-            if end % bs or seq.state_slot < 0 or seq.seq_id in self._pending:  # pending: async, a decode's
-                continue  # token still to land
-            if seq.spec_token_ids:  # drafts to verify: its state at the end holds them only if all are accepted
-                continue
+            drafts = len(seq.spec_token_ids)
+            if drafts:  # a verify window: the boundary it crosses, if any (the state after that token)
+                end = (seq.num_computed_tokens + n) // bs * bs
+                end = end if end > seq.num_computed_tokens else 0
+            if not end or end % bs or seq.state_slot < 0 or seq.seq_id in self._pending:  # pending: async, a
+                continue  # decode's token still to land
             rolling = end != (seq.num_prompt_tokens - 1) // bs * bs  # the prompt's, as a hit of it can reach
             snapshot = self._take_rolling(seq) if rolling else self._take()
             if snapshot is None:  # every snapshot is being saved: this boundary goes without
                 continue
-            self._pending[seq.seq_id] = (snapshot, end, rolling)
-            copies.saves.append((seq.state_slot, self.first_slot + snapshot))
+            position = end - seq.num_computed_tokens - 1
+            self._pending[seq.seq_id] = (snapshot, end, rolling, drafts > 0)
+            if position < drafts:  # a draft's state, kept while verifying
+                copies.verify_saves.append((seq.state_slot, position, self.first_slot + snapshot))
+            else:
+                copies.saves.append((seq.state_slot, self.first_slot + snapshot))
         assert not self._restores, "a restore for a sequence not in the step"
-        return copies if copies.restores or copies.saves else None
+        return copies if copies.restores or copies.saves or copies.verify_saves else None
 
     # ---- after the step -------------------------------------------------------------
     def commit(self, seq: Sequence, hashes: Callable[[Sequence, int], list[bytes]]) -> None:
         """``seq``'s step has run (``hashes(seq, n)``: its full blocks' chained hashes, at least ``n``): its save is
         registered, once the tokens before it are on the host (async scheduling: a decode's token lands a
-        step later)."""
+        step later); a verify window's once its tokens are appended, and only if the token there was kept."""
         pending = self._pending.get(seq.seq_id)
-        if pending is None or pending[1] > seq.num_tokens:
+        if pending is None:
+            return
+        snapshot, end, rolling, verify = pending
+        if verify:  # a verify window's: known once its emitted tokens are appended (one past the computed)
+            if seq.num_tokens <= seq.num_computed_tokens:
+                return
+            if seq.num_computed_tokens < end:  # the draft there was rejected: the state is not its
+                del self._pending[seq.seq_id]
+                self._free.append(snapshot)
+                return
+        elif end > seq.num_tokens:
             return
         del self._pending[seq.seq_id]
-        snapshot, end, rolling = pending
         num_blocks = end // self.block_size
         block_hash = hashes(seq, num_blocks)[num_blocks - 1]
         if block_hash in self._by_hash:  # the same tokens' states are kept already

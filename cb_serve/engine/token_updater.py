@@ -111,8 +111,8 @@ class TokenUpdater:
             self.append_token(request, seq, token_id, logprobs[i], now, new_logprobs)
             if seq.is_finished:
                 return
-        if len(emitted) > 1:  # not on the plain decode's hot path: update_after_step committed its blocks
-            self.scheduler.block_manager.commit_computed(seq)  # blocks the accepted drafts filled
+        if len(emitted) > 1 or seq.spec_token_ids:  # not on the plain decode's hot path (update_after_step committed
+            self.scheduler.block_manager.commit_computed(seq)  # its blocks): the accepted drafts', a verify's save
 
     def _jump_forward(self, request: CoreRequest, seq: Sequence, now: float, new_logprobs: NewLogprobs) -> None:
         """Appends the tokens the grammar forces next: they join the sequence's next step as a chunk."""

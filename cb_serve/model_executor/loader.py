@@ -317,6 +317,9 @@ def load_model(
     model = build_module(make, dtype, device)
     model.load_hf_state_dict(state)
     if with_mtp:
+        if quant is not None:
+            raise ValueError("speculative_config method mtp is not supported with a quantized checkpoint yet: its "
+                             "MTP layers' scales are not read. Use ngram.")  # fmt: skip
         model.mtp = build_mtp(model, state, backend, dtype, device)
     del state
     if quant is not None and quant.activations is not None:

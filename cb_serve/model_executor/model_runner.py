@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -24,7 +23,7 @@ from cb_serve.model_executor.layers.moe import FusedMoE
 from cb_serve.model_executor.models import CausalLM
 from cb_serve.model_executor.sampler import Sampler, SamplingBatch, takes_raw_argmax
 from cb_serve.model_executor.state_cache import StateCache
-from cb_serve.model_executor.step_batch import HostStaging, StepBatch
+from cb_serve.model_executor.step_batch import HostStaging, ModelInput, StepBatch
 from cb_serve.model_executor.step_output import (
     AsyncStepOutput,
     ForwardOutput,
@@ -46,22 +45,6 @@ class DraftVerifier(Protocol):
     def __call__(
         self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None
     ) -> tuple[list[int], list[dict | None]]: ...
-
-
-@dataclass
-class ModelInput:
-    """One step's batch on the device: ``input_ids`` / ``positions`` are ``[T]``."""
-
-    batch: StepBatch
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # last scheduled token of each sequence that samples
-    seqs: list[Sequence] = field(default_factory=list)  # in batch order: single-token (decode) rows first
-    sampling_seqs: list[Sequence] = field(default_factory=list)
-    rows_per_seq: list[int] = field(default_factory=list)  # logits rows of each sampling sequence: 1 + its drafts
-    prompt_rows: torch.Tensor | None = None  # StepBatch.prompt_rows on the device
-    prompt_plan: prompt_logprobs.PromptLogprobRows | None = None
 
 
 class ModelRunner:
@@ -199,7 +182,7 @@ class ModelRunner:
         batch.state_copies = sched.state_copies
         if self.state_cache is not None:  # drafts verified on recurrent states: position by position, rolled back
             batch.verify_rows = [i for i, s in enumerate(seqs) if s.spec_token_ids and query_lens[i] > 1]
-            batch.state_rollbacks = self.state_cache.take_rollbacks()
+            batch.state_rollbacks = self.state_cache.rollbacks()
         if self.lora is not None:  # each token's adapter slot, grouped
             self.lora.set_active_loras([s.lora for s in seqs], row_of_token, self.device)
         inp = self.to_device(batch, seqs, [seqs[i] for i in sampling])
@@ -363,8 +346,8 @@ class ModelRunner:
         the prompt-logprob rows' logprobs (every rank computes them: the LM head's collectives; the driver's
         ``out`` gets each sequence's new entries)."""
         fwd = self._forward_rows(inp)
-        if inp.batch.state_copies is not None:
-            self.state_cache.copy(inp.batch.state_copies.saves)
+        if self.state_cache is not None:
+            self.state_cache.end_step(inp.batch.state_copies)
         if fwd.prompt_hidden is not None:
             top_k, rows = inp.batch.prompt_top_k, inp.prompt_rows[1]
             computed = prompt_logprobs.compute(self.model.compute_logits, fwd.prompt_hidden, rows, top_k)

@@ -30,7 +30,7 @@ class StateCache:
         assert num_running > 0 and num_snapshots >= 0 and num_verify >= 0
         self.num_running, self.num_snapshots, self.num_verify = num_running, num_snapshots, num_verify
         self._device = device
-        self._rollbacks: dict[int | str, tuple[int, int]] = {}  # seq id -> (verify slot, its slot), for the next step
+        self._rollbacks: dict[int | str, tuple[int, int]] = {}  # seq id -> (its slot, position), for the next step
         self.num_slots = num_running * (1 + num_verify) + num_snapshots + 1
         self.layers = {
             layer: (
@@ -49,12 +49,12 @@ class StateCache:
         """A verify step of ``num_drafts`` drafts kept ``num_accepted``: where some were rejected, the state after
         the last accepted one goes back into ``slot`` when the next step begins (every rank's, in its batch)."""
         if num_accepted < num_drafts:
-            self._rollbacks[seq_id] = (self.verify_slot(slot, num_accepted), slot)
+            self._rollbacks[seq_id] = (slot, num_accepted)
 
-    def take_rollbacks(self) -> list[tuple[int, int]]:
-        """The rollbacks the next step begins with (``StepBatch.state_rollbacks``)."""
-        rollbacks, self._rollbacks = list(self._rollbacks.values()), {}
-        return rollbacks
+    def rollbacks(self) -> list[tuple[int, int]]:
+        """The rollbacks the next step begins with (``StepBatch.state_rollbacks``: slot, verify position; each rank
+        finds its own verify slot), dropped once ``begin_step`` has copied them."""
+        return list(self._rollbacks.values())
 
     def release(self, seq_id: int | str) -> None:
         """The sequence gave its slot back: a rollback it left is void (the slot may be another's next)."""
@@ -65,7 +65,8 @@ class StateCache:
         position's state back into its sequence's slot), prefix hits' states restored (``StateCopies.restores``),
         and the slots of the rows that start their sequence (no token computed before) zeroed; the rows verifying
         drafts get their positions (``meta.verify_positions``)."""
-        self.copy(batch.state_rollbacks)
+        self.copy([(self.verify_slot(slot, j), slot) for slot, j in batch.state_rollbacks])
+        self._rollbacks.clear()
         if batch.state_copies is not None:
             self.copy(batch.state_copies.restores)
         slots, device = meta.state_slot_list, self._device
@@ -81,6 +82,12 @@ class StateCache:
         for conv, ssm in self.layers.values():
             conv.index_fill_(0, index, 0.0)
             ssm.index_fill_(0, index, 0.0)
+
+    def end_step(self, copies) -> None:
+        """After a step's forward pass: the states kept at block boundaries (``StateCopies.saves``, or None), a row
+        verifying drafts' from the verify slot of the position where the boundary falls (``verify_saves``)."""
+        if copies is not None:
+            self.copy(copies.saves + [(self.verify_slot(slot, j), dst) for slot, j, dst in copies.verify_saves])
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Slot ``dst`` of every layer's tensors becomes a copy of slot ``src``, for each ``(src, dst)``, in order."""

@@ -1,6 +1,7 @@
 """One step's flattened batch on the host (``StepBatch``: numpy arrays, what tensor-parallel ranks
-receive) and its move to the device (``HostStaging``): on the CPU the arrays themselves, on CUDA one
-pinned copy per dtype with every field aligned, so no Triton kernel's specialization follows the batch."""
+receive), its move to the device (``HostStaging``: on the CPU the arrays themselves, on CUDA one pinned copy
+per dtype with every field aligned, so no Triton kernel's specialization follows the batch), and the batch
+there (``ModelInput``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from cb_serve.attention.base import AttentionMetadata
+from cb_serve.model_executor import prompt_logprobs
+from cb_serve.sequence import Sequence
 
 # prev_token_*: async scheduling's tokens sampled by the step in flight (index in input_ids, row in its ids)
 INT64_FIELDS = ("input_ids", "positions", "slot_mappings", "logits_indices", "prev_token_index", "prev_token_rows")
@@ -29,7 +34,7 @@ class StepBatch:
     mm: Any = None  # its image tokens (``mm_inputs.MultiModalStep``), where the model reads images
     state_copies: Any = None  # a hybrid model's (``engine.state_snapshots.StateCopies``): restores, saves
     verify_rows: list[int] = field(default_factory=list)  # a hybrid model's rows verifying drafts
-    state_rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (verify slot, slot): drafts rejected
+    state_rollbacks: list[tuple[int, int]] = field(default_factory=list)  # (slot, verify position): drafts rejected
 
     @property
     def num_sampling(self) -> int:
@@ -96,3 +101,19 @@ def aligned_offsets(sizes: list[int], alignment: int = STAGING_ALIGNMENT) -> tup
 
 def dtype_np(dtype: torch.dtype) -> type:
     return np.int64 if dtype == torch.int64 else np.int32
+
+
+@dataclass
+class ModelInput:
+    """One step's batch on the device: ``input_ids`` / ``positions`` are ``[T]``."""
+
+    batch: StepBatch
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # last scheduled token of each sequence that samples
+    seqs: list[Sequence] = field(default_factory=list)  # in batch order: single-token (decode) rows first
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    rows_per_seq: list[int] = field(default_factory=list)  # logits rows of each sampling sequence: 1 + its drafts
+    prompt_rows: torch.Tensor | None = None  # StepBatch.prompt_rows on the device
+    prompt_plan: prompt_logprobs.PromptLogprobRows | None = None

@@ -66,8 +66,10 @@ class MtpProposer(ShadowProposer):
                 shadow.hidden = torch.cat([kept[: start - shadow.hidden_start], rows])
 
     # ---- before the step is scheduled ---------------------------------------------
+    @torch.inference_mode()
     def prepare(self, running: list[Sequence]) -> None:
-        """One pass over the rows each running sequence's target computed since the last (budgeted)."""
+        """One pass over the rows each running sequence's target computed since the last (budgeted; a shadow the
+        MTP's block pool cannot hold drops its rows and skips ahead later, its cache there unwritten)."""
         with device_context(self.runner.device):
             budget, batch, rows = self.budget, [], []
             for seq in running:
@@ -75,16 +77,18 @@ class MtpProposer(ShadowProposer):
                 if shadow is None:
                     continue
                 shadow.last = None
-                n = self._sync(seq, shadow)
-                n = min(n, budget)
+                n = min(self._sync(seq, shadow), budget)
                 if n and self.blocks.allocate(shadow.seq, n):
                     batch.append(shadow)
                     rows.append(n)
                     budget -= n
+                elif n:  # no block for it: its kept rows dropped, not piled up
+                    shadow.hidden = None
             if batch:
                 hidden = [self._take(s, n) for s, n in zip(batch, rows)]
                 self._pass(batch, rows, hidden, 0, exact=True)
 
+    @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_drafts: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
         live = []

@@ -11,7 +11,7 @@ import pytest
 import torch
 from models import STRESS_ENGINE_ARGS, add_mtp_layers, assert_same_greedy, make_random_model
 from safetensors.torch import load_file
-from spec_drafts import greedy_runs, spec_prompts
+from spec_drafts import greedy_runs, soak, spec_prompts
 
 from cb_serve import LLM
 
@@ -154,3 +154,21 @@ def test_mtp_needs_the_layers_and_one_rank(random_model_dir, mtp_model_dir):
         LLM(str(mtp_model_dir("qwen3_5_text")), speculative_config=MTP, max_model_len=128, tensor_parallel_size=2)
     config = json.loads((mtp_model_dir("qwen3_5_text") / "config.json").read_text())
     assert config["mtp_num_hidden_layers"] == 1
+
+
+def test_mtp_soak_with_aborts_returns_both_caches(mtp_model_dir, tokenizer):
+    """The soak of ``test_hybrid_spec_decode`` with MTP drafts on Qwen3-Next (its MoE MTP layer): every block of
+    the target's cache and of the MTP's comes back, and no shadow is left."""
+    model = str(mtp_model_dir("qwen3_next"))
+    prompts = spec_prompts(tokenizer)[:4]
+    ref_llm = LLM(model, **STRESS_ENGINE_ARGS)
+    ref, _ = greedy_runs(ref_llm, prompts, max_tokens=48)
+    ref_llm.engine.shutdown()
+    llm = LLM(model, speculative_config=MTP, **STRESS_ENGINE_ARGS)
+    try:
+        soak(llm.engine, prompts, ref, 48, rounds=2)
+        proposer = llm.engine.speculator.proposer
+        assert llm.engine.speculator.counters.num_draft_tokens > 0
+        assert proposer.blocks.num_used_blocks == 0 and not proposer.shadows
+    finally:
+        llm.engine.shutdown()

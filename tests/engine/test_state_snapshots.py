@@ -222,3 +222,32 @@ def test_snapshots_are_sized_by_count_memory_or_max_num_seqs():
     assert num_state_snapshots(EngineConfig(num_state_snapshots=7, state_snapshot_memory=0), 1000) == 7
     assert num_state_snapshots(EngineConfig(enable_prefix_caching=False), 1000) == 0
     assert num_state_snapshots(EngineConfig(), 0) == 0, "no recurrent layer"
+
+
+def test_a_boundary_inside_a_verify_window_is_saved_from_its_verify_slot_if_the_draft_is_kept():
+    """Speculative decoding: a sequence with 6 tokens computed verifies its 7th token and 3 drafts; block
+    boundary 8 falls after window position 1 (the first draft). The save comes from that position's verify
+    slot; it is decided once the step's tokens are appended: registered if the draft was kept, freed if not."""
+    bs = 4
+
+    def hashes(seq: Sequence, n: int) -> list[bytes]:
+        return prefix_block_hashes([*seq.token_ids[: n * bs], 0], bs)
+
+    for accepted in (3, 1, 0):
+        snaps = StateSnapshots(2, first_slot=3, block_size=bs)
+        seq = make_seq(f"v{accepted}", list(range(10, 17)))  # 7 prompt tokens
+        seq.state_slot, seq.num_computed_tokens, seq.spec_token_ids = 1, 6, [20, 21, 22]
+        copies = snaps.plan_saves([seq], [4])
+        assert copies is not None and not copies.saves and copies.verify_saves == [(1, 1, 3)], copies
+        seq.num_computed_tokens += 1  # update_after_step: the drafts are not counted yet
+        snaps.commit(seq, hashes)
+        assert snaps.num_used == 1 and not snaps.has(hashes(seq, 2)[1] if seq.num_tokens >= 8 else b"")
+        for token in [20, 21, 22][:accepted] + [99]:  # the output processor: the kept drafts, the target's token
+            seq.token_ids.append(token)
+        seq.num_computed_tokens += accepted
+        snaps.commit(seq, hashes)
+        snaps.check_invariants()
+        if accepted >= 1:
+            assert snaps.has(hashes(seq, 2)[1]) and snaps.num_used == 1
+        else:
+            assert snaps.num_used == 0, "a state holding a rejected draft was kept"
