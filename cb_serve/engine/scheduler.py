@@ -185,13 +185,11 @@ class Scheduler:
                 num_new = fit_chunk(seq.mm_features, num_computed, budget)  # never through an image
                 if num_new == 0:
                     break
-                self.counters.num_partial_prefills += 1
             if self.aligner is not None:
-                aligned = self.aligner.align(seq, num_computed, num_new)
-                self.counters.num_partial_prefills += aligned < num_new == seq.num_tokens - num_computed
-                num_new = aligned
+                num_new = self.aligner.align(seq, num_computed, num_new)
             if not bm.allocate(seq, num_new, hit):
                 break  # nobody overtakes the head of the queue (either policy, as vLLM)
+            self.counters.num_partial_prefills += num_new < seq.num_tokens - num_computed  # once it is admitted
             del self.waiting[i]
             self.admission.admitted(seq)
             self.counters.prefix_cache_queries += seq.num_tokens
