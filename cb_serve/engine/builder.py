@@ -106,13 +106,7 @@ def build(config: EngineConfig) -> EngineParts:
     if setup.kv_layout.state_layers:  # recurrent layers: a state slot per sequence
         config = setup.config = recurrent_config(config, setup.hf_config.model_type)
     tokenizer = loader.load_tokenizer(setup.source, config.tokenizer, config.trust_remote_code)
-    spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
-    if spec is not None and spec.method == "mtp" and config.tensor_parallel_size > 1:
-        raise ValueError("speculative_config method mtp runs on one rank: the target's sharded LM head would need "
-                         "every rank. Use ngram or draft_model with tensor_parallel_size > 1.")  # fmt: skip
-    draft = None
-    if spec is not None and spec.method == "draft_model":
-        draft = DraftModel.for_target(config, setup, spec.model, tokenizer)
+    spec, draft = _speculation(config, setup, tokenizer)
     vocab_size = setup.hf_config.vocab_size
     if config.reasoning_parser:
         reasoning = reasoning_parser(config.reasoning_parser, tokenizer)
@@ -160,6 +154,19 @@ def build(config: EngineConfig) -> EngineParts:
         config, setup, tokenizer, processor, executor, block_manager, scheduler, structured, speculator, lora,
         inspector, faults, choice.label if choice is not None else "", weights,
     )  # fmt: skip
+
+
+def _speculation(
+    config: EngineConfig, setup: ModelSetup, tokenizer
+) -> tuple[SpeculativeConfig | None, DraftModel | None]:
+    """``speculative_config`` and, for method ``draft_model``, the draft (checked against the target)."""
+    spec = SpeculativeConfig.from_dict(config.speculative_config) if config.speculative_config else None
+    if spec is not None and spec.method == "mtp" and config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method mtp runs on one rank: the target's sharded LM head would need "
+                         "every rank. Use ngram or draft_model with tensor_parallel_size > 1.")  # fmt: skip
+    if spec is not None and spec.method == "draft_model":
+        return spec, DraftModel.for_target(config, setup, spec.model, tokenizer)
+    return spec, None
 
 
 def _state_parts(

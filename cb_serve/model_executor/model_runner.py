@@ -95,12 +95,7 @@ class ModelRunner:
         width = -(-max_model_len // block_size) + 1 if max_model_len else 64
         self.block_rows = BlockTableRows(len(self.kv_layout.groups), max(64, num_state_slots), width)
         self.kv_caches: list = kv_cache_tensors(model, self.kv_layout, num_blocks, block_size, kv_cache_dtype, device)
-        specs = model.state_specs()
-        self.state_cache = None
-        if specs:
-            self.state_cache = StateCache(specs, num_state_slots, device, num_state_snapshots, num_verify_states)
-        for layer, state in self.state_cache.layers.items() if self.state_cache else ():
-            self.kv_caches[layer] = state
+        self.state_cache = self._state_cache(num_state_slots, num_state_snapshots, num_verify_states)
         self.sampler = Sampler()
         # Async scheduling: the last launched step's sampled ids on the device, and each sampling sequence's row
         self.prev_sampled: torch.Tensor | None = None
@@ -122,6 +117,16 @@ class ModelRunner:
                 capture=device.type == "cuda",
                 layer_groups=self.kv_layout.layer_groups,
             )
+
+    def _state_cache(self, num_running: int, num_snapshots: int, num_verify: int) -> StateCache | None:
+        """A hybrid model's recurrent states, each layer's in its place among the KV caches (None without any)."""
+        specs = self.model.state_specs()
+        if not specs:
+            return None
+        cache = StateCache(specs, num_running, self.device, num_snapshots, num_verify)
+        for layer, state in cache.layers.items():
+            self.kv_caches[layer] = state
+        return cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, mm=None):
         """``mm``: (batch indices, image embeddings) replacing those tokens' (a model with ``embed_images``)."""
