@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # (installed from the local wheel cache on our CI machines in seconds). Override: make install TORCH=...
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: install test-deps serve test test-dispatch test-floor lint format bench generate mutation clean
+.PHONY: install test-deps serve test test-durations test-dispatch test-floor lint format bench generate mutation clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,11 @@ test: install test-deps
 	$(PY) -m pytest -q --durations=10 -n 2 --dist loadscope
 	$(MAKE) --no-print-directory test-dispatch
 	$(MAKE) --no-print-directory test-floor
+
+# Refreshes tests/durations.json, each module's seconds, which the scheduler (tests/conftest.py) uses to hand out
+# the longest modules first.
+test-durations: install
+	CB_SERVE_STORE_DURATIONS=1 $(PY) -m pytest -q -n 2 --dist loadscope
 
 # The kernel tests' bit-for-bit equalities that involve torch's, MKL's or oneDNN's kernels (marker `bitwise`)
 # once more under another dispatch than this CPU's own: torch's vector kernels and oneDNN one instruction set

@@ -90,11 +90,9 @@ def smol_llm():
 
 @pytest.fixture(scope="session")
 def smol_hf():
-    import torch
-    from transformers import AutoModelForCausalLM
+    from hf_oracle import hf_model_from_gguf
 
-    src = default_model_or_skip()
-    return AutoModelForCausalLM.from_pretrained(src.path, gguf_file=src.gguf_file, dtype=torch.float32)
+    return hf_model_from_gguf(default_model_or_skip())
 
 
 # The Serve modules run in two groups, at once, each on a worker of its own (its modules one after another): the
@@ -119,7 +117,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     module's tests stay on one worker (its fixtures, an engine or a Serve cluster, are made once), and
     the modules that start Ray clusters (``tests/serve/``) are two units (``SERVE_RUN_GROUP``), the
     first work each worker takes: they mostly wait on Ray and HTTP, and the rest fills the cores
-    around them. (xdist's own ``loadgroup`` renames node ids, which pytest 9 no longer reads.)"""
+    around them, longest first (``DURATIONS``: a long module taken last would run alone at the end).
+    (xdist's own ``loadgroup`` renames node ids, which pytest 9 no longer reads.)"""
     if config.getoption("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -131,11 +130,64 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _assign_work_unit(self, node) -> None:
             if not getattr(self, "serve_groups_first", False):  # the first assignment: the queue is complete
                 self.serve_groups_first = True
-                for scope in [s for s in self.workqueue if not s.startswith("ray: ")]:
-                    self.workqueue.move_to_end(scope)  # the Ray groups first, the rest in xdist's order
+                rest = [s for s in self.workqueue if not s.startswith("ray: ")]
+                for scope in sorted(rest, key=module_seconds(), reverse=True):
+                    self.workqueue.move_to_end(scope)  # the Ray groups first, then the longest modules
+                if (tests := self.workqueue.get("ray: in-process")) is not None:  # the modules sharing a cluster
+                    order = sorted(tests, key=lambda n: shared_cluster_rank(n.split("::", 1)[0]))
+                    self.workqueue["ray: in-process"] = {nodeid: tests[nodeid] for nodeid in order}
             super()._assign_work_unit(node)
 
     return ServeGroupsFirst(config, log)
+
+
+def shared_cluster_rank(module: str) -> int:
+    """Where a Serve module runs in its group: those sharing one Ray cluster (``serving.SHARED_CLUSTER_MODULES``)
+    one after another, first."""
+    from serving import SHARED_CLUSTER_MODULES
+
+    name = module.rsplit("/", 1)[-1]
+    return SHARED_CLUSTER_MODULES.index(name) if name in SHARED_CLUSTER_MODULES else len(SHARED_CLUSTER_MODULES)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Tells ``serving.local_ray_serve`` (a module fixture, finalized in this teardown) which module runs next."""
+    from serving import NEXT_TEST
+
+    NEXT_TEST["module"] = nextitem.path.name if nextitem is not None else None
+    return (yield)
+
+
+# Each module's seconds in a recent full run (setup, call and teardown of its tests), for the order above: a stale
+# or missing entry costs balance, never correctness. Refreshed by ``make test-durations``
+# (CB_SERVE_STORE_DURATIONS=1: the controller writes what this run measured).
+DURATIONS = HERE / "durations.json"
+_measured: dict[str, float] = {}
+
+
+def module_seconds():
+    """module -> its recorded seconds (a module not recorded: the median)."""
+    import json
+    import statistics
+
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    default = statistics.median(known.values()) if known else 0.0
+    return lambda module: known.get(module, default)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("CB_SERVE_STORE_DURATIONS"):
+        module = report.nodeid.split("::", 1)[0]
+        _measured[module] = _measured.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import json
+
+    if os.environ.get("CB_SERVE_STORE_DURATIONS") and _measured and not hasattr(session.config, "workerinput"):
+        durations = {module: round(seconds, 1) for module, seconds in sorted(_measured.items())}
+        DURATIONS.write_text(json.dumps(durations, indent=1) + "\n")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -152,27 +152,62 @@ def serve_run(
         log.close()
 
 
+# The Serve modules that run in this process's test worker one after another (``conftest.SERVE_RUN_GROUP``'s
+# other group) share one Ray cluster, started by the first and stopped after the last: starting and stopping one
+# costs ~10 s. Each module keeps its own app (``run_app`` replaces the others; the rest are deleted when it ends).
+SHARED_PORT = 8321
+SHARED_CLUSTER_MODULES = (
+    "test_agent_loops.py",
+    "test_inspect_serve.py",
+    "test_kv_routing.py",
+    "test_lora_serve.py",
+    "test_serve_replicas.py",
+    "test_tensor_parallel_serve.py",
+    "test_vision_serve.py",
+)
+NEXT_TEST: dict[str, str | None] = {"module": None}  # the file of the next test to run here (tests/conftest.py)
+_cluster: dict[str, int] = {}  # the running cluster's port and CPUs
+
+
 @contextmanager
 def local_ray_serve(port: int, num_cpus: int = 4) -> Iterator[Any]:
-    """A fresh local Ray instance with Serve's HTTP proxy on 127.0.0.1:``port``; shut down after."""
+    """A local Ray instance with Serve's HTTP proxy on 127.0.0.1:``port``: this process's running one where it
+    has that port and ``num_cpus``, a fresh one otherwise. Afterwards it is kept, without its apps, where the
+    next test's module is one of ``SHARED_CLUSTER_MODULES`` (on ``SHARED_PORT``), and shut down otherwise."""
     import ray
     from ray import serve
 
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": RAY_ENV},
-    )
-    try:
+    if _cluster and (_cluster != {"port": port, "num_cpus": num_cpus} or not ray.is_initialized()):
+        _stop_cluster()
+    if not _cluster:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": RAY_ENV},
+        )
+        _cluster.update(port=port, num_cpus=num_cpus)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
         yield serve
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        if port == SHARED_PORT and NEXT_TEST["module"] in SHARED_CLUSTER_MODULES:
+            for app in list(serve.status().applications):
+                serve.delete(app)
+        else:
+            _stop_cluster()
+
+
+def _stop_cluster() -> None:
+    import ray
+    from ray import serve
+
+    _cluster.clear()
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def run_app(

@@ -30,11 +30,9 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def gemma_hf(gemma):
-    import torch
-    from transformers import AutoModelForCausalLM
+    from hf_oracle import hf_model_from_gguf
 
-    source = gemma.engine.source
-    return AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    return hf_model_from_gguf(gemma.engine.source)
 
 
 def test_gemma3_270m_matches_hf(gemma, gemma_hf):

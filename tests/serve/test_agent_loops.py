@@ -28,14 +28,14 @@ from typing import Literal
 import jsonschema
 import pytest
 from models import make_random_model
-from serving import local_ray_serve, run_app
+from serving import SHARED_PORT, local_ray_serve, run_app
 from tool_defs import CLOCK, WEATHER
 
 from cb_serve.tool_format import closed
 
 serve = pytest.importorskip("ray.serve")
 
-PORT = 8329
+PORT = SHARED_PORT  # one Ray cluster for these modules (serving.SHARED_CLUSTER_MODULES)
 BASE = f"http://127.0.0.1:{PORT}"
 TEMPLATES = Path(__file__).parents[1] / "fixtures" / "chat_templates"
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
@@ -51,7 +51,7 @@ TOOLS = [WEATHER, CLOCK]
 
 @pytest.fixture(scope="module")
 def cluster():
-    with local_ray_serve(PORT, num_cpus=2):
+    with local_ray_serve(PORT):
         yield
 
 

@@ -22,12 +22,12 @@ import httpx
 import pytest
 from browser import open_page
 from models import make_random_model
-from serving import REPLICA_HEADER, local_ray_serve, run_app, wait_for
+from serving import REPLICA_HEADER, SHARED_PORT, local_ray_serve, run_app, wait_for
 from trace_format import validate_trace
 
 serve = pytest.importorskip("ray.serve")
 
-PORT = 8327
+PORT = SHARED_PORT  # one Ray cluster for these modules (serving.SHARED_CLUSTER_MODULES)
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "inspect"
 ENGINE = {

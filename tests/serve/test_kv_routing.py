@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import pytest
 from models import make_random_model
-from serving import REPLICA_HEADER, engine_replica_pids, local_ray_serve, run_app, wait_for
+from serving import REPLICA_HEADER, SHARED_PORT, engine_replica_pids, local_ray_serve, run_app, wait_for
 
 serve = pytest.importorskip("ray.serve")
 
-PORT = 8323
+PORT = SHARED_PORT  # one Ray cluster for these modules (serving.SHARED_CLUSTER_MODULES)
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "kv-routing"
 ROUTING_STATS_PERIOD_S = 0.5

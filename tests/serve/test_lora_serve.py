@@ -12,12 +12,12 @@ from collections import Counter
 import httpx
 import pytest
 from models import make_adapter
-from serving import REPLICA_HEADER, local_ray_serve, run_app
+from serving import REPLICA_HEADER, SHARED_PORT, local_ray_serve, run_app
 
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-PORT = 8341
+PORT = SHARED_PORT  # one Ray cluster for these modules (serving.SHARED_CLUSTER_MODULES)
 BASE = f"http://127.0.0.1:{PORT}"
 KEY = "lora-test-key"
 PROMPT = [1, 5, 9, 200, 33, 7] * 4

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 from models import make_random_model
-from serving import REPLICA_HEADER, local_ray_serve, run_app, running_engine_replicas
+from serving import REPLICA_HEADER, SHARED_PORT, local_ray_serve, run_app, running_engine_replicas
 
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 # The routing test's fast autoscaling needs AutoscalingConfig.metrics_interval_s (deprecated in favour of env vars).
 pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
 
-PORT = 8321  # not 8000, so a `serve run` elsewhere on the machine does not collide
+PORT = SHARED_PORT  # one Ray cluster for these modules (serving.SHARED_CLUSTER_MODULES)
 BASE = f"http://127.0.0.1:{PORT}"
 MAX_MODEL_LEN = 4096  # long requests must outlast a new replica's start on a busy 2-core machine
 

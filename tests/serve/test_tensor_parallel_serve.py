@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from models import make_random_model
-from serving import SSEStream, local_ray_serve, run_app, wait_for
+from serving import SHARED_PORT, SSEStream, local_ray_serve, run_app, wait_for
 
 from cb_serve import LLM, SamplingParams
 
@@ -23,7 +23,7 @@ yaml = pytest.importorskip("yaml")
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-PORT = 8331
+PORT = SHARED_PORT  # one Ray cluster for these modules (serving.SHARED_CLUSTER_MODULES)
 BASE = f"http://127.0.0.1:{PORT}"
 APP = "tp"
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "config.tp.yaml"
@@ -59,7 +59,7 @@ def tp_app_args(model_dir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def app(tmp_path_factory, tokenizer):
     model_dir = make_random_model(tmp_path_factory.mktemp("llama-tp"), "llama", tokenizer)
-    with local_ray_serve(PORT, num_cpus=4) as serve:
+    with local_ray_serve(PORT) as serve:
         run_app(tp_app_args(model_dir), APP)
         yield model_dir, serve
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 import base64
 
 import pytest
-from serving import local_ray_serve, run_app
+from serving import SHARED_PORT, local_ray_serve, run_app
 from vision_models import IMG, data_url, encoded, image, make_gemma3_vision
 
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
-PORT = 8333
+PORT = SHARED_PORT  # one Ray cluster for these modules (serving.SHARED_CLUSTER_MODULES)
 BASE = f"http://127.0.0.1:{PORT}"
 ENGINE = {"max_model_len": 256, "num_gpu_blocks": 128, "block_size": 4, "max_num_seqs": 4, "num_threads": 1,
           "limit_mm_per_prompt": {"image": 2}, "max_image_bytes": 64 << 10}  # fmt: skip
@@ -55,7 +55,7 @@ def offline(vision_model):
 
 @pytest.fixture(scope="module")
 def app(vision_model, offline):
-    with local_ray_serve(PORT, num_cpus=2):
+    with local_ray_serve(PORT):
         run_app({"model": vision_model[0], "engine": ENGINE}, "vision")
         yield
 
