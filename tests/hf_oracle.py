@@ -50,6 +50,9 @@ def save(model: torch.nn.Module, entry) -> None:
         (entry / gguf_cache.COMPLETE).touch()
     except OSError:  # a read-only or full disk: the next run loads the GGUF file again
         shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:  # a copy that differs (check_same) is never left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def check_same(model: torch.nn.Module, directory) -> None:

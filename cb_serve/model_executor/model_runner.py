@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ from cb_serve.model_executor.state_cache import StateCache
 from cb_serve.model_executor.step_batch import HostStaging, ModelInput, StepBatch
 from cb_serve.model_executor.step_output import (
     AsyncStepOutput,
+    DraftVerifier,
     ForwardOutput,
     HostLogprobs,
     StepResult,
@@ -36,15 +36,6 @@ from cb_serve.sequence import SchedulerOutput, Sequence
 from cb_serve.stats import ExpertLoad
 
 __all__ = ["ModelInput", "ModelRunner", "StepResult"]
-
-
-class DraftVerifier(Protocol):
-    """Speculative decoding's verification (``Speculator.verify``): a speculating sequence's
-    emitted tokens and their logprobs from its ``1 + k`` logits rows, under its grammar's masks."""
-
-    def __call__(
-        self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None
-    ) -> tuple[list[int], list[dict | None]]: ...
 
 
 class ModelRunner:

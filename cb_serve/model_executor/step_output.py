@@ -6,13 +6,22 @@ while the next step is scheduled and launched."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from cb_serve.model_executor.sampler import logprob_entries
 from cb_serve.sequence import Sequence
 from cb_serve.stats import ExpertLoad
+
+
+class DraftVerifier(Protocol):
+    """Speculative decoding's verification (``Speculator.verify``): a speculating sequence's
+    emitted tokens and their logprobs from its ``1 + k`` logits rows, under its grammar's masks."""
+
+    def __call__(
+        self, seq: Sequence, logits: torch.Tensor, grammar: torch.Tensor | None
+    ) -> tuple[list[int], list[dict | None]]: ...
 
 
 @dataclass
