@@ -187,8 +187,12 @@ def local_ray_serve(port: int, num_cpus: int = 4) -> Iterator[Any]:
             log_to_driver=False,
             runtime_env={"env_vars": RAY_ENV},
         )
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+        except BaseException:  # never kept without Serve: the next module would find no proxy
+            ray.shutdown()
+            raise
         _cluster.update(port=port, num_cpus=num_cpus)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield serve
     finally:
