@@ -31,6 +31,10 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter; set 
 # workers and Serve replicas inherit this): the CPU suite compares against float32 HF. The tests for
 # CUDA (marked gpu) name device="cuda".
 os.environ.setdefault("CB_SERVE_DEVICE", "cpu")
+# The suite builds ~40 tensor-parallel engines: their CPU workers fork from one warm server per process
+# instead of each importing torch and transformers afresh (``cb_serve/executor/forkserver.py``). The
+# default a user gets (spawn) is tested where named.
+os.environ.setdefault("CB_SERVE_WORKER_MULTIPROC_METHOD", "forkserver")
 # A GPU host without the built-in model's package (bench/gpu_check.sh): the tests' tokenizer (and the
 # random models' vocabulary) from a saved copy of the built-in model's tokenizer.
 TOKENIZER_ENV = "CB_SERVE_TEST_TOKENIZER"
@@ -133,9 +137,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 rest = [s for s in self.workqueue if not s.startswith("ray: ")]
                 for scope in sorted(rest, key=module_seconds(), reverse=True):
                     self.workqueue.move_to_end(scope)  # the Ray groups first, then the longest modules
-                if (tests := self.workqueue.get("ray: in-process")) is not None:  # the modules sharing a cluster
-                    order = sorted(tests, key=lambda n: shared_cluster_rank(n.split("::", 1)[0]))
-                    self.workqueue["ray: in-process"] = {nodeid: tests[nodeid] for nodeid in order}
+                for group in ("ray: in-process", "ray: serve run"):  # the modules sharing a cluster or a server
+                    if (tests := self.workqueue.get(group)) is not None:
+                        order = sorted(tests, key=lambda n: shared_cluster_rank(n.split("::", 1)[0]))
+                        self.workqueue[group] = {nodeid: tests[nodeid] for nodeid in order}
             super()._assign_work_unit(node)
 
     return ServeGroupsFirst(config, log)
@@ -143,11 +148,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 def shared_cluster_rank(module: str) -> int:
     """Where a Serve module runs in its group: those sharing one Ray cluster (``serving.SHARED_CLUSTER_MODULES``)
-    one after another, first."""
-    from serving import SHARED_CLUSTER_MODULES
+    or one ``serve run`` (``serving.SMOL_SERVER_MODULES``) one after another, first."""
+    from serving import SHARED_CLUSTER_MODULES, SMOL_SERVER_MODULES
 
-    name = module.rsplit("/", 1)[-1]
-    return SHARED_CLUSTER_MODULES.index(name) if name in SHARED_CLUSTER_MODULES else len(SHARED_CLUSTER_MODULES)
+    name, shared = module.rsplit("/", 1)[-1], SHARED_CLUSTER_MODULES + SMOL_SERVER_MODULES
+    return shared.index(name) if name in shared else len(shared)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 REPLICA_HEADER = "x-cb-replica"
+NEXT_TEST: dict[str, str | None] = {"module": None}  # the file of the next test to run here (tests/conftest.py)
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -152,6 +153,60 @@ def serve_run(
         log.close()
 
 
+# ``serve run deploy/config.yaml`` as a user runs it, with the config's speculation line switched on, an API key,
+# and a second application (``/thinker``: a tiny scripted model whose Qwen3-like template thinks in ``<think>``,
+# served with ``reasoning_parser: qwen3``): one server for the modules that call it, run one after another
+# (``conftest.SERVE_ORDER``), kept from one to the next (starting one costs ~30 CPU-seconds).
+API_KEY = "test-key-123"  # every /v1 call needs it
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+SMOL_SERVER_MODULES = ("test_clients.py", "test_serve.py")
+THINKER_APP = """
+  - name: thinker
+    route_prefix: /thinker
+    import_path: cb_serve.serve.app:build_app
+    args:
+      model: {model}
+      engine: {{max_model_len: 512, num_gpu_blocks: 64, max_num_seqs: 8, reasoning_parser: qwen3}}
+      router: {{served_model_name: thinker}}
+    deployments:
+      - name: EngineReplica
+        ray_actor_options: {{num_cpus: 0}}
+      - name: Router
+        ray_actor_options: {{num_cpus: 0}}
+"""
+_smol_server: dict[str, Any] = {}  # the running one: its base URL and what stops it
+
+
+@contextmanager
+def smol_server(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[str]:
+    """The shared server above (started where none runs); stopped afterwards unless the next test's module
+    is one of ``SMOL_SERVER_MODULES``. Yields its base URL."""
+    from scripted_model import make_scripted_model
+
+    keep = False
+    try:
+        if not _smol_server:
+            root = Path(__file__).resolve().parents[1]
+            workdir = tmp_path_factory.mktemp("smol-server")
+            make_scripted_model(workdir / "thinker", tokenizer)
+            text = (root / "deploy" / "config.yaml").read_text()
+            assert "        # speculative_config:" in text
+            text = text.replace("        # speculative_config:", "        speculative_config:")
+            config = workdir / "config.yaml"
+            config.write_text(text + THINKER_APP.format(model=workdir / "thinker"))
+            _smol_server["stack"] = stack = ExitStack()
+            _smol_server["base"] = stack.enter_context(
+                serve_run(config, workdir, {"CB_SERVE_API_KEY": API_KEY}, headers=AUTH)
+            )
+            httpx.get(f"{_smol_server['base']}/thinker/v1/models", headers=AUTH, timeout=60).raise_for_status()
+        yield _smol_server["base"]
+        keep = NEXT_TEST["module"] in SMOL_SERVER_MODULES
+    finally:
+        if not keep and _smol_server:
+            _smol_server.pop("stack").close()
+            _smol_server.clear()
+
+
 # The Serve modules that run in this process's test worker one after another (``conftest.SERVE_RUN_GROUP``'s
 # other group) share one Ray cluster, started by the first and stopped after the last: starting and stopping one
 # costs ~10 s. Each module keeps its own app (``run_app`` replaces the others; the rest are deleted when it ends).
@@ -165,7 +220,6 @@ SHARED_CLUSTER_MODULES = (
     "test_tensor_parallel_serve.py",
     "test_vision_serve.py",
 )
-NEXT_TEST: dict[str, str | None] = {"module": None}  # the file of the next test to run here (tests/conftest.py)
 _cluster: dict[str, int] = {}  # the running cluster's port and CPUs
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
 
+from cb_serve.executor.forkserver import fork_workers, multiproc_method, worker_env
 from cb_serve.executor.worker import WorkerHandle, WorkerSpec
 
 
@@ -18,11 +18,8 @@ class WorkerProcess(WorkerHandle):
     run again in every worker). It ends by itself when the driver goes away (its connection closes)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         command = [sys.executable, "-m", "cb_serve.executor"]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, close_fds=True)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=worker_env(), close_fds=True)
         assert self.proc.stdin is not None
         with self.proc.stdin:
             self.proc.stdin.write(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
@@ -41,4 +38,7 @@ class WorkerProcess(WorkerHandle):
 
 
 def launch_processes(specs: list[WorkerSpec]) -> list[WorkerHandle]:
+    """Fresh interpreters (``spawn``), or forks of a warm server (``forkserver``, CPU only)."""
+    if all(multiproc_method(spec.device.split(":")[0]) == "forkserver" for spec in specs):
+        return fork_workers(specs)
     return [WorkerProcess(spec) for spec in specs]

@@ -28,6 +28,7 @@ from models import STRESS_ENGINE_ARGS, assert_same_greedy, make_random_model
 from cb_serve import LLM, AsyncLLM, EngineConfig, SamplingParams
 from cb_serve.distributed.sharding import balanced_range, shard_for
 from cb_serve.errors import EngineError
+from cb_serve.executor.forkserver import METHOD_ENV, multiproc_method
 
 PROMPTS = [
     list(range(100, 130)),
@@ -380,12 +381,48 @@ def test_a_script_without_a_main_guard_runs_two_ranks(tmp_path, random_model_dir
     worker is a fresh interpreter that never runs the script, and the tokens are TP=1's."""
     script = tmp_path / "plain.py"
     script.write_text(f"MODEL = {str(random_model_dir('llama'))!r}\nPROMPTS = {PROMPTS!r}\n" + NO_MAIN_GUARD)
-    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != METHOD_ENV}  # the default a user gets: spawn
+    command = [sys.executable, str(script)]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("the script's own output") == 1, run.stdout
     (line,) = [x for x in run.stdout.splitlines() if x.startswith("TOKENS ")]
     tokens = json.loads(line.removeprefix("TOKENS "))
     assert tokens["1"] == tokens["2"] and all(len(t) == 12 for t in tokens["1"])
+
+
+def parent_pid(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def test_worker_start_methods(monkeypatch):
+    monkeypatch.delenv(METHOD_ENV, raising=False)
+    assert multiproc_method("cpu") == "spawn"  # the default
+    monkeypatch.setenv(METHOD_ENV, "forkserver")
+    assert (multiproc_method("cpu"), multiproc_method("cuda")) == ("forkserver", "spawn")
+    monkeypatch.setenv(METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="expected one of spawn, forkserver"):
+        multiproc_method("cpu")
+
+
+def test_forked_workers_come_from_one_server_per_environment(random_model_dir, monkeypatch):
+    """``forkserver`` (the suite's setting; the spawned default runs in the script test below): the
+    workers of later engines are forked by one server process, not this one's children, and end with
+    their engine; a changed environment gets a new server (a module may read a variable at import).
+    The tokens are the same each time (every other test here compares them with one rank's)."""
+    monkeypatch.setenv(METHOD_ENV, "forkserver")
+    model, args = str(random_model_dir("llama")), {**STRESS_ENGINE_ARGS, "max_num_seqs": 4}
+    runs = []
+    for mark in ("0", "0", "1"):
+        monkeypatch.setenv("CB_SERVE_TEST_ENV_MARK", mark)
+        llm = LLM(model, tensor_parallel_size=2, **args)
+        (pid,) = llm.engine.worker_pids
+        runs.append((parent_pid(pid), [tokens for tokens, _ in generate(llm)]))
+        llm.engine.shutdown()
+        assert stopped(pid)
+    (first, tokens), (again, _), (new_env, _) = runs
+    assert first == again and os.getpid() != first != new_env != os.getpid()
+    assert all(run[1] == tokens for run in runs)
 
 
 def test_each_gpu_sizes_its_kv_cache_for_its_own_heads():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import serve_run
+from serving import API_KEY, AUTH, smol_server
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "http://127.0.0.1:8000"
@@ -32,45 +32,23 @@ WEATHER = {
     "required": ["city"],
     "additionalProperties": False,
 }
-THINKER_APP = """
-  - name: thinker
-    route_prefix: /thinker
-    import_path: cb_serve.serve.app:build_app
-    args:
-      model: {model}
-      engine: {{max_model_len: 512, num_gpu_blocks: 64, max_num_seqs: 8, reasoning_parser: qwen3}}
-      router: {{served_model_name: thinker}}
-    deployments:
-      - name: EngineReplica
-        ray_actor_options: {{num_cpus: 0}}
-      - name: Router
-        ray_actor_options: {{num_cpus: 0}}
-"""
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tokenizer):
-    from scripted_model import make_scripted_model
-
-    workdir = tmp_path_factory.mktemp("clients")
-    thinker = workdir / "thinker"
-    thinker.mkdir()
-    make_scripted_model(thinker, tokenizer)
-    config = workdir / "config.yaml"
-    config.write_text((ROOT / "deploy" / "config.yaml").read_text() + THINKER_APP.format(model=thinker))
-    with serve_run(config, workdir, {}) as base:
-        httpx.get(f"{base}/thinker/v1/models", timeout=60).raise_for_status()
+    """deploy/config.yaml with speculation on, an API key and the thinker app (``serving.smol_server``)."""
+    with smol_server(tmp_path_factory, tokenizer) as base:
         yield base
 
 
 @pytest.fixture(scope="module")
 def model(server) -> str:
-    return httpx.get(f"{server}/v1/models", timeout=10).json()["data"][0]["id"]
+    return httpx.get(f"{server}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=120, max_retries=0)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=120, max_retries=0)
 
 
 def weather_tool() -> dict:
@@ -140,7 +118,7 @@ def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(server, model):
         return f"sunny in {city}"
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", timeout=120, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, timeout=120, max_retries=0)
         agent = agents.Agent(
             name="weather",
             instructions="Answer with the get_weather tool.",
@@ -157,7 +135,7 @@ def test_openai_agents_sdk_runs_an_agent_with_a_function_tool(server, model):
 
 def test_anthropic_messages_with_tool_use(server, model):
     anthropic = pytest.importorskip("anthropic")
-    client = anthropic.Anthropic(base_url=server, api_key="none", timeout=120, max_retries=0)
+    client = anthropic.Anthropic(base_url=server, api_key=API_KEY, timeout=120, max_retries=0)
     tool = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER}
     question = {"role": "user", "content": "What is the weather in Paris? Use the tool."}
     first = client.messages.create(
@@ -237,7 +215,7 @@ def test_lm_eval_local_completions_equals_hf(server, model, tmp_path, tokenizer,
 
     served = lm_eval.api.registry.get_model("local-completions")(
         model=model, base_url=f"{server}/v1/completions", tokenizer=str(tmp_path / "tokenizer"),
-        tokenizer_backend="huggingface", num_concurrent=2, max_retries=1, timeout=120,
+        tokenizer_backend="huggingface", num_concurrent=2, max_retries=1, timeout=120, header=AUTH,
     )  # fmt: skip
     ours, stderr, served_lls = accuracy(served)
     theirs, _, hf_lls = accuracy(HFLM(pretrained=smol_hf, tokenizer=tokenizer, batch_size=4))
@@ -250,7 +228,7 @@ def test_lm_eval_local_completions_equals_hf(server, model, tmp_path, tokenizer,
 
 
 def post(server: str, path: str, **body) -> httpx.Response:
-    return httpx.post(f"{server}{path}", json=body, timeout=120)
+    return httpx.post(f"{server}{path}", json=body, headers=AUTH, timeout=120)
 
 
 def test_echo_prompt_logprobs_and_list_prompts(server, model):
@@ -301,9 +279,9 @@ def test_small_endpoints(server, model):
     assert chat["count"] > 3
     assert httpx.get(f"{server}/version").json()["version"]
     assert httpx.get(f"{server}/ping").status_code == 200
-    card = httpx.get(f"{server}/v1/models/{model}").json()
+    card = httpx.get(f"{server}/v1/models/{model}", headers=AUTH).json()
     assert card["id"] == model and card["max_model_len"] == tok["max_model_len"]
-    assert httpx.get(f"{server}/v1/models/nope").status_code == 404
+    assert httpx.get(f"{server}/v1/models/nope", headers=AUTH).status_code == 404
 
 
 def test_unknown_fields_and_unimplemented_vllm_extras(server, model):
@@ -324,7 +302,7 @@ def test_unknown_fields_and_unimplemented_vllm_extras(server, model):
 
 
 def test_reasoning_split_whole_and_streamed(server, client, model):
-    thinker = openai.OpenAI(base_url=f"{server}/thinker/v1", api_key="none", timeout=60, max_retries=0)
+    thinker = openai.OpenAI(base_url=f"{server}/thinker/v1", api_key=API_KEY, timeout=60, max_retries=0)
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     whole = thinker.chat.completions.create(model="thinker", messages=messages, max_tokens=40, temperature=0)
     message = whole.choices[0].message

@@ -17,24 +17,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import REPLICA_HEADER, serve_run, wait_for
+from serving import API_KEY, AUTH, REPLICA_HEADER, smol_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "http://127.0.0.1:8000"
-API_KEY = "test-key-123"  # the server runs with CB_SERVE_API_KEY set: every /v1 call needs it
-AUTH = {"authorization": f"Bearer {API_KEY}"}
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("serve")
-    config = workdir / "config.speculative.yaml"
-    text = (ROOT / "deploy" / "config.yaml").read_text()
-    assert "        # speculative_config:" in text
-    config.write_text(text.replace("        # speculative_config:", "        speculative_config:"))
-    with serve_run(config, workdir, {"CB_SERVE_API_KEY": API_KEY}, headers=AUTH) as base:
+def server(tmp_path_factory, tokenizer):
+    """deploy/config.yaml with speculation on and an API key (``serving.smol_server``, shared with test_clients)."""
+    with smol_server(tmp_path_factory, tokenizer) as base:
         yield base
 
 
