@@ -190,7 +190,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     import json
 
-    if os.environ.get("CB_SERVE_STORE_DURATIONS") and _measured and not hasattr(session.config, "workerinput"):
+    config = session.config  # only the whole suite's seconds (`make test`'s later runs pick tests)
+    whole = config.args_source != pytest.Config.ArgsSource.ARGS
+    whole = whole and not config.option.markexpr and not config.option.keyword
+    if os.environ.get("CB_SERVE_STORE_DURATIONS") and _measured and whole and not hasattr(config, "workerinput"):
         durations = {module: round(seconds, 1) for module, seconds in sorted(_measured.items())}
         DURATIONS.write_text(json.dumps(durations, indent=1) + "\n")
 
