@@ -94,6 +94,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[0.8, 1.0],
         help="Item 5: also replay the greedy continuation as drafts, each right with these probabilities.",
     )
+    run.add_argument("--spec-prompt", type=int, default=256, help="Held-out prompt tokens for the trained model.")
+    run.add_argument("--spec-mtp-k", type=int, default=2, help="MTP drafts per step on the trained model.")
     run.add_argument("--spec-only", action="store_true", help="Run item 5 alone.")
     run.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     run.add_argument("--json", help="Write the results here.")
@@ -357,12 +359,36 @@ def speculation(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     for p in args.spec_replay:
         replay = ReplayProposer(prompt, plain["tokens"], p)
         runs[f"replay_p{p}"] = one_stream(model_dir, args, prompt, {**spec, "adaptive": False}, replay)
-    result: dict[str, Any] = {"prompt_tokens": len(prompt), "k": args.spec_k, "without": _drop_tokens(plain)}
+    result = {"prompt_tokens": len(prompt), "k": args.spec_k, **_against(plain, runs, "random model")}
+    result["trained"] = trained_speculation(args)
+    return result
+
+
+def trained_speculation(args: argparse.Namespace) -> dict[str, Any]:
+    """Item 5 on a tiny Qwen3.5 with its MTP layer, trained here (``bench/trained_hybrid.py``): a held-out source
+    file's tokens as the prompt; without drafts, with n-gram drafts, with the checkpoint's MTP drafts."""
+    from trained_hybrid import held_out_prompt, trained_hybrid
+
+    tokenizer = loader.load_tokenizer(loader.default_model_source())
+    model_dir = trained_hybrid(args.cache_dir, tokenizer)
+    prompt = held_out_prompt(tokenizer, args.spec_prompt)
+    ngram = {"method": "ngram", "num_speculative_tokens": args.spec_k, "prompt_lookup_max": 4}
+    mtp = {"method": "mtp", "num_speculative_tokens": args.spec_mtp_k}
+    plain = one_stream(model_dir, args, prompt, None)
+    runs = {"ngram": one_stream(model_dir, args, prompt, ngram), "mtp": one_stream(model_dir, args, prompt, mtp)}
+    training = json.loads((model_dir / "training.json").read_text())
+    result = {"model": str(model_dir), "training": training, "prompt_tokens": len(prompt)}
+    return {**result, "mtp_k": args.spec_mtp_k, "ngram_k": args.spec_k, **_against(plain, runs, "trained model")}
+
+
+def _against(plain: dict[str, Any], runs: dict[str, dict[str, Any]], what: str) -> dict[str, Any]:
+    """Each run's ITL and acceptance against ``plain`` (no drafts), and whether its tokens are the same."""
+    result: dict[str, Any] = {"without": _drop_tokens(plain)}
     for name, run in runs.items():
         rate = run["accepted"] / max(1, run["drafted"])
         result[name] = {**_drop_tokens(run), "acceptance_rate": rate, "itl_speedup": plain["itl_ms"] / run["itl_ms"],
                         "same_tokens": run["tokens"] == plain["tokens"]}  # fmt: skip
-        log(f"one stream, {name}: ITL {plain['itl_ms']:.1f} ms without drafts, {run['itl_ms']:.1f} ms with "
+        log(f"one stream ({what}), {name}: ITL {plain['itl_ms']:.1f} ms without drafts, {run['itl_ms']:.1f} ms with "
             f"({rate:.0%} of {run['drafted']} drafts accepted): {plain['itl_ms'] / run['itl_ms']:.2f}x, "
             f"same tokens: {run['tokens'] == plain['tokens']}")  # fmt: skip
     return result
