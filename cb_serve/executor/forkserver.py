@@ -131,6 +131,10 @@ def fork_workers(specs: list[WorkerSpec]) -> list[WorkerHandle]:
     try:
         return [server.fork(spec, env) for spec in specs]
     except (OSError, EOFError) as e:
+        with _server_lock:  # the next engine starts a new one
+            if _server is server:
+                _server = None
+        server.close()
         raise RuntimeError(f"the worker fork server is gone ({e}); its log is this process's standard error") from e
 
 
