@@ -366,16 +366,20 @@ def speculation(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def trained_speculation(args: argparse.Namespace) -> dict[str, Any]:
     """Item 5 on a tiny Qwen3.5 with its MTP layer, trained here (``bench/trained_hybrid.py``): a held-out source
-    file's tokens as the prompt; without drafts, with n-gram drafts, with the checkpoint's MTP drafts."""
+    file's tokens as the prompt; without drafts, with n-gram drafts and with the checkpoint's MTP drafts at a fixed
+    ``k`` (vLLM's way), and n-gram under the adaptive policy (the default)."""
     from trained_hybrid import held_out_prompt, trained_hybrid
 
     tokenizer = loader.load_tokenizer(loader.default_model_source())
     model_dir = trained_hybrid(args.cache_dir, tokenizer)
     prompt = held_out_prompt(tokenizer, args.spec_prompt)
-    ngram = {"method": "ngram", "num_speculative_tokens": args.spec_k, "prompt_lookup_max": 4}
-    mtp = {"method": "mtp", "num_speculative_tokens": args.spec_mtp_k}
+    ngram = {"method": "ngram", "num_speculative_tokens": args.spec_k, "prompt_lookup_max": 4, "adaptive": False}
     plain = one_stream(model_dir, args, prompt, None)
-    runs = {"ngram": one_stream(model_dir, args, prompt, ngram), "mtp": one_stream(model_dir, args, prompt, mtp)}
+    runs = {"ngram": one_stream(model_dir, args, prompt, ngram)}
+    for k in range(1, args.spec_mtp_k + 1):
+        runs[f"mtp_k{k}"] = one_stream(model_dir, args, prompt, {"method": "mtp", "num_speculative_tokens": k,
+                                                                 "adaptive": False})  # fmt: skip
+    runs["ngram_adaptive"] = one_stream(model_dir, args, prompt, {**ngram, "adaptive": True})
     training = json.loads((model_dir / "training.json").read_text())
     result = {"model": str(model_dir), "training": training, "prompt_tokens": len(prompt)}
     return {**result, "mtp_k": args.spec_mtp_k, "ngram_k": args.spec_k, **_against(plain, runs, "trained model")}

@@ -185,6 +185,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if os.environ.get("CB_SERVE_STORE_DURATIONS"):
         module = report.nodeid.split("::", 1)[0]
         _measured[module] = _measured.get(module, 0.0) + report.duration
+    timeline = os.environ.get("CB_SERVE_TIMELINE")
+    if timeline and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller: which worker ran what, when
+        import json
+
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+        line = {"worker": worker, "nodeid": report.nodeid, "when": report.when, "start": report.start}
+        with open(timeline, "a") as f:
+            f.write(json.dumps({**line, "stop": report.stop}) + "\n")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
