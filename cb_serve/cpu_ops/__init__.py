@@ -125,10 +125,11 @@ def build_directory(name: str, source: str | tuple[str, ...], flags: list[str]) 
     """A build directory per content (sources, headers, flags, torch version) and CPU (``-march=native``
     builds for this one: a home directory that outlives a change of CPU must not load another's build),
     holding its own copy of the sources: checkouts at different paths then share one build instead of
-    rebuilding (ninja rebuilds whenever a source path changes)."""
+    rebuilding (ninja rebuilds whenever a source path changes; ``build`` loads a finished build without it)."""
     files = sorted(CSRC.glob("*.h")) + [CSRC / s for s in sources(source)]
     model, cpu_flags = cpu_model_and_flags()
-    digest = hashlib.sha256(repr((flags, torch.__version__, model, sorted(cpu_flags))).encode())
+    python = sys.version_info[:2]
+    digest = hashlib.sha256(repr((flags, torch.__version__, python, model, sorted(cpu_flags))).encode())
     for path in files:
         digest.update(path.read_bytes())
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
@@ -180,6 +181,13 @@ def build(name: str, source: str | tuple[str, ...], flags: list[str]) -> None:
         raise RuntimeError(f"this CPU lacks {', '.join(sorted(missing))}")
 
     directory = build_directory(name, source, COMMON_FLAGS + flags)
+    library, built = directory / f"{name}.so", directory / "built"
+    if built.is_file() and library.is_file():
+        # This content's finished build, made from any checkout or environment: loaded as is. Through ninja
+        # (torch's ``load``) a new virtual environment would rebuild it: its build line names torch's headers by
+        # that environment's path.
+        torch.ops.load_library(str(library))
+        return
     load(
         name=name,
         sources=[str(directory / "src" / s) for s in sources(source)],
@@ -189,6 +197,7 @@ def build(name: str, source: str | tuple[str, ...], flags: list[str]) -> None:
         is_python_module=False,
         verbose=False,
     )
+    built.touch()  # after a load that succeeded: a build killed midway never counts as finished
 
 
 @functools.cache

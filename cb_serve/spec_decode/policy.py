@@ -19,6 +19,10 @@ with both factors measured, not assumed:
   stops copying is followed within a few steps; each later position's acceptance given the one
   before it, engine-wide (not a power of the first: a draft that starts right tends to go on right,
   as a copied passage does).
+- **Probes.** A sequence that keeps no drafts is not measured, so its estimate would never change: one
+  whose text starts repeating later (a weak model's loop, a passage it begins to quote) would never be
+  drafted for again. A sequence that has proposals but keeps none for ``PROBE_FIRST`` steps keeps one
+  draft (a probe); each rejected one doubles the wait (to ``PROBE_MAX``), an accepted one resets it.
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ PRIOR_WEIGHT = 2.0  # a prior counts as this many trials
 # other steps (other batches, other context lengths), so a draft that only breaks even by it is left
 # out; where drafts pay (a bandwidth-bound step) their marginal cost is near zero either way.
 DRAFT_COST_MARGIN = 2.0
+PROBE_FIRST = 4  # steps with proposals but no kept drafts before a sequence probes with one
+PROBE_MAX = 256
 
 
 def draft_gains(first_rate: float, later_rates: list[float], k: int) -> list[float]:

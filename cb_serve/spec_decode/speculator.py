@@ -29,6 +29,8 @@ from cb_serve.spec_decode.policy import (
     ENGINE_DECAY,
     PRIOR,
     PRIOR_WEIGHT,
+    PROBE_FIRST,
+    PROBE_MAX,
     SEQ_DECAY,
     AcceptanceEstimate,
     StepCostCurve,
@@ -58,6 +60,8 @@ class SeqSpecState:
 
     first_draft: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     ngram: Any = None
+    idle_steps: int = 0  # steps with proposals since it last kept a draft (``policy``: probes)
+    probe_every: int = PROBE_FIRST
 
 
 class NoSpeculation:
@@ -151,7 +155,15 @@ class Speculator:
         base_tokens = min(decodes + pinned, self.max_num_batched_tokens)
         kept = list(counts)
         for i, n in zip(free, choose_num_drafts(gains, base_tokens, decodes, self.cost)):
-            kept[i] = n
+            kept[i] = n if counts[i] else 0
+            state = seqs[i].spec_state
+            if kept[i] or not counts[i]:
+                state.idle_steps = 0
+                continue
+            state.idle_steps += 1
+            if state.idle_steps >= state.probe_every:  # unmeasured for a while: one draft, to measure
+                kept[i], state.idle_steps = 1, 0
+                state.probe_every = min(2 * state.probe_every, PROBE_MAX)
         return kept
 
     @property
@@ -184,6 +196,8 @@ class Speculator:
         for i in range(accepted):
             c.accepted_per_pos[i] += 1
         seq.spec_state.first_draft.record(accepted > 0, SEQ_DECAY)
+        if accepted:
+            seq.spec_state.probe_every = PROBE_FIRST
         self.first_draft.record(accepted > 0, ENGINE_DECAY)
         for j in range(1, min(accepted + 1, num_drafts)):  # the drafts whose predecessor was accepted
             self.later_drafts[j - 1].record(j < accepted, ENGINE_DECAY)

@@ -365,6 +365,35 @@ def test_speculator_counts_acceptance_per_position(random_model_dir):
     assert llm.engine.get_stats().kv_blocks_used == 0
 
 
+def test_a_sequence_keeping_no_drafts_probes_with_one_and_backs_off(random_model_dir):
+    """Drafts priced out (each extra token costs a second): a sequence whose proposals are all cut keeps one on
+    its 4th such step (a probe: otherwise it would never be measured again, and a text that starts repeating
+    would never be drafted for); a rejected probe doubles the wait, an accepted one resets it."""
+    llm = LLM(str(random_model_dir("llama")), speculative_config=NGRAM, max_model_len=128)
+    spec = llm.engine.speculator
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    llm.engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=64))
+    llm.engine.step()
+    (seq,) = list(llm.engine.scheduler.running)
+    spec.cost = flat_then_steep(knee=1, per_token_s=1.0)
+    spec.proposer = OracleProposer({tuple(prompt): list(range(10, 40))})
+
+    def kept(steps: int) -> list[int]:
+        out = []
+        for _ in range(steps):
+            spec.propose([seq])
+            out.append(len(seq.spec_token_ids))
+        return out
+
+    assert kept(4) == [0, 0, 0, 1]
+    spec.record(seq, 1, 1)  # the probe rejected: 8 steps to the next
+    assert kept(8) == [0] * 7 + [1]
+    spec.record(seq, 1, 2)  # accepted: back to 4
+    assert kept(4) == [0, 0, 0, 1]
+    llm.engine.abort_request(["r"])
+    assert llm.engine.get_stats().kv_blocks_used == 0
+
+
 def test_structured_outputs_speculate_under_their_grammar(random_model_dir):
     """Constrained requests with drafts (their reference continuation, one draft wrong per call):
     the grammar keeps only the drafts it admits, each position is verified under its own mask, and

@@ -217,6 +217,19 @@ def test_an_optional_build_is_never_loaded_on_a_cpu_without_its_instructions(nam
     assert (not cpu_ops.missing_flags(name, flags)) is loadable
 
 
+def test_a_finished_build_loads_without_ninja(monkeypatch):
+    """A build directory is keyed by its content: once finished, any checkout or virtual environment loads its
+    library as it is. (Through torch's ``load``, ninja would rebuild it for each new environment, whose build line
+    names torch's headers by that environment's path: every fresh clone's CI run once rebuilt every kernel.)"""
+    import torch.utils.cpp_extension
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ kernels here")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: pytest.fail(f"ninja ran: {kwargs}"))
+    for name, (source, flags) in cpu_ops.EXTENSIONS.items():
+        cpu_ops.build(name, source, flags)
+
+
 def test_a_build_is_kept_per_cpu(monkeypatch, tmp_path):
     """The builds are ``-march=native``: a build cache that outlives a change of CPU (a home directory moved to
     a Zen 3 from an AVX-512 machine) keeps one build per CPU, never loading another CPU's (SIGILL)."""
