@@ -156,7 +156,7 @@ def serve_run(
 # ``serve run deploy/config.yaml`` as a user runs it, with the config's speculation line switched on, an API key,
 # and a second application (``/thinker``: a tiny scripted model whose Qwen3-like template thinks in ``<think>``,
 # served with ``reasoning_parser: qwen3``): one server for the modules that call it, run one after another
-# (``conftest.SERVE_ORDER``), kept from one to the next (starting one costs ~30 CPU-seconds).
+# (``conftest.shared_cluster_rank``), kept from one to the next (starting one costs ~30 CPU-seconds).
 API_KEY = "test-key-123"  # every /v1 call needs it
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 SMOL_SERVER_MODULES = ("test_clients.py", "test_serve.py")

@@ -155,7 +155,7 @@ class Speculator:
         base_tokens = min(decodes + pinned, self.max_num_batched_tokens)
         kept = list(counts)
         for i, n in zip(free, choose_num_drafts(gains, base_tokens, decodes, self.cost)):
-            kept[i] = n if counts[i] else 0
+            kept[i] = n  # none where none was proposed (no gains to rank)
             state = seqs[i].spec_state
             if kept[i] or not counts[i]:
                 state.idle_steps = 0

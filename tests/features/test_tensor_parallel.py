@@ -406,7 +406,7 @@ def test_worker_start_methods(monkeypatch):
 
 
 def test_forked_workers_come_from_one_server_per_environment(random_model_dir, monkeypatch):
-    """``forkserver`` (the suite's setting; the spawned default runs in the script test below): the
+    """``forkserver`` (the suite's setting; the spawned default runs in the script test above): the
     workers of later engines are forked by one server process, not this one's children, and end with
     their engine; a changed environment gets a new server (a module may read a variable at import).
     The tokens are the same each time (every other test here compares them with one rank's)."""
